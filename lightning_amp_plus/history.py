@@ -1,0 +1,201 @@
+"""ScaleHistory: a device-side step record compressed on the host into change points and skipped steps.
+
+Torch only. Each recorded step writes two numbers (the scale the step used, its overflow flag) into a small
+device buffer without a host sync; :meth:`ScaleHistory.flush` moves the buffer to the host in one transfer and
+keeps only what carries information: the steps where the scale changed and the steps that were skipped. The
+history is therefore O(scale changes + skips), not O(steps).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_amp_plus._validation import check_int
+
+_STATE_VERSION = 1
+
+
+class ScaleHistory:
+    """The loss-scale curve and the skipped steps of a run.
+
+    A *step* is the caller's step index (in Lightning, ``trainer.global_step`` when the optimizer step runs);
+    ``scale_at(step)`` is the scale that step's backward used, i.e. the value *before* that step's update.
+
+    Args:
+        capacity: steps buffered on the device before an automatic flush (one host transfer per ``capacity`` steps
+            at most, when nobody flushes earlier).
+
+    Example:
+        >>> import torch
+        >>> from lightning_amp_plus import ScaleHistory
+        >>> history = ScaleHistory()
+        >>> for step, (scale, overflow) in enumerate([(4.0, 0), (4.0, 1), (2.0, 0), (2.0, 0), (4.0, 0)]):
+        ...     history.record(step, torch.tensor(scale), torch.tensor(float(overflow)))
+        >>> history.curve()
+        [(0, 4.0), (2, 2.0), (4, 4.0)]
+        >>> history.skipped_steps, history.num_skipped, history.scale_at(3)
+        ([1], 1, 2.0)
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._capacity = check_int(type(self).__name__, "capacity", capacity, minimum=1)
+        self._buffer: Tensor | None = None
+        self._pending_steps: list[int] = []
+        self._change_steps: list[int] = []
+        self._change_scales: list[float] = []
+        self._skipped: list[int] = []
+        self._num_steps = 0
+        self._last_step: int | None = None
+        self._last_scale: float | None = None
+
+    # ------------------------------------------------------------------ recording
+    def record(self, step: int, scale: Tensor | float, found_inf: Tensor | float) -> None:
+        """Record one optimizer-step cycle: the scale its backward used and its overflow flag (> 0: skipped).
+
+        Tensors stay on their device (no sync); plain numbers are taken as they are.
+        """
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(
+                f"`ScaleHistory.record(step={step})` is invalid: steps must increase (last recorded: {self._last_step})."
+            )
+        self._last_step = step
+        self._num_steps += 1
+        if not isinstance(scale, Tensor) and not isinstance(found_inf, Tensor):
+            self.flush()
+            self._take(step, float(scale), float(found_inf))
+            return
+        device = scale.device if isinstance(scale, Tensor) else found_inf.device  # type: ignore[union-attr]
+        if self._buffer is None or self._buffer.device != device:
+            self.flush()
+            self._buffer = torch.empty(self._capacity, 2, dtype=torch.float32, device=device)
+        slot = len(self._pending_steps)
+        torch.stack([_as_tensor(scale, device), _as_tensor(found_inf, device)], out=self._buffer[slot])
+        self._pending_steps.append(step)
+        if len(self._pending_steps) == self._capacity:
+            self.flush()
+
+    def flush(self) -> None:
+        """Move the buffered steps to the host (one transfer) and compress them. A no-op when nothing is pending."""
+        if not self._pending_steps:
+            return
+        assert self._buffer is not None
+        rows = self._buffer[: len(self._pending_steps)].tolist()
+        for step, (scale, found) in zip(self._pending_steps, rows):
+            self._take(step, scale, found)
+        self._pending_steps = []
+
+    @property
+    def pending(self) -> int:
+        """Steps recorded on the device and not yet flushed to the host."""
+        return len(self._pending_steps)
+
+    def _take(self, step: int, scale: float, found: float) -> None:
+        if self._last_scale is None or scale != self._last_scale:
+            self._change_steps.append(step)
+            self._change_scales.append(scale)
+            self._last_scale = scale
+        if found != 0:
+            self._skipped.append(step)
+
+    # ------------------------------------------------------------------ queries (each flushes first)
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The skipped steps, ascending."""
+        self.flush()
+        return list(self._skipped)
+
+    @property
+    def num_skipped(self) -> int:
+        """How many steps were skipped."""
+        self.flush()
+        return len(self._skipped)
+
+    @property
+    def num_steps(self) -> int:
+        """How many steps were recorded (skipped ones included); known on the host without a flush."""
+        return self._num_steps
+
+    @property
+    def last_step(self) -> int | None:
+        """The last recorded step, or ``None``."""
+        return self._last_step
+
+    def scale_at(self, step: int) -> float:
+        """The scale that ``step``'s backward used (the step function through the change points)."""
+        self.flush()
+        if not self._change_steps or step < self._change_steps[0] or step > (self._last_step or 0):
+            raise ValueError(
+                f"`ScaleHistory.scale_at(step={step})` is invalid: the history covers steps"
+                f" {self._change_steps[0] if self._change_steps else None} to {self._last_step}."
+            )
+        return self._change_scales[bisect.bisect_right(self._change_steps, step) - 1]
+
+    def curve(self) -> list[tuple[int, float]]:
+        """The change points ``(step, scale)``: the scale holds from each step until the next change point."""
+        self.flush()
+        return list(zip(self._change_steps, self._change_scales))
+
+    def changes_between(self, start: int, end: int) -> list[tuple[int, float]]:
+        """The change points with ``start <= step <= end``."""
+        return [(s, v) for s, v in self.curve() if start <= s <= end]
+
+    def skipped_between(self, start: int, end: int) -> list[int]:
+        """The skipped steps with ``start <= step <= end``."""
+        return [s for s in self.skipped_steps if start <= s <= end]
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """A small, plain-Python state (flushes first)."""
+        self.flush()
+        return {
+            "version": _STATE_VERSION,
+            "change_steps": list(self._change_steps),
+            "change_scales": list(self._change_scales),
+            "skipped_steps": list(self._skipped),
+            "num_steps": self._num_steps,
+            "last_step": self._last_step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Replace this history with a saved one."""
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"`ScaleHistory.load_state_dict` got a state of version {state_dict.get('version')!r};"
+                f" expected {_STATE_VERSION}."
+            )
+        self._pending_steps = []
+        self._change_steps = [int(s) for s in state_dict["change_steps"]]
+        self._change_scales = [float(v) for v in state_dict["change_scales"]]
+        self._skipped = [int(s) for s in state_dict["skipped_steps"]]
+        self._num_steps = int(state_dict["num_steps"])
+        self._last_step = state_dict["last_step"]
+        self._last_scale = self._change_scales[-1] if self._change_scales else None
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write one row per change point or skipped step: ``step,scale,skipped``."""
+        self.flush()
+        steps = sorted(set(self._change_steps) | set(self._skipped))
+        skipped = set(self._skipped)
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", "scale", "skipped"])
+            for step in steps:
+                writer.writerow([step, self.scale_at(step), int(step in skipped)])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(steps={self._num_steps}, changes={len(self._change_steps)},"
+            f" skipped={len(self._skipped)}, pending={len(self._pending_steps)})"
+        )
+
+
+def _as_tensor(value: Tensor | float, device: torch.device) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(value), dtype=torch.float32, device=device)

@@ -1,0 +1,91 @@
+"""Tiny models for real Trainer runs on CPU, with fault injection."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_loader(n: int = 64, batch_size: int = 4, seed: int = 0, features: int = 8) -> DataLoader:
+    """A deterministic regression data set."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = x.sum(dim=1, keepdim=True) * 0.1
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+class TinyModel(LightningModule):
+    """A two-layer MLP; ``poison`` maps a global step to ``"inf"``/``"nan"`` to multiply that step's loss by it.
+
+    ``grad_poison`` maps a global step to a parameter name whose gradient gets an inf at that step.
+    """
+
+    def __init__(
+        self,
+        poison: Optional[dict[int, str]] = None,
+        grad_poison: Optional[dict[int, str]] = None,
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+        features: int = 8,
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.poison = poison or {}
+        self.grad_poison = grad_poison or {}
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.scheduler = scheduler
+        self.seen_grads: list[dict[str, torch.Tensor]] = []
+        self.losses: list[float] = []
+        self._handles: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        loss = nn.functional.mse_loss(out.float(), y)
+        kind = self.poison.get(self.trainer.global_step)
+        if kind is not None:
+            loss = loss * float(kind)
+        name = self.grad_poison.get(self.trainer.global_step)
+        if name is not None:
+            param = dict(self.named_parameters())[name]
+            handle = param.register_hook(lambda g: g * float("inf"))
+            self._handles.append(handle)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_after_backward(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.seen_grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "fused_adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+        elif self.optimizer_name == "fused_sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+        elif self.optimizer_name == "lbfgs":
+            opt = torch.optim.LBFGS(self.parameters(), lr=self.lr)
+        else:
+            raise ValueError(self.optimizer_name)
+        if self.scheduler is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler(opt), "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return make_loader()

@@ -1,0 +1,67 @@
+import io
+import pickle
+
+import pytest
+import torch
+
+from lightning_amp_plus import ScaleHistory
+
+
+def test_change_points_and_skips():
+    history = ScaleHistory(capacity=4)
+    seq = [(8.0, 0), (8.0, 1), (4.0, 0), (4.0, 0), (4.0, 0), (8.0, 0), (8.0, 1), (4.0, 1), (2.0, 0)]
+    for step, (scale, found) in enumerate(seq):
+        history.record(step, torch.tensor(scale), torch.tensor(float(found)))
+    assert history.curve() == [(0, 8.0), (2, 4.0), (5, 8.0), (7, 4.0), (8, 2.0)]
+    assert history.skipped_steps == [1, 6, 7]
+    assert history.num_skipped == 3 and history.num_steps == 9
+    assert [history.scale_at(s) for s in range(9)] == [s for s, _ in seq]
+
+
+def test_buffer_flushes_in_one_transfer_per_capacity():
+    history = ScaleHistory(capacity=3)
+    for step in range(5):
+        history.record(step, torch.tensor(2.0), torch.tensor(0.0))
+    assert history.pending == 2  # 3 were flushed automatically when the buffer filled
+    assert history.curve() == [(0, 2.0)]
+    assert history.pending == 0
+
+
+def test_steps_must_increase_and_queries_are_bounded():
+    history = ScaleHistory()
+    history.record(5, 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"ScaleHistory.record\(step=5\)` is invalid: steps must increase"):
+        history.record(5, 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"scale_at\(step=4\)` is invalid: the history covers steps 5 to 5"):
+        history.scale_at(4)
+    with pytest.raises(ValueError, match=r"`ScaleHistory\(capacity=0\)` is invalid"):
+        ScaleHistory(capacity=0)
+
+
+def test_size_is_bounded_by_events_not_steps():
+    history = ScaleHistory()
+    scale = torch.tensor(65536.0)
+    clean = torch.tensor(0.0)
+    for step in range(3000):
+        history.record(step, scale, clean)
+    buf = io.BytesIO()
+    torch.save(history.state_dict(), buf)
+    assert len(pickle.dumps(history.state_dict())) < 400
+    assert buf.tell() < 1500  # torch.save's zip container adds fixed overhead
+    assert history.curve() == [(0, 65536.0)]
+
+
+def test_state_dict_round_trip_and_csv(tmp_path):
+    history = ScaleHistory()
+    for step, (scale, found) in enumerate([(4.0, 1), (2.0, 0), (2.0, 0)]):
+        history.record(step * 2, scale, found)
+    clone = ScaleHistory()
+    clone.load_state_dict(history.state_dict())
+    assert clone.curve() == history.curve() and clone.skipped_steps == [0]
+    clone.record(6, 2.0, 0.0)  # continues after the loaded steps, no spurious change point
+    assert clone.curve() == [(0, 4.0), (2, 2.0)]
+    path = tmp_path / "h.csv"
+    history.to_csv(path)
+    assert path.read_text().splitlines() == ["step,scale,skipped", "0,4.0,1", "2,2.0,0"]
+    with pytest.raises(ValueError, match="version"):
+        clone.load_state_dict({"version": 99})

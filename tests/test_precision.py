@@ -1,0 +1,304 @@
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from lightning_amp_plus import AmpPlusPrecision, DynamicLossScaler, ScaleHistory
+from tests.helpers.models import TinyModel, make_loader
+from tests.helpers.trainer import StepProbe, make_trainer
+
+
+class DtypeProbe(TinyModel):
+    def training_step(self, batch, batch_idx):
+        self.out_dtype = self(batch[0]).dtype
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)])
+def test_autocast_on_cpu_in_the_chosen_dtype(precision, dtype):
+    model = DtypeProbe()
+    plugin = AmpPlusPrecision(precision)
+    trainer = make_trainer(plugins=[plugin], max_steps=1)
+    trainer.fit(model)
+    assert model.out_dtype == dtype
+    assert plugin.device == "cpu"
+    assert trainer.precision == precision
+    assert isinstance(plugin.scaler, DynamicLossScaler) if precision == "16-mixed" else plugin.scaler is None
+    assert isinstance(plugin.history, ScaleHistory)
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+@pytest.mark.parametrize("optimizer", ["adam", "fused_adamw", "sgd"])
+def test_overflowing_loss_skips_step_bit_identically(kind, optimizer):
+    seed_everything(0)
+    model = TinyModel(poison={2: kind, 5: kind}, optimizer=optimizer, lr=0.01)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    probe = StepProbe()
+    trainer = make_trainer(plugins=[plugin], callbacks=[probe], max_steps=8, gradient_clip_val=1.0)
+    trainer.fit(model)
+    assert probe.unchanged == [2, 5]
+    assert plugin.history.skipped_steps == [2, 5]
+    assert plugin.history.scale_at(2) == 2.0**10 and plugin.history.scale_at(3) == 2.0**9
+    assert plugin.history.scale_at(6) == 2.0**8
+    assert plugin.applied_steps == 6 and trainer.global_step == 8
+
+
+def test_poisoned_parameter_gradient_skips_the_step():
+    model = TinyModel(grad_poison={3: "net.2.bias"})
+    plugin = AmpPlusPrecision("16-mixed")
+    probe = StepProbe()
+    trainer = make_trainer(plugins=[plugin], callbacks=[probe], max_steps=6)
+    trainer.fit(model)
+    assert probe.unchanged == [3]
+    assert plugin.history.skipped_steps == [3]
+
+
+def _seen_grads(init_scale: float, **trainer_kwargs: Any) -> list[dict[str, torch.Tensor]]:
+    seed_everything(1)
+    model = TinyModel()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=init_scale)
+    make_trainer(plugins=[plugin], max_steps=3, **trainer_kwargs).fit(model)
+    return model.seen_grads
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_hooks_see_true_gradients(accumulate):
+    small = _seen_grads(1.0, accumulate_grad_batches=accumulate)
+    large = _seen_grads(2.0**14, accumulate_grad_batches=accumulate)
+    assert len(small) == len(large) == 3  # once per optimizer step, not per accumulated batch
+    for a, b in zip(small, large):
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=2e-2, atol=1e-4)
+
+
+class ClipProbe(TinyModel):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.norm_before = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.norm_after = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adamw", "fused_sgd"])
+def test_clipping_acts_on_true_gradients(optimizer):
+    model = ClipProbe(optimizer=optimizer, lr=1e-3)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**16)
+    make_trainer(plugins=[plugin], max_steps=2, gradient_clip_val=0.05).fit(model)
+    assert 0.05 < model.norm_before < 100  # a true gradient norm, not one scaled by 65536
+    torch.testing.assert_close(model.norm_after, torch.tensor(0.05), rtol=1e-3, atol=0)
+
+
+def test_stock_lightning_refuses_what_we_support():
+    model = ClipProbe(optimizer="fused_adamw")
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        make_trainer(plugins=[stock], max_steps=1, gradient_clip_val=0.05).fit(model)
+
+
+class ManualClip(LightningModule):
+    def __init__(self, poison_step: int = -1):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Linear(8, 1)
+        self.norms: list[tuple[float, float]] = []
+        self.poison_step = poison_step
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+        if self.global_step == self.poison_step:
+            loss = loss * float("inf")
+        self.manual_backward(loss)
+        before = float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()]))
+        self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+        after = float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()]))
+        self.norms.append((before, after))
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return make_loader()
+
+
+def test_manual_optimization_clips_true_gradients():
+    model = ManualClip(poison_step=2)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    make_trainer(plugins=[plugin], max_steps=4).fit(model)
+    clean = [n for i, n in enumerate(model.norms) if i != 2]
+    for before, after in clean:
+        assert before > 1.0  # the scaled gradient, as `manual_backward` leaves it
+        assert after == pytest.approx(0.01, rel=1e-3)  # clipped after unscaling: a true norm of 0.01
+    assert plugin.history.skipped_steps == [2]
+    assert plugin.history.curve() == [(0, 1024.0), (3, 512.0)]
+
+
+class TwoOptimizers(LightningModule):
+    """Two models behind one backward; an overflow in the first optimizer's parameters only."""
+
+    def __init__(self, poison_step: int):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Linear(8, 1)
+        self.b = nn.Linear(8, 1)
+        self.poison_step = poison_step
+        self.deltas: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        x, y = batch
+        loss = nn.functional.mse_loss((self.a(x) + self.b(x)).float(), y)
+        poison = self.trainer.global_step == self.poison_step
+        if poison:
+            handle = self.a.weight.register_hook(lambda g: g * float("inf"))
+        self.manual_backward(loss)
+        if poison:
+            handle.remove()
+        opt_a.step()
+        grad_b = self.b.weight.grad.detach().clone()  # still scaled here: unscaled inside opt_b.step()
+        before = self.b.weight.detach().clone()
+        opt_b.step()
+        self.deltas.append((self.b.weight.detach() - before, grad_b))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return make_loader()
+
+
+@pytest.mark.parametrize("use_stock", [False, True])
+def test_two_optimizers_one_backward_update_once_per_batch(use_stock):
+    init = 2.0**12
+    model = TwoOptimizers(poison_step=0)
+    if use_stock:
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init))
+    else:
+        plugin = AmpPlusPrecision("16-mixed", init_scale=init)
+    make_trainer(plugins=[plugin], max_steps=2).fit(model)  # one batch: two optimizer steps
+    delta, scaled_grad = model.deltas[0]
+    expected = -0.1 * scaled_grad / init
+    if use_stock:
+        # the documented stock bug: the scale backed off between the two steps, b's update came out 2x too large
+        assert plugin.scaler.get_scale() == init / 2
+        torch.testing.assert_close(delta, 2 * expected, rtol=1e-3, atol=1e-7)
+    else:
+        assert plugin.scaler.get_scale() == init / 2  # backed off once, not twice
+        torch.testing.assert_close(delta, expected, rtol=1e-3, atol=1e-7)
+        assert plugin.history.curve() == [(0, init)]
+        assert plugin.history.skipped_steps == [0]
+
+
+def test_two_overflows_back_off_once_per_batch_not_per_step():
+    model = TwoOptimizers(poison_step=-1)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+
+    class Both(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            self.poison_step = self.trainer.global_step  # every batch overflows in `a`
+            return super().training_step(batch, batch_idx)
+
+    model = Both(poison_step=-1)
+    make_trainer(plugins=[plugin], max_steps=6).fit(model)  # 3 batches
+    assert plugin.scaler.get_scale() == 1024.0 / 8
+    assert plugin.history.skipped_steps == [0, 2, 4]
+
+
+def test_checkpoint_carries_scaler_and_history(tmp_path):
+    model = TinyModel(poison={1: "inf"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=64.0, growth_interval=3, hysteresis=2)
+    trainer = make_trainer(plugins=[plugin], max_steps=5)
+    trainer.fit(model)
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=False)
+    state = ckpt["AmpPlusPrecision"]
+    assert state["scaler"]["_hysteresis_tracker"] == 2  # refilled by the growth at step 4
+    assert state["scaler"]["scale"] == 128.0
+    assert state["history"]["skipped_steps"] == [1]
+    fresh = AmpPlusPrecision("16-mixed")
+    fresh.load_state_dict(state)
+    assert fresh.scaler.get_scale() == 128.0 and fresh.history.skipped_steps == [1]
+    assert fresh.scaler.hysteresis == 2
+
+
+def test_bf16_skips_nonfinite_gradients_by_default():
+    model = TinyModel(poison={2: "nan"})
+    plugin = AmpPlusPrecision("bf16-mixed")
+    probe = StepProbe()
+    make_trainer(plugins=[plugin], callbacks=[probe], max_steps=5).fit(model)
+    assert probe.unchanged == [2]
+    assert plugin.history.skipped_steps == [2]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert plugin.history.curve() == [(0, 1.0)]
+
+
+@pytest.mark.parametrize("optimizer", ["fused_adamw", "adam"])
+def test_bf16_skip_with_fused_and_plain_optimizers(optimizer):
+    model = TinyModel(poison={1: "inf"}, optimizer=optimizer, lr=1e-3)
+    plugin = AmpPlusPrecision("bf16-mixed")
+    probe = StepProbe()
+    make_trainer(plugins=[plugin], callbacks=[probe], max_steps=3).fit(model)
+    assert probe.unchanged == [1]
+    assert plugin.history.skipped_steps == [1]
+
+
+def test_bf16_skip_can_be_turned_off():
+    model = TinyModel(poison={2: "nan"})
+    plugin = AmpPlusPrecision("bf16-mixed", skip_nonfinite=False)
+    make_trainer(plugins=[plugin], max_steps=3).fit(model)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())  # stock behaviour: NaN in the weights
+    assert plugin.history.skipped_steps == []
+
+
+def test_lbfgs_is_refused_under_16_mixed():
+    model = TinyModel(optimizer="lbfgs")
+    with pytest.raises(ValueError, match=r"cannot train with `torch.optim.LBFGS`.*HINT"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], max_steps=1).fit(model)
+
+
+def test_step_was_skipped_is_exposed():
+    model = TinyModel(poison={2: "inf"})
+    plugin = AmpPlusPrecision("16-mixed")
+    flags = []
+
+    class Probe(StepProbe):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            flags.append(plugin.optimizer_step_was_skipped)
+
+    make_trainer(plugins=[plugin], callbacks=[Probe()], max_steps=4).fit(model)
+    assert flags == [False, False, True, False]
+    assert plugin.applied_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        (("32-true",), {}, ValueError, r"`AmpPlusPrecision\(precision='32-true'\)` is invalid: expected one of "),
+        (("16",), {}, ValueError, r"expected one of '16-mixed', 'bf16-mixed'. HINT"),
+        (("bf16-mixed",), {"init_scale": 8.0}, ValueError, r"bf16-mixed', init_scale=8.0\)` is invalid: bf16-mixed"),
+        (("16-mixed",), {"skip_nonfinite": False}, ValueError, r"skip_nonfinite=False\)` is invalid"),
+        (("16-mixed",), {"backoff_factor": 2.0}, ValueError, r"`AmpPlusPrecision\(backoff_factor=2.0\)` is invalid"),
+        (("16-mixed",), {"growth_interval": 0}, ValueError, r"`AmpPlusPrecision\(growth_interval=0\)` is invalid"),
+        (("16-mixed", 3), {}, TypeError, r"`AmpPlusPrecision\(device=3\)` is invalid"),
+        (("16-mixed",), {"skip_scheduler_on_overflow": "yes"}, TypeError, r"skip_scheduler_on_overflow='yes'"),
+    ],
+)
+def test_bad_arguments_are_refused(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AmpPlusPrecision(*args, **kwargs)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_fp16_skip_and_clip():
+    model = ClipProbe(poison={1: "inf"}, optimizer="fused_adamw", lr=1e-3)
+    plugin = AmpPlusPrecision("16-mixed")
+    make_trainer(plugins=[plugin], accelerator="cuda", max_steps=3, gradient_clip_val=0.05).fit(model)
+    assert plugin.device == "cuda"
+    assert plugin.history.skipped_steps == [1]

@@ -1,0 +1,228 @@
+import math
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_amp_plus import DynamicLossScaler
+
+
+def reference_rule(scale, growth, hyst, overflow, *, gf, bf, gi, lo, hi, h):
+    """The update rule written out in plain Python (float32 rounding as torch's kernel does)."""
+    f32 = lambda x: torch.tensor(x, dtype=torch.float64).float().item()  # noqa: E731
+    if overflow:
+        growth = 0
+        hyst = max(hyst - 1, 0)
+        if hyst <= 0:
+            scale = max(f32(scale * bf), lo)
+    else:
+        growth += 1
+        if growth >= gi:
+            growth = 0
+            hyst = h
+            grown = f32(scale * gf)
+            scale = min(grown, hi) if math.isfinite(grown) else scale
+    return scale, growth, hyst
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def _cycle(scaler, model, opt, x, overflow):
+    loss = model(x).pow(2).mean()
+    if overflow:
+        loss = loss * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_matches_torch_gradscaler_exactly(seed):
+    rng = random.Random(seed)
+    gf, bf, gi = rng.choice([2.0, 1.7, 3.0]), rng.choice([0.5, 0.3, 0.77]), rng.randint(1, 4)
+    init = rng.choice([2.0**16, 1000.0, 3.3])
+    overflows = [rng.random() < 0.3 for _ in range(60)]
+    m1, o1 = _setup(seed)
+    m2, o2 = _setup(seed)
+    ref = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=gi)
+    ours = DynamicLossScaler(
+        "cpu",
+        init_scale=init,
+        growth_factor=gf,
+        backoff_factor=bf,
+        growth_interval=gi,
+        min_scale=0.0,
+        max_scale=float("inf"),
+        hysteresis=1,
+    )
+    g = torch.Generator().manual_seed(seed)
+    for overflow in overflows:
+        x = torch.randn(3, 4, generator=g)
+        _cycle(ref, m1, o1, x, overflow)
+        _cycle(ours, m2, o2, x, overflow)
+        assert ours.get_scale() == ref.get_scale()
+        assert ours._get_growth_tracker() == ref._get_growth_tracker()
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(p1, p2)
+    assert any(overflows)
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_follows_reference_rule_with_bounds_and_hysteresis(hysteresis, seed):
+    rng = random.Random(seed + 10 * hysteresis)
+    knobs = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, min_scale=4.0, max_scale=64.0)
+    scaler = DynamicLossScaler("cpu", init_scale=16.0, hysteresis=hysteresis, **knobs)
+    model, opt = _setup(seed)
+    scale, growth, hyst = 16.0, 0, hysteresis
+    # long overflow bursts reach min_scale, long clean runs reach max_scale
+    pattern = [True] * 8 + [False] * 20 + [rng.random() < 0.4 for _ in range(80)]
+    seen_min = seen_max = False
+    for overflow in pattern:
+        _cycle(scaler, model, opt, torch.randn(3, 4), overflow)
+        scale, growth, hyst = reference_rule(
+            scale,
+            growth,
+            hyst,
+            overflow,
+            gf=2.0,
+            bf=0.5,
+            gi=3,
+            lo=4.0,
+            hi=64.0,
+            h=hysteresis,
+        )
+        assert scaler.get_scale() == scale
+        assert scaler._get_growth_tracker() == growth
+        if hysteresis > 1:
+            assert scaler._get_hysteresis_tracker() == hyst
+        seen_min |= scale == 4.0
+        seen_max |= scale == 64.0
+    assert seen_min and seen_max
+
+
+def test_hysteresis_delays_backoff():
+    scaler = DynamicLossScaler("cpu", init_scale=1024.0, hysteresis=3, growth_interval=100)
+    model, opt = _setup()
+    scales = []
+    for _ in range(4):
+        _cycle(scaler, model, opt, torch.randn(3, 4), True)
+        scales.append(scaler.get_scale())
+    # two overflows tolerated, then every further overflow backs off until a growth resets the tracker
+    assert scales == [1024.0, 1024.0, 512.0, 256.0]
+
+
+def test_skipped_step_leaves_parameters_bit_identical():
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    model, opt = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    _cycle(scaler, model, opt, torch.randn(3, 4), True)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scaler.step_was_skipped(opt) is True
+    _cycle(scaler, model, opt, torch.randn(3, 4), False)
+    assert scaler.step_was_skipped(opt) is False
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class SyncCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_update_runs_on_device_without_sync(hysteresis):
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, hysteresis=hysteresis)
+    model, opt = _setup()
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    with SyncCounter() as counter:
+        scaler.update()
+    assert counter.count == 0
+
+
+def test_state_dict_round_trip_carries_every_tracker():
+    scaler = DynamicLossScaler("cpu", init_scale=256.0, hysteresis=3, growth_interval=5, min_scale=2.0)
+    model, opt = _setup()
+    for overflow in [True, False, False]:
+        _cycle(scaler, model, opt, torch.randn(3, 4), overflow)
+    state = scaler.state_dict()
+    assert state["_hysteresis_tracker"] == 2  # one overflow spent; clean steps do not refill it, a growth does
+    assert state["_growth_tracker"] == 2
+    assert state["min_scale"] == 2.0 and state["hysteresis"] == 3
+    _cycle(scaler, model, opt, torch.randn(3, 4), True)
+    state = scaler.state_dict()
+    assert state["_hysteresis_tracker"] == 1
+    fresh = DynamicLossScaler("cpu")
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    # a lazily initialised scaler keeps the loaded trackers once it starts
+    _cycle(fresh, model, opt, torch.randn(3, 4), True)
+    assert fresh.get_scale() == 128.0  # hysteresis exhausted: backs off immediately
+
+
+def test_loads_a_plain_gradscaler_state():
+    ref = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    ours = DynamicLossScaler("cpu")
+    ours.load_state_dict(ref.state_dict())
+    assert ours.get_scale() == 512.0 and ours.get_growth_interval() == 7
+    assert ours.min_scale == 1.0
+
+
+def test_pickles_between_iterations():
+    import pickle
+
+    scaler = DynamicLossScaler("cpu", init_scale=64.0, hysteresis=2)
+    model, opt = _setup()
+    _cycle(scaler, model, opt, torch.randn(3, 4), True)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.get_scale() == 64.0 and clone._get_hysteresis_tracker() == 1
+
+
+def test_disabled_scaler_is_a_pass_through():
+    scaler = DynamicLossScaler("cpu", enabled=False)
+    model, opt = _setup()
+    _cycle(scaler, model, opt, torch.randn(3, 4), False)
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"growth_factor": 1.0}, ValueError, r"growth_factor=1.0\)` is invalid: expected a finite number > 1"),
+        ({"growth_factor": "2"}, TypeError, r"growth_factor='2'\)` is invalid: expected a real number, got str"),
+        ({"backoff_factor": 1.0}, ValueError, r"backoff_factor=1.0\)` is invalid: expected 0 < backoff_factor < 1"),
+        ({"backoff_factor": 0}, ValueError, r"backoff_factor=0.0\)` is invalid: expected 0 < backoff_factor < 1"),
+        ({"init_scale": 0.0}, ValueError, r"init_scale=0.0\)` is invalid: expected a finite number > 0"),
+        ({"init_scale": float("inf")}, ValueError, r"init_scale=inf\)` is invalid: expected a finite number > 0"),
+        ({"growth_interval": 0}, ValueError, r"growth_interval=0\)` is invalid: expected an int >= 1"),
+        ({"growth_interval": 2.0}, TypeError, r"growth_interval=2.0\)` is invalid: expected an int, got float"),
+        ({"hysteresis": 0}, ValueError, r"hysteresis=0\)` is invalid: expected an int >= 1"),
+        ({"hysteresis": True}, TypeError, r"hysteresis=True\)` is invalid: expected an int, got bool"),
+        ({"min_scale": -1.0}, ValueError, r"min_scale=-1.0\)` is invalid: expected a finite number >= 0"),
+        ({"max_scale": 0.0}, ValueError, r"max_scale=0.0\)` is invalid: expected a number > 0"),
+        (
+            {"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0},
+            ValueError,
+            r"min_scale=8.0, max_scale=4.0\)` is invalid: expected min_scale <= max_scale",
+        ),
+        ({"init_scale": 2.0**30}, ValueError, r"expected min_scale <= init_scale <= max_scale.*HINT"),
+        ({"enabled": 1}, TypeError, r"enabled=1\)` is invalid: expected a bool"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=r"`DynamicLossScaler\(.*" + match):
+        DynamicLossScaler("cpu", **kwargs)
