@@ -380,6 +380,11 @@ class AmpPlusPrecision(Precision):
         return resolved
 
     @property
+    def skip_known_on_host(self) -> bool:
+        """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
+        return self._last_cycle_skipped is not None
+
+    @property
     def applied_steps(self) -> int:
         """Optimizer-step cycles that updated the weights (recorded cycles minus skipped ones)."""
         return self.history.num_steps - self.history.num_skipped

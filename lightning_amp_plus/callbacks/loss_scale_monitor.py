@@ -1,0 +1,147 @@
+"""LossScaleMonitor: the exact loss-scale curve in every logger, at no per-step cost."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_amp_plus._validation import check_int
+from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
+from lightning_amp_plus.precision import AmpPlusPrecision
+
+
+class LossScaleMonitor(Callback):
+    """Log the loss scale and the skipped steps to every logger.
+
+    At every logging point ``s`` (each ``logging_interval`` optimizer steps, and at the end of training) it logs,
+    with ``step=`` the optimizer step (``trainer.global_step`` when that step ran):
+
+    * ``{prefix}loss_scale`` and ``{prefix}log2_loss_scale``: the scale step ``s`` used (before its update), and the
+      same at every step in the interval where the scale changed, so the logged curve is the true step function;
+    * ``{prefix}skipped_steps``: the cumulative count of skipped steps, also at every skipped step;
+    * ``{prefix}skip_rate``: the fraction of steps skipped since the previous logging point;
+    * ``{prefix}growths`` and ``{prefix}backoffs``: cumulative counts of scale increases and decreases;
+    * ``{prefix}applied_steps``: optimizer steps that updated the weights.
+
+    The plugin records each step on the device; the record moves to the host once per logging interval (one
+    host sync per interval, none on the other steps). With no logger the monitor warns once and the in-memory
+    ``AmpPlusPrecision.history`` still holds everything. Only rank zero logs.
+
+    Args:
+        logging_interval: optimizer steps between logging points; ``None`` uses ``Trainer(log_every_n_steps)``.
+        prefix: the key prefix (default ``"amp/"``).
+
+    Example:
+        >>> from lightning_amp_plus import LossScaleMonitor
+        >>> LossScaleMonitor(logging_interval=10).prefix
+        'amp/'
+    """
+
+    def __init__(self, logging_interval: Optional[int] = None, prefix: str = "amp/") -> None:
+        if logging_interval is not None:
+            check_int(type(self).__name__, "logging_interval", logging_interval, minimum=1)
+        if not isinstance(prefix, str):
+            raise TypeError(f"`LossScaleMonitor(prefix={prefix!r})` is invalid: expected a str.")
+        self.logging_interval = logging_interval
+        self.prefix = prefix
+        self._plugin: Optional[AmpPlusPrecision] = None
+        self._interval = 1
+        self._logged_upto = -1  # last step covered by a logging point
+        self._growths = 0
+        self._backoffs = 0
+        self._skipped_logged = 0
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._plugin = find_plugin(trainer, type(self).__name__)
+        self._interval = self.logging_interval or trainer.log_every_n_steps
+        if not trainer.loggers:
+            rank_zero_warn(
+                "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
+                " `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`)."
+            )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self._plugin is not None
+        last = self._plugin.history.last_step
+        if last is None or last <= self._logged_upto:
+            return
+        if last // self._interval > self._logged_upto // self._interval or self._logged_upto < 0:
+            self._log_until(trainer, last)
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        assert self._plugin is not None
+        last = self._plugin.history.last_step
+        if last is not None and last > self._logged_upto:
+            self._log_until(trainer, last)
+
+    def _log_until(self, trainer: "pl.Trainer", last: int) -> None:
+        assert self._plugin is not None
+        history = self._plugin.history
+        start = self._logged_upto + 1
+        curve = history.curve()  # the one host transfer of this interval
+        skipped = history.skipped_steps
+        previous = _scale_before(curve, start)
+        points: dict[int, dict[str, float]] = {}
+        for step, scale in curve:
+            if start <= step <= last:
+                if previous is not None:
+                    if scale > previous:
+                        self._growths += 1
+                    elif scale < previous:
+                        self._backoffs += 1
+                previous = scale
+                points.setdefault(step, {}).update(self._scale_metrics(scale))
+        count = self._skipped_logged
+        window = [s for s in skipped if start <= s <= last]
+        for step in window:
+            count += 1
+            points.setdefault(step, {})[f"{self.prefix}skipped_steps"] = float(count)
+        self._skipped_logged = count
+        final = points.setdefault(last, {})
+        final.update(self._scale_metrics(history.scale_at(last)))
+        final[f"{self.prefix}skipped_steps"] = float(count)
+        final[f"{self.prefix}skip_rate"] = len(window) / max(1, last - start + 1)
+        final[f"{self.prefix}growths"] = float(self._growths)
+        final[f"{self.prefix}backoffs"] = float(self._backoffs)
+        final[f"{self.prefix}applied_steps"] = float(history.num_steps - len(skipped))
+        for step in sorted(points):
+            log_to_all(trainer, points[step], step)
+        self._logged_upto = last
+
+    def _scale_metrics(self, scale: float) -> dict[str, float]:
+        return {f"{self.prefix}loss_scale": scale, f"{self.prefix}log2_loss_scale": math.log2(scale)}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "logged_upto": self._logged_upto,
+            "growths": self._growths,
+            "backoffs": self._backoffs,
+            "skipped_logged": self._skipped_logged,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._logged_upto = int(state_dict.get("logged_upto", -1))
+        self._growths = int(state_dict.get("growths", 0))
+        self._backoffs = int(state_dict.get("backoffs", 0))
+        self._skipped_logged = int(state_dict.get("skipped_logged", 0))
+
+
+def _scale_before(curve: list[tuple[int, float]], step: int) -> Optional[float]:
+    value = None
+    for s, v in curve:
+        if s >= step:
+            break
+        value = v
+    return value

@@ -1,0 +1,290 @@
+"""NaNSkipReporter: every skipped step reported with the parameters that overflowed; a clear error on collapse."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_amp_plus._validation import check_bool, check_int
+from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
+from lightning_amp_plus.precision import AmpPlusPrecision, SkipEvent
+
+
+class LossScaleCollapseError(RuntimeError):
+    """Training stopped: too many optimizer steps in a row were skipped, or the scale overflowed at ``min_scale``."""
+
+
+class NaNSkipReporter(Callback):
+    """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
+
+    Each skip appends a record to :attr:`skips` with ``step``, ``scale`` (the scale the step used), ``new_scale``,
+    ``loss`` (when finite) and ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held
+    non-finite values, named as in ``named_parameters()``. The first ``max_warnings`` skips are printed (rank zero),
+    e.g. ``step 412 skipped: gradients non-finite in encoder.ff.weight (12 inf), loss scale 65536 -> 32768``;
+    later ones are counted and summarised at the end of fit, and written to ``report_path`` as JSON when given.
+
+    Localising the offenders costs nothing on clean steps: with a non-fused optimizer torch already reads the
+    overflow flag on the host each step, and the reporter inspects gradients only on skipped steps. A fused
+    optimizer decides on the device: its skips are found when the history is flushed (each logging interval),
+    without offenders, unless ``sync_fused=True`` (one host sync per step) asks for them.
+
+    Args:
+        max_consecutive_skips: raise :class:`LossScaleCollapseError` after this many skipped steps in a row
+            (default 25; ``None`` disables). A step that overflows while the scale sits at ``min_scale`` raises too.
+        report_path: write the skip report as JSON here at the end of fit (and on collapse).
+        max_warnings: skips printed one by one before the rest are only summarised (default 5).
+        sync_fused: name the offenders of fused optimizers too, at one host sync per step (default False).
+        prefix: key prefix of the logged metrics (default ``"amp/"``).
+
+    Example:
+        >>> from lightning_amp_plus import NaNSkipReporter
+        >>> NaNSkipReporter(max_consecutive_skips=10).skips
+        []
+    """
+
+    def __init__(
+        self,
+        max_consecutive_skips: Optional[int] = 25,
+        report_path: Optional[Union[str, os.PathLike]] = None,
+        max_warnings: int = 5,
+        sync_fused: bool = False,
+        prefix: str = "amp/",
+    ) -> None:
+        owner = type(self).__name__
+        if max_consecutive_skips is not None:
+            check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)
+        check_int(owner, "max_warnings", max_warnings, minimum=0)
+        check_bool(owner, "sync_fused", sync_fused)
+        self.max_consecutive_skips = max_consecutive_skips
+        self.report_path = report_path
+        self.max_warnings = max_warnings
+        self.sync_fused = sync_fused
+        self.prefix = prefix
+        self.skips: list[dict[str, Any]] = []
+        self._plugin: Optional[AmpPlusPrecision] = None
+        self._trainer: Optional[pl.Trainer] = None
+        self._names: dict[int, str] = {}
+        self._loss: Optional[Tensor] = None
+        self._consecutive = 0
+        self._last_skip_index: Optional[int] = None  # history.num_steps at the last skip
+        self._reported_upto = -1
+        self._warned = 0
+
+    # ------------------------------------------------------------------ wiring
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        plugin = find_plugin(trainer, type(self).__name__)
+        self._plugin = plugin
+        self._trainer = trainer
+        self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        if self._on_skip not in plugin.skip_listeners:
+            plugin.skip_listeners.append(self._on_skip)
+        if self.sync_fused:
+            plugin.sync_skips = True
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self._plugin is not None:
+            if self._on_skip in self._plugin.skip_listeners:
+                self._plugin.skip_listeners.remove(self._on_skip)
+            if self.sync_fused:
+                self._plugin.sync_skips = False
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        self._loss = loss.detach()  # the true loss (the plugin scales after this hook); read only on skips
+
+    # ------------------------------------------------------------------ host-known skips
+    def _on_skip(self, event: SkipEvent) -> None:
+        assert self._plugin is not None
+        record = {
+            "step": event.step,
+            "scale": event.scale,
+            "new_scale": event.new_scale,
+            "loss": _finite_or_none(self._loss),
+            "offenders": self._offenders(event),
+        }
+        self._add(record, self._plugin.history.num_steps)
+
+    def _offenders(self, event: SkipEvent) -> list[dict[str, Any]]:
+        names: list[str] = []
+        grads: list[Tensor] = []
+        for optimizer in event.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
+                        grads.append(param.grad)
+        if not grads:
+            return []
+        counts = torch.stack(
+            [torch.stack([g.isinf().sum(), g.isnan().sum()]).to(grads[0].device) for g in grads]
+        ).tolist()  # one host transfer, on skipped steps only
+        return [
+            {"name": name, "inf": int(n_inf), "nan": int(n_nan)}
+            for name, (n_inf, n_nan) in zip(names, counts)
+            if n_inf or n_nan
+        ]
+
+    # ------------------------------------------------------------------ device-decided skips (fused optimizers)
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self._plugin is not None
+        history = self._plugin.history
+        if (
+            not self._plugin.skip_known_on_host
+            and history.pending
+            and (history.last_step or 0) % trainer.log_every_n_steps == 0
+        ):
+            self._collect_device_skips()
+
+    def _collect_device_skips(self) -> None:
+        assert self._plugin is not None
+        history = self._plugin.history
+        known = {r["step"] for r in self.skips}
+        last = history.last_step if history.last_step is not None else -1
+        for step in history.skipped_between(self._reported_upto + 1, last):
+            if step in known:
+                continue
+            record = {
+                "step": step,
+                "scale": history.scale_at(step),
+                "new_scale": None,
+                "loss": None,
+                "offenders": None,  # decided on the device by a fused optimizer; sync_fused=True names them
+            }
+            self._add(record, None)
+        self._reported_upto = last
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _add(self, record: dict[str, Any], index: Optional[int]) -> None:
+        assert self._plugin is not None and self._trainer is not None
+        contiguous = (
+            index is not None and self._last_skip_index is not None and index == self._last_skip_index + 1
+        ) or (index is None and self.skips and record["step"] - self.skips[-1]["step"] <= 1)
+        self._consecutive = self._consecutive + 1 if contiguous else 1
+        self._last_skip_index = index
+        self.skips.append(record)
+        self._reported_upto = max(self._reported_upto, record["step"])
+        log_to_all(
+            self._trainer,
+            {f"{self.prefix}step_skipped": 1.0, f"{self.prefix}consecutive_skips": float(self._consecutive)},
+            record["step"],
+        )
+        if self._warned < self.max_warnings:
+            rank_zero_warn(_describe(record))
+            self._warned += 1
+            if self._warned == self.max_warnings:
+                rank_zero_warn(
+                    f"`NaNSkipReporter`: {self.max_warnings} skipped steps printed; further skips are counted in"
+                    " `.skips` and summarised at the end of fit."
+                )
+        self._check_collapse(record)
+
+    def _check_collapse(self, record: dict[str, Any]) -> None:
+        assert self._plugin is not None
+        scaler = self._plugin.scaler
+        at_floor = scaler is not None and record["scale"] <= scaler.min_scale
+        limit = self.max_consecutive_skips
+        if not at_floor and (limit is None or self._consecutive < limit):
+            return
+        if at_floor:
+            why = (
+                f"step {record['step']} overflowed while the loss scale already sat at min_scale={scaler.min_scale:g}"
+                f" ({self._consecutive} consecutive skipped steps)"
+            )
+        else:
+            why = f"{self._consecutive} consecutive optimizer steps were skipped (max_consecutive_skips={limit})"
+        offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
+        message = (
+            f"Mixed-precision training collapsed: {why}; loss scale {record['scale']:g}; last offenders: {offenders}."
+            " HINT: lower the learning rate, check the inputs for inf/nan, keep the named layers in float32"
+            " (`AmpPlusPrecision(fp32_modules=[...])`), or use precision='bf16-mixed'."
+        )
+        self._write_report()
+        raise LossScaleCollapseError(message)
+
+    # ------------------------------------------------------------------ summary and report
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._collect_device_skips()
+        if self.skips:
+            report = self.report()
+            worst = ", ".join(f"{w['name']} ({w['skips']} skips)" for w in report["worst_offenders"][:5])
+            steps = report["skipped_steps"]
+            shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
+            rank_zero_warn(
+                f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} optimizer steps skipped"
+                f" (steps {shown}); worst offenders: {worst or 'unknown'}."
+            )
+        self._write_report()
+
+    def report(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict: counts, skipped steps, every record and the worst offenders."""
+        offenders: Counter[str] = Counter()
+        for record in self.skips:
+            for offender in record["offenders"] or []:
+                offenders[offender["name"]] += 1
+        history = self._plugin.history if self._plugin is not None else None
+        return {
+            "num_steps": history.num_steps if history is not None else None,
+            "num_skipped": len(self.skips),
+            "skipped_steps": [r["step"] for r in self.skips],
+            "worst_offenders": [{"name": n, "skips": c} for n, c in offenders.most_common()],
+            "skips": self.skips,
+        }
+
+    def _write_report(self) -> None:
+        if self.report_path is None or (self._trainer is not None and not self._trainer.is_global_zero):
+            return
+        path = os.fspath(self.report_path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.report(), f, indent=2)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"skips": self.skips, "consecutive": self._consecutive, "reported_upto": self._reported_upto}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skips = list(state_dict.get("skips", []))
+        self._consecutive = int(state_dict.get("consecutive", 0))
+        self._reported_upto = int(state_dict.get("reported_upto", -1))
+
+
+def _finite_or_none(loss: Optional[Tensor]) -> Optional[float]:
+    if loss is None:
+        return None
+    value = float(loss.float().mean().item())
+    return value if value == value and abs(value) != float("inf") else None
+
+
+def _describe(record: dict[str, Any]) -> str:
+    offenders = record["offenders"]
+    if offenders is None:
+        where = "gradients non-finite (found by a fused optimizer; `NaNSkipReporter(sync_fused=True)` names them)"
+    elif not offenders:
+        where = "gradients non-finite"
+    else:
+        parts = []
+        for o in offenders[:3]:
+            kinds = " and ".join(f"{o[k]} {k}" for k in ("inf", "nan") if o[k])
+            parts.append(f"{o['name']} ({kinds})")
+        more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
+        where = "gradients non-finite in " + ", ".join(parts) + more
+    scale = f"loss scale {record['scale']:g}"
+    if record["new_scale"] is not None:
+        scale += f" -> {record['new_scale']:g}"
+    return f"step {record['step']} skipped: {where}, {scale}"

@@ -1,0 +1,183 @@
+"""Scale-curve plots: from a :class:`ScaleHistory`, a CSVLogger run or a TensorBoard run (``[plot]`` extra)."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from lightning_amp_plus.history import ScaleHistory
+
+PathLike = Union[str, "os.PathLike[str]"]
+_SCALE_KEY = "loss_scale"
+_LOSS_KEYS = ("train_loss", "train_loss_step", "loss", "train/loss")
+
+
+@dataclass
+class RunCurves:
+    """What a plot shows: the scale change points, the skipped steps and (optionally) the training loss."""
+
+    scale: list[tuple[int, float]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    loss: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - exercised by a test that hides matplotlib
+        raise ImportError(
+            "plotting needs matplotlib: install the plot extra with `pip install 'lightning-amp-plus[plot]'`."
+        ) from err
+    return plt
+
+
+def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") -> str:
+    """Write a PNG: the scale as a step curve on a log2 axis with skipped steps marked, and the loss below."""
+    if not curves.scale:
+        raise ValueError("nothing to plot: no loss-scale values were found (log them with `LossScaleMonitor`).")
+    plt = _pyplot()
+    panels = 2 if curves.loss else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), sharex=True, squeeze=False)
+    ax = axes[0][0]
+    steps = [s for s, _ in curves.scale]
+    values = [v for _, v in curves.scale]
+    last = max([steps[-1], *curves.skipped, *(s for s, _ in curves.loss)])
+    ax.step([*steps, last], [*values, values[-1]], where="post", color="tab:blue", label="loss scale")
+    ax.set_yscale("log", base=2)
+    if curves.skipped:
+        at = [_value_at(curves.scale, s) for s in curves.skipped]
+        ax.scatter(curves.skipped, at, marker="x", color="tab:red", zorder=3, label=f"skipped ({len(curves.skipped)})")
+    ax.set_ylabel("loss scale (log2)")
+    ax.set_title(title)
+    ax.legend(loc="best")
+    ax.grid(True, which="both", alpha=0.3)
+    if curves.loss:
+        lax = axes[1][0]
+        lax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green")
+        lax.set_ylabel("training loss")
+        lax.grid(True, alpha=0.3)
+    axes[-1][0].set_xlabel("optimizer step")
+    fig.tight_layout()
+    out = os.fspath(output)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_history(history: ScaleHistory, output: PathLike, loss: Optional[list[tuple[int, float]]] = None) -> str:
+    """Plot a :class:`ScaleHistory` (and optionally ``(step, loss)`` pairs) to a PNG; returns its path."""
+    curves = RunCurves(scale=history.curve(), skipped=history.skipped_steps, loss=list(loss or []))
+    if history.last_step is not None and curves.scale and curves.scale[-1][0] < history.last_step:
+        curves.scale.append((history.last_step, curves.scale[-1][1]))
+    return plot_curves(curves, output)
+
+
+def read_run(path: PathLike) -> RunCurves:
+    """Read the curves from a CSVLogger version folder, a ``metrics.csv``, or a TensorBoard log folder."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".csv"):
+        return _read_csv(path)
+    if os.path.isdir(path):
+        csv_path = os.path.join(path, "metrics.csv")
+        if os.path.isfile(csv_path):
+            return _read_csv(csv_path)
+        if glob.glob(os.path.join(path, "**", "events.out.tfevents*"), recursive=True):
+            return _read_tensorboard(path)
+    if os.path.isfile(path) and "tfevents" in os.path.basename(path):
+        return _read_tensorboard(os.path.dirname(path))
+    raise FileNotFoundError(
+        f"no metrics found at {path!r}: expected a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder."
+    )
+
+
+def plot_run(path: PathLike, output: Optional[PathLike] = None) -> str:
+    """Plot a logged run to a PNG (default: ``loss_scale.png`` beside the metrics); returns its path."""
+    curves = read_run(path)
+    if output is None:
+        base = os.fspath(path)
+        folder = base if os.path.isdir(base) else os.path.dirname(base)
+        output = os.path.join(folder, "loss_scale.png")
+    return plot_curves(curves, output, title=f"loss scale: {os.fspath(path)}")
+
+
+def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
+    scale_key = next((k for k in series if k.endswith(_SCALE_KEY) and "log2" not in k), None)
+    if scale_key is None:
+        raise ValueError(
+            f"no loss-scale series found (keys: {sorted(series)[:10]}); log it with `LossScaleMonitor`."
+        )
+    prefix = scale_key[: -len(_SCALE_KEY)]
+    curves = RunCurves()
+    previous = None
+    for step, value in sorted(series[scale_key]):
+        if value != previous:
+            curves.scale.append((step, value))
+            previous = value
+    if curves.scale and series[scale_key]:
+        last = max(s for s, _ in series[scale_key])
+        if last > curves.scale[-1][0]:
+            curves.scale.append((last, curves.scale[-1][1]))
+    marked = series.get(prefix + "step_skipped")
+    if marked:
+        curves.skipped = sorted({s for s, v in marked if v})
+    else:
+        count = 0.0
+        for step, value in sorted(series.get(prefix + "skipped_steps", [])):
+            if value > count:
+                curves.skipped.append(step)
+                count = value
+    loss_key = next((k for k in _LOSS_KEYS if k in series), None)
+    if loss_key is not None:
+        curves.loss = sorted(series[loss_key])
+    return curves
+
+
+def _read_csv(path: str) -> RunCurves:
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if not row.get("step"):
+                continue
+            step = int(float(row["step"]))
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in (None, ""):
+                    continue
+                try:
+                    number = float(value)
+                except ValueError:
+                    continue
+                if math.isfinite(number):
+                    series.setdefault(key, []).append((step, number))
+    return _from_series(series)
+
+
+def _read_tensorboard(folder: str) -> RunCurves:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError as err:
+        raise ImportError(
+            "reading TensorBoard logs needs tensorboard: `pip install 'lightning-amp-plus[tensorboard]'`."
+        ) from err
+    series: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(glob.glob(os.path.join(folder, "**", "events.out.tfevents*"), recursive=True)):
+        acc = EventAccumulator(events, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            series.setdefault(tag, []).extend((e.step, float(e.value)) for e in acc.Scalars(tag))
+    return _from_series(series)
+
+
+def _value_at(curve: list[tuple[int, float]], step: int) -> float:
+    value = curve[0][1]
+    for s, v in curve:
+        if s > step:
+            break
+        value = v
+    return value

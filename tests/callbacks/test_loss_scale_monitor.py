@@ -1,0 +1,130 @@
+import csv
+import math
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor
+from tests.helpers.models import TinyModel, make_loader
+from tests.helpers.trainer import make_trainer
+
+
+def reference_scales(n_steps, overflows, init, growth_interval):
+    """The scale each step used, by the rule in plain Python (hysteresis 1, no bounds hit)."""
+    scale, tracker, out = init, 0, []
+    for step in range(n_steps):
+        out.append(scale)
+        if step in overflows:
+            scale, tracker = scale / 2, 0
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                scale, tracker = scale * 2, 0
+    return out
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_curve_is_the_true_step_function(tmp_path):
+    overflows = {3, 4, 11}
+    model = TinyModel(poison={s: "inf" for s in overflows})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=4)
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor()], logger=logger, max_steps=20,
+                           log_every_n_steps=5)
+    trainer.fit(model)
+    rows = read_csv(logger.experiment.metrics_file_path)
+    logged = {int(r["step"]): float(r["amp/loss_scale"]) for r in rows if r.get("amp/loss_scale")}
+    expected = reference_scales(20, overflows, 1024.0, 4)
+    for step, value in logged.items():
+        assert value == expected[step]
+        assert math.log2(value) == float(next(r for r in rows if r.get("amp/log2_loss_scale") and int(r["step"]) == step)["amp/log2_loss_scale"])
+    # every change point is logged, even between logging points, so the step function can be rebuilt exactly
+    changes = [s for s in range(1, 20) if expected[s] != expected[s - 1]]
+    assert set(changes) <= set(logged)
+    rebuilt = [logged[max(s for s in logged if s <= step)] for step in range(20)]
+    assert rebuilt == expected
+    skipped = {int(r["step"]): float(r["amp/skipped_steps"]) for r in rows if r.get("amp/skipped_steps")}
+    assert skipped[19] == 3.0 and skipped[3] == 1.0 and skipped[4] == 2.0 and skipped[11] == 3.0
+    # logging points follow log_every_n_steps: 0, 5, 10, 15 and the end (19)
+    rate_steps = sorted(int(r["step"]) for r in rows if r.get("amp/skip_rate"))
+    assert rate_steps == [0, 5, 10, 15, 19]
+
+
+def test_tensorboard_tag_reads_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = TinyModel(poison={2: "nan"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=256.0)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=3)], logger=logger,
+                 max_steps=7).fit(model)
+    logger.experiment.flush()
+    acc = EventAccumulator(logger.log_dir)
+    acc.Reload()
+    events = {e.step: e.value for e in acc.Scalars("amp/loss_scale")}
+    assert events[0] == 256.0 and events[3] == 128.0 and events[6] == 128.0
+    assert {e.step: e.value for e in acc.Scalars("amp/skipped_steps")}[2] == 1.0
+
+
+def test_prefix_and_no_logger_warning():
+    model = TinyModel()
+    plugin = AmpPlusPrecision("16-mixed")
+    with pytest.warns(UserWarning, match="has no logger.*AmpPlusPrecision.history"):
+        make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(prefix="x/")], max_steps=2).fit(model)
+    assert plugin.history.num_steps == 2
+
+
+def test_needs_the_plugin():
+    with pytest.raises(ValueError, match=r"`LossScaleMonitor` needs the `AmpPlusPrecision` plugin.*HINT"):
+        make_trainer(callbacks=[LossScaleMonitor()], max_steps=1).fit(TinyModel())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"logging_interval": 0}, "logging_interval=0"), ({"prefix": 1}, "prefix=1")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LossScaleMonitor(**kwargs)
+
+
+class EpochModel(TinyModel):
+    def train_dataloader(self):
+        return make_loader(n=24, batch_size=4)  # 6 batches an epoch
+
+
+def _fit(tmp_path, name, max_steps, ckpt_path=None, checkpoint=None):
+    seed_everything(7)
+    model = EpochModel(poison={2: "inf", 8: "inf", 9: "nan"}, optimizer="adam", lr=1e-2)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=512.0, growth_interval=3)
+    callbacks = [LossScaleMonitor(logging_interval=2)]
+    if checkpoint is not None:
+        callbacks.append(checkpoint)
+    logger = CSVLogger(tmp_path, name=name)
+    trainer = make_trainer(plugins=[plugin], callbacks=callbacks, logger=logger, max_steps=max_steps,
+                           enable_checkpointing=checkpoint is not None)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model, plugin, logger
+
+
+def test_resume_gives_the_same_curve_skips_and_parameters(tmp_path):
+    # a step-based checkpoint at the epoch boundary (Lightning replays a batch when resuming from a checkpoint
+    # written in `on_train_epoch_end`, with or without this package)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_train_steps=6)
+    full_model, full, full_logger = _fit(tmp_path, "full", 12, checkpoint=ckpt)
+    first = tmp_path / "ckpt" / "epoch=0-step=6.ckpt"
+    assert first.exists()
+    resumed_model, resumed, resumed_logger = _fit(tmp_path, "resumed", 12, ckpt_path=str(first))
+    assert resumed.history.curve() == full.history.curve()
+    assert resumed.history.skipped_steps == full.history.skipped_steps == [2, 8, 9]
+    assert resumed.scaler.state_dict() == full.scaler.state_dict()
+    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+    full_rows = [r for r in read_csv(full_logger.experiment.metrics_file_path) if int(r["step"]) >= 6]
+    resumed_rows = read_csv(resumed_logger.experiment.metrics_file_path)
+    key = lambda rows: sorted((int(r["step"]), r.get("amp/loss_scale", "")) for r in rows if r.get("amp/loss_scale"))  # noqa: E731
+    assert key(resumed_rows) == key(full_rows)

@@ -1,0 +1,159 @@
+import json
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_amp_plus import AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+
+def test_names_exactly_the_poisoned_parameter(tmp_path):
+    model = TinyModel(grad_poison={3: "net.0.weight"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    reporter = NaNSkipReporter(report_path=tmp_path / "skips.json")
+    with pytest.warns(UserWarning, match=r"step 3 skipped: gradients non-finite in net.0.weight \(\d+ inf"):
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=6).fit(model)
+    assert [r["step"] for r in reporter.skips] == [3]
+    record = reporter.skips[0]
+    assert [o["name"] for o in record["offenders"]] == ["net.0.weight"]
+    assert record["offenders"][0]["inf"] + record["offenders"][0]["nan"] == model.net[0].weight.numel() or record[
+        "offenders"
+    ][0]["inf"] > 0
+    assert record["scale"] == 1024.0 and record["new_scale"] == 512.0
+    assert record["loss"] is not None and record["loss"] > 0  # the loss itself was finite
+    report = json.loads((tmp_path / "skips.json").read_text())
+    assert report["skips"] == json.loads(json.dumps(reporter.skips))
+    assert report["skipped_steps"] == [3] and report["worst_offenders"] == [{"name": "net.0.weight", "skips": 1}]
+
+
+def test_nan_loss_names_every_parameter_and_no_loss():
+    model = TinyModel(poison={1: "nan"})
+    plugin = AmpPlusPrecision("16-mixed")
+    reporter = NaNSkipReporter()
+    with pytest.warns(UserWarning, match="step 1 skipped"):
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(model)
+    (record,) = reporter.skips
+    assert {o["name"] for o in record["offenders"]} == {n for n, _ in model.named_parameters()}
+    assert all(o["nan"] > 0 for o in record["offenders"])
+    assert record["loss"] is None
+
+
+def test_collapse_stops_within_six_steps_and_writes_no_checkpoint(tmp_path):
+    model = TinyModel(poison={s: "inf" for s in range(100)})
+    plugin = AmpPlusPrecision("16-mixed", min_scale=0.0)
+    reporter = NaNSkipReporter(max_consecutive_skips=5, max_warnings=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer(plugins=[plugin], callbacks=[reporter, ckpt], max_steps=50, enable_checkpointing=True)
+    with pytest.raises(LossScaleCollapseError, match=r"5 consecutive optimizer steps were skipped \(max_consecutive_skips=5\).*HINT: lower the learning rate"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    assert len(reporter.skips) == 5 and trainer.global_step <= 6
+    # the error comes inside the 5th skipped step, before its batch ends: no checkpoint of the collapsed state
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"epoch=0-step={s}.ckpt" for s in range(1, 5)]
+
+
+def test_overflow_at_min_scale_is_a_collapse():
+    model = TinyModel(poison={s: "inf" for s in range(100)})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=4.0, min_scale=1.0)
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    with pytest.raises(LossScaleCollapseError, match=r"overflowed while the loss scale already sat at min_scale=1"):
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=50).fit(model)
+    assert [r["scale"] for r in reporter.skips] == [4.0, 2.0, 1.0]
+
+
+def test_rate_limited_warnings_then_summary():
+    model = TinyModel(poison={s: "inf" for s in (1, 3, 5, 7)})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**8, min_scale=2.0**-8)
+    reporter = NaNSkipReporter(max_warnings=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=9).fit(model)
+    lines = [str(w.message) for w in caught if "skip" in str(w.message)]
+    assert sum(line.startswith("step ") for line in lines) == 2
+    assert any("further skips are counted" in line for line in lines)
+    assert any("4 of 9 optimizer steps skipped (steps 1, 3, 5, 7)" in line for line in lines)
+
+
+def test_fused_optimizer_skips_are_found_at_the_flush(tmp_path):
+    model = TinyModel(poison={2: "inf"}, optimizer="fused_adamw", lr=1e-3)
+    plugin = AmpPlusPrecision("16-mixed")
+    reporter = NaNSkipReporter(max_warnings=0)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=5, log_every_n_steps=2).fit(model)
+    assert [r["step"] for r in reporter.skips] == [2]
+    assert reporter.skips[0]["offenders"] is None
+
+
+def test_fused_optimizer_offenders_with_sync_fused():
+    model = TinyModel(grad_poison={2: "net.2.weight"}, optimizer="fused_adamw", lr=1e-3)
+    plugin = AmpPlusPrecision("16-mixed")
+    reporter = NaNSkipReporter(sync_fused=True, max_warnings=0)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=4).fit(model)
+    assert [o["name"] for o in reporter.skips[0]["offenders"]] == ["net.2.weight"]
+
+
+def test_bf16_skips_are_reported():
+    model = TinyModel(grad_poison={1: "net.2.bias"})
+    plugin = AmpPlusPrecision("bf16-mixed")
+    reporter = NaNSkipReporter(max_warnings=0)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(model)
+    assert [(r["step"], [o["name"] for o in r["offenders"]]) for r in reporter.skips] == [(1, ["net.2.bias"])]
+    assert reporter.skips[0]["scale"] == 1.0
+
+
+def test_skip_metrics_reach_the_logger(tmp_path):
+    model = TinyModel(poison={2: "inf"})
+    logger = CSVLogger(tmp_path)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[NaNSkipReporter(max_warnings=0)], logger=logger,
+                 max_steps=4).fit(model)
+    text = open(logger.experiment.metrics_file_path).read()
+    assert "amp/step_skipped" in text and "amp/consecutive_skips" in text
+
+
+def _warmup(opt):
+    return torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=10)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adamw"])
+def test_warmup_is_not_consumed_by_skipped_steps(optimizer):
+    model = TinyModel(poison={0: "inf", 5: "nan"}, scheduler=_warmup, optimizer=optimizer, lr=1e-3)
+    plugin = AmpPlusPrecision("16-mixed")
+    trainer = make_trainer(plugins=[plugin], max_steps=10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == 8
+    assert plugin.applied_steps == 8 and trainer.global_step == 10
+
+
+def test_stock_lightning_steps_the_scheduler_on_skipped_steps():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    model = TinyModel(poison={0: "inf", 5: "nan"}, scheduler=_warmup, lr=1e-3)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = make_trainer(plugins=[plugin], max_steps=10)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        trainer.fit(model)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 10
+
+
+def test_scheduler_skipping_can_be_turned_off():
+    model = TinyModel(poison={3: "inf"}, scheduler=_warmup, lr=1e-3)
+    plugin = AmpPlusPrecision("16-mixed", skip_scheduler_on_overflow=False)
+    trainer = make_trainer(plugins=[plugin], max_steps=6)
+    trainer.fit(model)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 6
+    assert "lr_scheduler_step" not in model.__dict__  # the hook is restored at teardown
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"max_consecutive_skips": 0}, "max_consecutive_skips=0"),
+                                               ({"max_warnings": -1}, "max_warnings=-1"),
+                                               ({"sync_fused": "no"}, "sync_fused='no'")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        NaNSkipReporter(**kwargs)
