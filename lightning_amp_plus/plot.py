@@ -31,7 +31,7 @@ def _pyplot() -> Any:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as err:  # pragma: no cover - exercised by a test that hides matplotlib
+    except ImportError as err:
         raise ImportError(
             "plotting needs matplotlib: install the plot extra with `pip install 'lightning-amp-plus[plot]'`."
         ) from err

@@ -213,8 +213,7 @@ class AmpPlusPrecision(Precision):
     # ------------------------------------------------------------------ backward
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        # an optimizer stepped outside `training_step` (manual optimization): close that cycle first
-        self._apply_pending_update()
+        # a cycle stays open across backward calls within one batch (a GAN's second backward uses the same scale)
         tensor = super().pre_backward(tensor, module)  # hooks see the true (unscaled) loss
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)

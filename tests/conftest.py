@@ -20,3 +20,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

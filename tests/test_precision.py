@@ -48,7 +48,7 @@ def test_overflowing_loss_skips_step_bit_identically(kind, optimizer):
 
 def test_poisoned_parameter_gradient_skips_the_step():
     model = TinyModel(grad_poison={3: "net.2.bias"})
-    plugin = AmpPlusPrecision("16-mixed")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     probe = StepProbe()
     trainer = make_trainer(plugins=[plugin], callbacks=[probe], max_steps=6)
     trainer.fit(model)
@@ -265,7 +265,7 @@ def test_lbfgs_is_refused_under_16_mixed():
 
 def test_step_was_skipped_is_exposed():
     model = TinyModel(poison={2: "inf"})
-    plugin = AmpPlusPrecision("16-mixed")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     flags = []
 
     class Probe(StepProbe):
@@ -298,7 +298,15 @@ def test_bad_arguments_are_refused(args, kwargs, error, match):
 @pytest.mark.requires_cuda
 def test_cuda_fp16_skip_and_clip():
     model = ClipProbe(poison={1: "inf"}, optimizer="fused_adamw", lr=1e-3)
-    plugin = AmpPlusPrecision("16-mixed")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     make_trainer(plugins=[plugin], accelerator="cuda", max_steps=3, gradient_clip_val=0.05).fit(model)
     assert plugin.device == "cuda"
     assert plugin.history.skipped_steps == [1]
+
+
+def test_gan_loop_updates_once_per_batch():
+    from examples.gan_manual import main
+
+    plugin = main(["--fast"])  # 4 batches, two optimizer steps and two backward calls each
+    assert plugin.history.num_steps == 4
+    assert [s for s, _ in plugin.history.curve()] == [0]

@@ -32,7 +32,7 @@ def test_names_exactly_the_poisoned_parameter(tmp_path):
 
 def test_nan_loss_names_every_parameter_and_no_loss():
     model = TinyModel(poison={1: "nan"})
-    plugin = AmpPlusPrecision("16-mixed")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     reporter = NaNSkipReporter()
     with pytest.warns(UserWarning, match="step 1 skipped"):
         make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(model)
@@ -80,7 +80,7 @@ def test_rate_limited_warnings_then_summary():
 
 def test_fused_optimizer_skips_are_found_at_the_flush(tmp_path):
     model = TinyModel(poison={2: "inf"}, optimizer="fused_adamw", lr=1e-3)
-    plugin = AmpPlusPrecision("16-mixed")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     reporter = NaNSkipReporter(max_warnings=0)
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=5, log_every_n_steps=2).fit(model)
     assert [r["step"] for r in reporter.skips] == [2]
@@ -89,7 +89,7 @@ def test_fused_optimizer_skips_are_found_at_the_flush(tmp_path):
 
 def test_fused_optimizer_offenders_with_sync_fused():
     model = TinyModel(grad_poison={2: "net.2.weight"}, optimizer="fused_adamw", lr=1e-3)
-    plugin = AmpPlusPrecision("16-mixed")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     reporter = NaNSkipReporter(sync_fused=True, max_warnings=0)
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=4).fit(model)
     assert [o["name"] for o in reporter.skips[0]["offenders"]] == ["net.2.weight"]
@@ -97,7 +97,7 @@ def test_fused_optimizer_offenders_with_sync_fused():
 
 def test_bf16_skips_are_reported():
     model = TinyModel(grad_poison={1: "net.2.bias"})
-    plugin = AmpPlusPrecision("bf16-mixed")
+    plugin = AmpPlusPrecision("bf16-mixed")  # no scale, no natural overflow
     reporter = NaNSkipReporter(max_warnings=0)
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(model)
     assert [(r["step"], [o["name"] for o in r["offenders"]]) for r in reporter.skips] == [(1, ["net.2.bias"])]
@@ -107,7 +107,7 @@ def test_bf16_skips_are_reported():
 def test_skip_metrics_reach_the_logger(tmp_path):
     model = TinyModel(poison={2: "inf"})
     logger = CSVLogger(tmp_path)
-    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[NaNSkipReporter(max_warnings=0)], logger=logger,
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[NaNSkipReporter(max_warnings=0)], logger=logger,
                  max_steps=4).fit(model)
     text = open(logger.experiment.metrics_file_path).read()
     assert "amp/step_skipped" in text and "amp/consecutive_skips" in text
@@ -120,7 +120,7 @@ def _warmup(opt):
 @pytest.mark.parametrize("optimizer", ["sgd", "fused_adamw"])
 def test_warmup_is_not_consumed_by_skipped_steps(optimizer):
     model = TinyModel(poison={0: "inf", 5: "nan"}, scheduler=_warmup, optimizer=optimizer, lr=1e-3)
-    plugin = AmpPlusPrecision("16-mixed")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     trainer = make_trainer(plugins=[plugin], max_steps=10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,0 +1,211 @@
+"""Benchmark: fp32 vs stock Lightning AMP vs AmpPlusPrecision (+ LossScaleMonitor and NaNSkipReporter).
+
+Runs interleaved rounds (A B C, A B C, ...) and quotes medians, since shared machines are noisy. Host syncs per
+step are counted in a separate, untimed round (`aten._local_scalar_dense` dispatches inside the training batches).
+
+    python examples/benchmark.py --device {cpu,cuda} --precision {16-mixed,bf16-mixed} --steps N [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Iterator
+from datetime import date
+from typing import Any, Callable, Optional
+
+import lightning
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch import nn
+
+from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
+from lightning_amp_plus.syncs import HostSyncCounter
+
+
+class MLP(LightningModule):
+    def __init__(self, sizes: tuple[int, int, int]) -> None:
+        super().__init__()
+        d_in, d_hidden, d_out = sizes
+        self.net = nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_out))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Batches:
+    """The same device-resident batch, ``n`` times (no data-loading cost in the figures)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+        self.x, self.y, self.n = x, y, n
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(self.n):
+            yield self.x, self.y
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class StepTimer(Callback):
+    def __init__(self, device: str, warmup: int, count_syncs: bool = False) -> None:
+        self.device, self.warmup, self.count_syncs = device, warmup, count_syncs
+        self.times: list[float] = []
+        self.syncs = 0
+        self._counter: Optional[HostSyncCounter] = None
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self._sync()
+        if self.count_syncs and trainer.global_step >= self.warmup:
+            self._counter = HostSyncCounter()
+            self._counter.__enter__()
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self._sync()
+        elapsed = time.perf_counter() - self._t0
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.syncs += self._counter.count
+            self._counter = None
+        if trainer.global_step > self.warmup:
+            self.times.append(elapsed)
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elif os.path.exists("/proc/self/clear_refs"):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the peak RSS (VmHWM) of this process
+        except OSError:
+            pass
+
+
+def _peak_mib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def configs(device: str, precision: str) -> dict[str, Callable[[], tuple[list[Precision], list[Callback]]]]:
+    def fp32() -> tuple[list[Precision], list[Callback]]:
+        return [], []
+
+    def stock() -> tuple[list[Precision], list[Callback]]:
+        scaler = torch.amp.GradScaler(device) if precision == "16-mixed" else None
+        return [MixedPrecision(precision, device, scaler=scaler)], []  # type: ignore[arg-type]
+
+    def ours() -> tuple[list[Precision], list[Callback]]:
+        return [AmpPlusPrecision(precision)], [LossScaleMonitor(), NaNSkipReporter()]  # type: ignore[arg-type]
+
+    return {"fp32": fp32, "stock AMP": stock, "AmpPlusPrecision + callbacks": ours}
+
+
+def run_once(device: str, sizes: tuple[int, int, int], batch: int, steps: int, make: Callable, warmup: int,
+             count_syncs: bool = False) -> tuple[list[float], float, int]:
+    torch.manual_seed(0)
+    x = torch.randn(batch, sizes[0], device=device)
+    y = torch.randn(batch, sizes[2], device=device)
+    plugins, callbacks = make()
+    timer = StepTimer(device, warmup, count_syncs)
+    trainer = Trainer(
+        accelerator=device,
+        devices=1,
+        plugins=plugins,
+        callbacks=[timer, *callbacks],
+        max_steps=steps + warmup,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+        num_sanity_val_steps=0,
+    )
+    model = MLP(sizes)
+    _reset_peak(device)
+    trainer.fit(model, train_dataloaders=Batches(x, y, steps + warmup))
+    measured = max(1, trainer.global_step - warmup)
+    return timer.times, _peak_mib(device), timer.syncs if count_syncs else measured
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="16-mixed", choices=["16-mixed", "bf16-mixed"])
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per round and configuration")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args(argv)
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.device == "cuda":
+        sizes, batch = (4096, 2048, 1024), 256
+    else:
+        sizes, batch = (512, 256, 128), 64
+    table = configs(args.device, args.precision)
+    times: dict[str, list[float]] = {name: [] for name in table}
+    peaks: dict[str, float] = {name: 0.0 for name in table}
+    for _ in range(args.rounds):  # interleaved: A B C, A B C, ...
+        for name, make in table.items():
+            t, peak, _ = run_once(args.device, sizes, batch, args.steps, make, args.warmup)
+            times[name].extend(t)
+            peaks[name] = max(peaks[name], peak)
+    syncs = {}
+    for name, make in table.items():
+        sync_steps = max(4, min(args.steps, 20))
+        _, _, count = run_once(args.device, sizes, batch, sync_steps, make, args.warmup, count_syncs=True)
+        syncs[name] = count / sync_steps
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    rows = []
+    for name in table:
+        rows.append(
+            {
+                "config": name,
+                "median_ms": medians[name] * 1e3,
+                "peak_mib": peaks[name],
+                "syncs_per_step": syncs[name],
+                "vs_stock": medians[name] / medians["stock AMP"],
+                "vs_fp32": medians[name] / medians["fp32"],
+            }
+        )
+    mem = "peak alloc MiB" if args.device == "cuda" else "peak RSS MiB"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or 'cpu'}"
+    print(
+        f"# {date.today()} | {args.device} ({where}) | torch {torch.__version__} | lightning {lightning.__version__}"
+        f" | {args.precision} | MLP {sizes} batch {batch} SGD | {args.rounds} rounds x {args.steps} steps"
+    )
+    print(f"| config | median step (ms) | {mem} | host syncs/step | vs stock | vs fp32 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['config']} | {r['median_ms']:.3f} | {r['peak_mib']:.0f} | {r['syncs_per_step']:.2f}"
+            f" | {r['vs_stock']:.3f} | {r['vs_fp32']:.3f} |"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

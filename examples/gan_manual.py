@@ -1,0 +1,87 @@
+"""Two optimizers in manual optimization (a GAN-style loop) under AmpPlusPrecision.
+
+The scaler updates once per batch, after the last optimizer step: an overflow in the discriminator's step backs the
+scale off once, and the generator's gradients are unscaled with the scale they were scaled with.
+
+    python examples/gan_manual.py [--steps 200] [--fast]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
+
+
+class GAN(LightningModule):
+    def __init__(self, latent: int = 8, dim: int = 2) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(latent, 32), nn.ReLU(), nn.Linear(32, dim))
+        self.discriminator = nn.Sequential(nn.Linear(dim, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+        self.latent = latent
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        z = torch.randn(real.shape[0], self.latent, device=real.device)
+        fake = self.generator(z)
+        # discriminator
+        opt_d.zero_grad()
+        d_loss = bce(self.discriminator(real).float(), torch.ones(real.shape[0], 1, device=real.device)) + bce(
+            self.discriminator(fake.detach()).float(), torch.zeros(real.shape[0], 1, device=real.device)
+        )
+        self.manual_backward(d_loss)
+        self.clip_gradients(opt_d, gradient_clip_val=1.0, gradient_clip_algorithm="norm")  # true gradients
+        opt_d.step()
+        # generator
+        opt_g.zero_grad()
+        g_loss = bce(self.discriminator(fake).float(), torch.ones(real.shape[0], 1, device=real.device))
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+            torch.optim.Adam(self.discriminator.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+        )
+
+
+def main(argv: list[str] | None = None) -> AmpPlusPrecision:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="batches")
+    parser.add_argument("--fast", action="store_true")
+    args = parser.parse_args(argv)
+    seed_everything(0)
+    real = torch.randn(4096, 2) * 0.5 + torch.tensor([2.0, -1.0])
+    loader = DataLoader(TensorDataset(real), batch_size=64, shuffle=True)
+    plugin = AmpPlusPrecision("16-mixed", growth_interval=50)
+    batches = 4 if args.fast else args.steps
+    trainer = Trainer(
+        accelerator="auto",
+        devices=1,
+        plugins=[plugin],
+        max_steps=2 * batches,  # Lightning counts each optimizer's step
+        logger=False,
+        callbacks=[LossScaleMonitor(), NaNSkipReporter()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(GAN(), loader)
+    print(
+        f"optimizer steps: {trainer.global_step}, scaler cycles: {plugin.history.num_steps},"
+        f" skipped cycles: {plugin.history.skipped_steps}, loss scale: {plugin.loss_scale:g}"
+    )
+    return plugin
+
+
+if __name__ == "__main__":
+    main()

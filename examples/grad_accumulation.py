@@ -1,0 +1,69 @@
+"""Gradient accumulation under AmpPlusPrecision: gradients unscaled once, on the stepping batch, then clipped.
+
+    python examples/grad_accumulation.py [--steps 50] [--accumulate 4] [--fast]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
+
+
+class Regressor(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 1))
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # a true (unscaled) norm of the accumulated gradients, as a logger would want it
+        self.grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def main(argv: list[str] | None = None) -> Regressor:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser.add_argument("--accumulate", type=int, default=4)
+    parser.add_argument("--fast", action="store_true")
+    args = parser.parse_args(argv)
+    seed_everything(0)
+    x = torch.randn(2048, 32)
+    loader = DataLoader(TensorDataset(x, x[:, :4].sum(1, keepdim=True)), batch_size=16)
+    model = Regressor()
+    plugin = AmpPlusPrecision("16-mixed")
+    trainer = Trainer(
+        accelerator="auto",
+        devices=1,
+        plugins=[plugin],
+        max_steps=3 if args.fast else args.steps,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=1.0,
+        logger=False,
+        callbacks=[LossScaleMonitor(), NaNSkipReporter()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader)
+    print(
+        f"optimizer steps: {trainer.global_step} over {trainer.global_step * args.accumulate} batches;"
+        f" true grad norms (first 3): {[round(n, 3) for n in model.grad_norms[:3]]}; loss scale {plugin.loss_scale:g}"
+    )
+    return model
+
+
+if __name__ == "__main__":
+    main()
