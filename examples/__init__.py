@@ -1,0 +1,1 @@
+"""Runnable examples (importable so the test suite can smoke-test them)."""

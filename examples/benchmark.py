@@ -14,9 +14,9 @@ import platform
 import resource
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import date
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning
 import torch
@@ -123,8 +123,15 @@ def configs(device: str, precision: str) -> dict[str, Callable[[], tuple[list[Pr
     return {"fp32": fp32, "stock AMP": stock, "AmpPlusPrecision + callbacks": ours}
 
 
-def run_once(device: str, sizes: tuple[int, int, int], batch: int, steps: int, make: Callable, warmup: int,
-             count_syncs: bool = False) -> tuple[list[float], float, int]:
+def run_once(
+    device: str,
+    sizes: tuple[int, int, int],
+    batch: int,
+    steps: int,
+    make: Callable,
+    warmup: int,
+    count_syncs: bool = False,
+) -> tuple[list[float], float, int]:
     torch.manual_seed(0)
     x = torch.randn(batch, sizes[0], device=device)
     y = torch.randn(batch, sizes[2], device=device)

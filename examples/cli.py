@@ -1,6 +1,6 @@
 """LightningCLI entry point for ``examples/config.yaml``.
 
-    python examples/cli.py fit --config examples/config.yaml
+python examples/cli.py fit --config examples/config.yaml
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Gradient accumulation under AmpPlusPrecision: gradients unscaled once, on the stepping batch, then clipped.
 
-    python examples/grad_accumulation.py [--steps 50] [--accumulate 4] [--fast]
+python examples/grad_accumulation.py [--steps 50] [--accumulate 4] [--fast]
 """
 
 from __future__ import annotations

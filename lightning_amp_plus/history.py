@@ -62,7 +62,8 @@ class ScaleHistory:
         """
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
-                f"`ScaleHistory.record(step={step})` is invalid: steps must increase (last recorded: {self._last_step})."
+                f"`ScaleHistory.record(step={step})` is invalid: steps must increase"
+                f" (last recorded: {self._last_step})."
             )
         self._last_step = step
         self._num_steps += 1
@@ -86,7 +87,7 @@ class ScaleHistory:
             return
         assert self._buffer is not None
         rows = self._buffer[: len(self._pending_steps)].tolist()
-        for step, (scale, found) in zip(self._pending_steps, rows):
+        for step, (scale, found) in zip(self._pending_steps, rows, strict=False):
             self._take(step, scale, found)
         self._pending_steps = []
 
@@ -139,7 +140,7 @@ class ScaleHistory:
     def curve(self) -> list[tuple[int, float]]:
         """The change points ``(step, scale)``: the scale holds from each step until the next change point."""
         self.flush()
-        return list(zip(self._change_steps, self._change_scales))
+        return list(zip(self._change_steps, self._change_scales, strict=False))
 
     def changes_between(self, start: int, end: int) -> list[tuple[int, float]]:
         """The change points with ``start <= step <= end``."""

@@ -93,7 +93,8 @@ def read_run(path: PathLike) -> RunCurves:
     if os.path.isfile(path) and "tfevents" in os.path.basename(path):
         return _read_tensorboard(os.path.dirname(path))
     raise FileNotFoundError(
-        f"no metrics found at {path!r}: expected a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder."
+        f"no metrics found at {path!r}: expected a CSVLogger version folder, a metrics.csv,"
+        " or a TensorBoard log folder."
     )
 
 
@@ -110,9 +111,7 @@ def plot_run(path: PathLike, output: Optional[PathLike] = None) -> str:
 def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
     scale_key = next((k for k in series if k.endswith(_SCALE_KEY) and "log2" not in k), None)
     if scale_key is None:
-        raise ValueError(
-            f"no loss-scale series found (keys: {sorted(series)[:10]}); log it with `LossScaleMonitor`."
-        )
+        raise ValueError(f"no loss-scale series found (keys: {sorted(series)[:10]}); log it with `LossScaleMonitor`.")
     prefix = scale_key[: -len(_SCALE_KEY)]
     curves = RunCurves()
     previous = None

@@ -8,9 +8,9 @@ history -> update the scale once per cycle (after the batch's last optimizer ste
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -332,7 +332,9 @@ class AmpPlusPrecision(Precision):
         if skipped is True and self.skip_listeners:
             new_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
             skipped_optimizers = [o for o in optimizers if self.step_was_skipped(o)]
-            event = SkipEvent(step=step, scale=float(scale_before or 1.0), new_scale=new_scale, optimizers=skipped_optimizers)
+            event = SkipEvent(
+                step=step, scale=float(scale_before or 1.0), new_scale=new_scale, optimizers=skipped_optimizers
+            )
             for listener in list(self.skip_listeners):
                 listener(event)
 

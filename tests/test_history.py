@@ -14,7 +14,8 @@ def test_change_points_and_skips():
         history.record(step, torch.tensor(scale), torch.tensor(float(found)))
     assert history.curve() == [(0, 8.0), (2, 4.0), (5, 8.0), (7, 4.0), (8, 2.0)]
     assert history.skipped_steps == [1, 6, 7]
-    assert history.num_skipped == 3 and history.num_steps == 9
+    assert history.num_skipped == 3
+    assert history.num_steps == 9
     assert [history.scale_at(s) for s in range(9)] == [s for s, _ in seq]
 
 
@@ -57,7 +58,8 @@ def test_state_dict_round_trip_and_csv(tmp_path):
         history.record(step * 2, scale, found)
     clone = ScaleHistory()
     clone.load_state_dict(history.state_dict())
-    assert clone.curve() == history.curve() and clone.skipped_steps == [0]
+    assert clone.curve() == history.curve()
+    assert clone.skipped_steps == [0]
     clone.record(6, 2.0, 0.0)  # continues after the loaded steps, no spurious change point
     assert clone.curve() == [(0, 4.0), (2, 2.0)]
     path = tmp_path / "h.csv"

@@ -20,7 +20,8 @@ class LoggingModel(TinyModel):
 
 
 def png_size(path):
-    data = open(path, "rb").read(24)
+    with open(path, "rb") as f:
+        data = f.read(24)
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     return struct.unpack(">II", data[16:24])
 
@@ -28,8 +29,13 @@ def png_size(path):
 def _run(tmp_path, logger):
     model = LoggingModel(poison={2: "inf", 6: "nan"})
     plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=3)
-    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=2), NaNSkipReporter(max_warnings=0)],
-                 logger=logger, max_steps=10, log_every_n_steps=2).fit(model)
+    make_trainer(
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(logging_interval=2), NaNSkipReporter(max_warnings=0)],
+        logger=logger,
+        max_steps=10,
+        log_every_n_steps=2,
+    ).fit(model)
     return plugin
 
 
@@ -43,7 +49,8 @@ def test_plot_from_csv_folder_and_file(tmp_path, capsys):
     assert main(["plot", logger.log_dir, "-o", str(tmp_path / "out.png")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "out.png")
     width, height = png_size(tmp_path / "out.png")
-    assert width > 400 and height > 400  # two panels
+    assert width > 400
+    assert height > 400
     assert main(["plot", logger.experiment.metrics_file_path]) == 0
 
 
@@ -54,8 +61,12 @@ def test_plot_from_tensorboard(tmp_path):
     curves = read_run(logger.log_dir)
     assert curves.skipped == [2, 6]
     assert curves.scale[: len(plugin.history.curve())] == plugin.history.curve()
-    out = subprocess.run([sys.executable, "-m", "lightning_amp_plus", "plot", logger.log_dir, "-o",
-                          str(tmp_path / "tb.png")], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_amp_plus", "plot", logger.log_dir, "-o", str(tmp_path / "tb.png")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip().endswith("tb.png")
     png_size(tmp_path / "tb.png")
 
@@ -64,7 +75,8 @@ def test_plot_history_from_code(tmp_path):
     plugin = _run(tmp_path, False)
     out = plot_history(plugin.history, tmp_path / "h.png")
     width, height = png_size(out)
-    assert width > 400 and height < width  # one panel
+    assert width > 400
+    assert height < width
 
 
 def test_clear_errors(tmp_path, capsys):

@@ -41,9 +41,11 @@ def test_overflowing_loss_skips_step_bit_identically(kind, optimizer):
     trainer.fit(model)
     assert probe.unchanged == [2, 5]
     assert plugin.history.skipped_steps == [2, 5]
-    assert plugin.history.scale_at(2) == 2.0**10 and plugin.history.scale_at(3) == 2.0**9
+    assert plugin.history.scale_at(2) == 2.0**10
+    assert plugin.history.scale_at(3) == 2.0**9
     assert plugin.history.scale_at(6) == 2.0**8
-    assert plugin.applied_steps == 6 and trainer.global_step == 8
+    assert plugin.applied_steps == 6
+    assert trainer.global_step == 8
 
 
 def test_poisoned_parameter_gradient_skips_the_step():
@@ -69,7 +71,7 @@ def test_hooks_see_true_gradients(accumulate):
     small = _seen_grads(1.0, accumulate_grad_batches=accumulate)
     large = _seen_grads(2.0**14, accumulate_grad_batches=accumulate)
     assert len(small) == len(large) == 3  # once per optimizer step, not per accumulated batch
-    for a, b in zip(small, large):
+    for a, b in zip(small, large, strict=False):
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=2e-2, atol=1e-4)
 
@@ -224,7 +226,8 @@ def test_checkpoint_carries_scaler_and_history(tmp_path):
     assert state["history"]["skipped_steps"] == [1]
     fresh = AmpPlusPrecision("16-mixed")
     fresh.load_state_dict(state)
-    assert fresh.scaler.get_scale() == 128.0 and fresh.history.skipped_steps == [1]
+    assert fresh.scaler.get_scale() == 128.0
+    assert fresh.history.skipped_steps == [1]
     assert fresh.scaler.hysteresis == 2
 
 

@@ -69,7 +69,7 @@ def test_matches_torch_gradscaler_exactly(seed):
         _cycle(ours, m2, o2, x, overflow)
         assert ours.get_scale() == ref.get_scale()
         assert ours._get_growth_tracker() == ref._get_growth_tracker()
-        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=False):
             assert torch.equal(p1, p2)
     assert any(overflows)
 
@@ -105,7 +105,8 @@ def test_follows_reference_rule_with_bounds_and_hysteresis(hysteresis, seed):
             assert scaler._get_hysteresis_tracker() == hyst
         seen_min |= scale == 4.0
         seen_max |= scale == 64.0
-    assert seen_min and seen_max
+    assert seen_min
+    assert seen_max
 
 
 def test_hysteresis_delays_backoff():
@@ -124,11 +125,11 @@ def test_skipped_step_leaves_parameters_bit_identical():
     model, opt = _setup()
     before = [p.detach().clone() for p in model.parameters()]
     _cycle(scaler, model, opt, torch.randn(3, 4), True)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
     assert scaler.step_was_skipped(opt) is True
     _cycle(scaler, model, opt, torch.randn(3, 4), False)
     assert scaler.step_was_skipped(opt) is False
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
 
 
 class SyncCounter(TorchDispatchMode):
@@ -162,7 +163,8 @@ def test_state_dict_round_trip_carries_every_tracker():
     state = scaler.state_dict()
     assert state["_hysteresis_tracker"] == 2  # one overflow spent; clean steps do not refill it, a growth does
     assert state["_growth_tracker"] == 2
-    assert state["min_scale"] == 2.0 and state["hysteresis"] == 3
+    assert state["min_scale"] == 2.0
+    assert state["hysteresis"] == 3
     _cycle(scaler, model, opt, torch.randn(3, 4), True)
     state = scaler.state_dict()
     assert state["_hysteresis_tracker"] == 1
@@ -178,7 +180,8 @@ def test_loads_a_plain_gradscaler_state():
     ref = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
     ours = DynamicLossScaler("cpu")
     ours.load_state_dict(ref.state_dict())
-    assert ours.get_scale() == 512.0 and ours.get_growth_interval() == 7
+    assert ours.get_scale() == 512.0
+    assert ours.get_growth_interval() == 7
     assert ours.min_scale == 1.0
 
 
@@ -189,14 +192,16 @@ def test_pickles_between_iterations():
     model, opt = _setup()
     _cycle(scaler, model, opt, torch.randn(3, 4), True)
     clone = pickle.loads(pickle.dumps(scaler))
-    assert clone.get_scale() == 64.0 and clone._get_hysteresis_tracker() == 1
+    assert clone.get_scale() == 64.0
+    assert clone._get_hysteresis_tracker() == 1
 
 
 def test_disabled_scaler_is_a_pass_through():
     scaler = DynamicLossScaler("cpu", enabled=False)
     model, opt = _setup()
     _cycle(scaler, model, opt, torch.randn(3, 4), False)
-    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+    assert scaler.get_scale() == 1.0
+    assert scaler.state_dict() == {}
 
 
 @pytest.mark.parametrize(

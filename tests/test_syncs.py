@@ -32,8 +32,9 @@ class QuietModel(TinyModel):
 def count_syncs(plugin, callbacks=(), optimizer="sgd", steps=STEPS, **trainer_kwargs):
     """Host syncs of a whole fit, less Lightning's fixed set-up and tear-down ones (a fit of 0 steps' worth)."""
     model = QuietModel(optimizer=optimizer, lr=1e-3)
-    trainer = make_trainer(plugins=[plugin], callbacks=list(callbacks), max_steps=steps, log_every_n_steps=INTERVAL,
-                           **trainer_kwargs)
+    trainer = make_trainer(
+        plugins=[plugin], callbacks=list(callbacks), max_steps=steps, log_every_n_steps=INTERVAL, **trainer_kwargs
+    )
     with HostSyncCounter() as counter:
         trainer.fit(model)
     return counter.count - FIXED

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
-def find_plugin(trainer: "pl.Trainer", owner: str) -> AmpPlusPrecision:
+def find_plugin(trainer: pl.Trainer, owner: str) -> AmpPlusPrecision:
     """The trainer's :class:`AmpPlusPrecision`, or a ``ValueError`` that says how to add it."""
     plugin = trainer.strategy.precision_plugin
     if not isinstance(plugin, AmpPlusPrecision):
@@ -20,7 +20,7 @@ def find_plugin(trainer: "pl.Trainer", owner: str) -> AmpPlusPrecision:
     return plugin
 
 
-def log_to_all(trainer: "pl.Trainer", metrics: dict[str, Any], step: int) -> None:
+def log_to_all(trainer: pl.Trainer, metrics: dict[str, Any], step: int) -> None:
     """Log ``metrics`` at ``step`` to every logger of the trainer, from rank zero only."""
     if not trainer.is_global_zero:
         return

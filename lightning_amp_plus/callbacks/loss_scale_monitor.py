@@ -57,9 +57,9 @@ class LossScaleMonitor(Callback):
         self._skipped_logged = 0
 
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._plugin = find_plugin(trainer, type(self).__name__)
-        self._interval = self.logging_interval or trainer.log_every_n_steps
+        self._interval = self.logging_interval or getattr(trainer, "log_every_n_steps", 50)
         if not trainer.loggers:
             rank_zero_warn(
                 "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
@@ -68,7 +68,7 @@ class LossScaleMonitor(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._plugin is not None
         last = self._plugin.history.last_step
@@ -78,13 +78,13 @@ class LossScaleMonitor(Callback):
             self._log_until(trainer, last)
 
     @override
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None
         last = self._plugin.history.last_step
         if last is not None and last > self._logged_upto:
             self._log_until(trainer, last)
 
-    def _log_until(self, trainer: "pl.Trainer", last: int) -> None:
+    def _log_until(self, trainer: pl.Trainer, last: int) -> None:
         assert self._plugin is not None
         history = self._plugin.history
         start = self._logged_upto + 1

@@ -81,7 +81,7 @@ class NaNSkipReporter(Callback):
 
     # ------------------------------------------------------------------ wiring
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         plugin = find_plugin(trainer, type(self).__name__)
         self._plugin = plugin
         self._trainer = trainer
@@ -92,7 +92,7 @@ class NaNSkipReporter(Callback):
             plugin.sync_skips = True
 
     @override
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._plugin is not None:
             if self._on_skip in self._plugin.skip_listeners:
                 self._plugin.skip_listeners.remove(self._on_skip)
@@ -100,7 +100,7 @@ class NaNSkipReporter(Callback):
                 self._plugin.sync_skips = False
 
     @override
-    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._loss = loss.detach()  # the true loss (the plugin scales after this hook); read only on skips
 
     # ------------------------------------------------------------------ host-known skips
@@ -131,21 +131,21 @@ class NaNSkipReporter(Callback):
         ).tolist()  # one host transfer, on skipped steps only
         return [
             {"name": name, "inf": int(n_inf), "nan": int(n_nan)}
-            for name, (n_inf, n_nan) in zip(names, counts)
+            for name, (n_inf, n_nan) in zip(names, counts, strict=False)
             if n_inf or n_nan
         ]
 
     # ------------------------------------------------------------------ device-decided skips (fused optimizers)
     @override
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._plugin is not None
         history = self._plugin.history
         if (
             not self._plugin.skip_known_on_host
             and history.pending
-            and (history.last_step or 0) % trainer.log_every_n_steps == 0
+            and (history.last_step or 0) % getattr(trainer, "log_every_n_steps", 50) == 0
         ):
             self._collect_device_skips()
 
@@ -169,7 +169,8 @@ class NaNSkipReporter(Callback):
 
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, record: dict[str, Any], index: Optional[int]) -> None:
-        assert self._plugin is not None and self._trainer is not None
+        assert self._plugin is not None
+        assert self._trainer is not None
         contiguous = (
             index is not None and self._last_skip_index is not None and index == self._last_skip_index + 1
         ) or (index is None and self.skips and record["step"] - self.skips[-1]["step"] <= 1)
@@ -199,7 +200,7 @@ class NaNSkipReporter(Callback):
         limit = self.max_consecutive_skips
         if not at_floor and (limit is None or self._consecutive < limit):
             return
-        if at_floor:
+        if at_floor and scaler is not None:
             why = (
                 f"step {record['step']} overflowed while the loss scale already sat at min_scale={scaler.min_scale:g}"
                 f" ({self._consecutive} consecutive skipped steps)"
@@ -217,7 +218,7 @@ class NaNSkipReporter(Callback):
 
     # ------------------------------------------------------------------ summary and report
     @override
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._collect_device_skips()
         if self.skips:
             report = self.report()

@@ -20,14 +20,18 @@ def test_names_exactly_the_poisoned_parameter(tmp_path):
     assert [r["step"] for r in reporter.skips] == [3]
     record = reporter.skips[0]
     assert [o["name"] for o in record["offenders"]] == ["net.0.weight"]
-    assert record["offenders"][0]["inf"] + record["offenders"][0]["nan"] == model.net[0].weight.numel() or record[
-        "offenders"
-    ][0]["inf"] > 0
-    assert record["scale"] == 1024.0 and record["new_scale"] == 512.0
-    assert record["loss"] is not None and record["loss"] > 0  # the loss itself was finite
+    assert (
+        record["offenders"][0]["inf"] + record["offenders"][0]["nan"] == model.net[0].weight.numel()
+        or record["offenders"][0]["inf"] > 0
+    )
+    assert record["scale"] == 1024.0
+    assert record["new_scale"] == 512.0
+    assert record["loss"] is not None
+    assert record["loss"] > 0
     report = json.loads((tmp_path / "skips.json").read_text())
     assert report["skips"] == json.loads(json.dumps(reporter.skips))
-    assert report["skipped_steps"] == [3] and report["worst_offenders"] == [{"name": "net.0.weight", "skips": 1}]
+    assert report["skipped_steps"] == [3]
+    assert report["worst_offenders"] == [{"name": "net.0.weight", "skips": 1}]
 
 
 def test_nan_loss_names_every_parameter_and_no_loss():
@@ -48,10 +52,15 @@ def test_collapse_stops_within_six_steps_and_writes_no_checkpoint(tmp_path):
     reporter = NaNSkipReporter(max_consecutive_skips=5, max_warnings=1)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer(plugins=[plugin], callbacks=[reporter, ckpt], max_steps=50, enable_checkpointing=True)
-    with pytest.raises(LossScaleCollapseError, match=r"5 consecutive optimizer steps were skipped \(max_consecutive_skips=5\).*HINT: lower the learning rate"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    warnings.simplefilter("ignore")
+    with pytest.raises(
+        LossScaleCollapseError,
+        match=r"5 consecutive optimizer steps were skipped \(max_consecutive_skips=5\).*HINT: lower the"
+        r" learning rate",
+    ):
         trainer.fit(model)
-    assert len(reporter.skips) == 5 and trainer.global_step <= 6
+    assert len(reporter.skips) == 5
+    assert trainer.global_step <= 6
     # the error comes inside the 5th skipped step, before its batch ends: no checkpoint of the collapsed state
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"epoch=0-step={s}.ckpt" for s in range(1, 5)]
 
@@ -107,10 +116,16 @@ def test_bf16_skips_are_reported():
 def test_skip_metrics_reach_the_logger(tmp_path):
     model = TinyModel(poison={2: "inf"})
     logger = CSVLogger(tmp_path)
-    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[NaNSkipReporter(max_warnings=0)], logger=logger,
-                 max_steps=4).fit(model)
-    text = open(logger.experiment.metrics_file_path).read()
-    assert "amp/step_skipped" in text and "amp/consecutive_skips" in text
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[NaNSkipReporter(max_warnings=0)],
+        logger=logger,
+        max_steps=4,
+    ).fit(model)
+    with open(logger.experiment.metrics_file_path) as f:
+        text = f.read()
+    assert "amp/step_skipped" in text
+    assert "amp/consecutive_skips" in text
 
 
 def _warmup(opt):
@@ -128,7 +143,8 @@ def test_warmup_is_not_consumed_by_skipped_steps(optimizer):
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.last_epoch == 8
-    assert plugin.applied_steps == 8 and trainer.global_step == 10
+    assert plugin.applied_steps == 8
+    assert trainer.global_step == 10
 
 
 def test_stock_lightning_steps_the_scheduler_on_skipped_steps():
@@ -151,9 +167,14 @@ def test_scheduler_skipping_can_be_turned_off():
     assert "lr_scheduler_step" not in model.__dict__  # the hook is restored at teardown
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"max_consecutive_skips": 0}, "max_consecutive_skips=0"),
-                                               ({"max_warnings": -1}, "max_warnings=-1"),
-                                               ({"sync_fused": "no"}, "sync_fused='no'")])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips=0"),
+        ({"max_warnings": -1}, "max_warnings=-1"),
+        ({"sync_fused": "no"}, "sync_fused='no'"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         NaNSkipReporter(**kwargs)
