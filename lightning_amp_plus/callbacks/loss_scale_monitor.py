@@ -59,7 +59,7 @@ class LossScaleMonitor(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._plugin = find_plugin(trainer, type(self).__name__)
-        self._interval = self.logging_interval or getattr(trainer, "log_every_n_steps", 50)
+        self._interval = self.logging_interval or int(getattr(trainer, "log_every_n_steps", None) or 50)
         if not trainer.loggers:
             rank_zero_warn(
                 "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
