@@ -90,3 +90,17 @@ class TinyModel(LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return make_loader()
+
+
+class RankPoisonModel(TinyModel):
+    """Poisons the loss on one rank only (``poison_rank``) at the steps in ``poison``."""
+
+    def __init__(self, poison_rank: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.poison_rank = poison_rank
+        self.rank_poison = dict(self.poison)
+        self.poison = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.poison = self.rank_poison if self.global_rank == self.poison_rank else {}
+        return super().training_step(batch, batch_idx)

@@ -1,0 +1,100 @@
+"""DDP on CPU (gloo, 2 processes): a skip on one rank is a skip on every rank; output from rank zero only."""
+
+import json
+import pickle
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
+from tests.helpers.models import RankPoisonModel
+from tests.helpers.trainer import make_trainer
+
+
+class Dump(Callback):
+    """Each rank writes its parameters, history and the warnings it emitted to ``folder/rank{N}.pkl``."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def setup(self, trainer, pl_module, stage):
+        self.warned = []
+        original = warnings.showwarning
+
+        def record(message, *args, **kwargs):
+            self.warned.append(str(message))
+            return original(message, *args, **kwargs)
+
+        warnings.showwarning = record
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer, pl_module):
+        plugin = trainer.precision_plugin
+        reporter = next(c for c in trainer.callbacks if isinstance(c, NaNSkipReporter))
+        out = {
+            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            "history": plugin.history.state_dict(),
+            "scaler": plugin.scaler.state_dict(),
+            "skips": [r["step"] for r in reporter.skips],
+        }
+        with open(f"{self.folder}/rank{trainer.global_rank}.pkl", "wb") as f:
+            pickle.dump(out, f)
+
+    def teardown(self, trainer, pl_module, stage):
+        with open(f"{self.folder}/rank{trainer.global_rank}.warn", "wb") as f:
+            pickle.dump(self.warned, f)
+
+
+@pytest.mark.slow
+def test_ddp_overflow_on_one_rank_skips_everywhere(tmp_path):
+    model = RankPoisonModel(poison_rank=1, poison={2: "inf", 5: "nan"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    report = tmp_path / "skips.json"
+    trainer = make_trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(logging_interval=2), NaNSkipReporter(report_path=report), Dump(tmp_path)],
+        logger=CSVLogger(tmp_path, name="ddp"),
+        max_steps=7,
+    )
+    trainer.fit(model)
+    ranks = []
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
+            ranks.append(pickle.load(f))
+    zero, one = ranks
+    for name in zero["params"]:
+        assert torch.equal(zero["params"][name], one["params"][name])
+    assert zero["history"] == one["history"]
+    assert zero["history"]["skipped_steps"] == [2, 5]
+    assert zero["scaler"] == one["scaler"]
+    assert zero["skips"] == one["skips"] == [2, 5]
+    # output from rank zero only: the skip lines, the JSON report and the CSV metrics
+    warned = []
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.warn", "rb") as f:
+            warned.append([w for w in pickle.load(f) if "skipped" in w])
+    assert any(w.startswith("step 2 skipped") for w in warned[0])
+    assert warned[1] == []
+    assert json.loads(report.read_text())["skipped_steps"] == [2, 5]
+    metrics = (tmp_path / "ddp" / "version_0" / "metrics.csv").read_text()
+    assert "amp/loss_scale" in metrics
+
+
+def test_fsdp_is_refused_with_a_message_naming_the_plugin_it_needs():
+    # FSDP shards gradients, so the overflow flag must be reduced across ranks (torch's ShardedGradScaler);
+    # Lightning's FSDP strategy accepts only its own FSDPPrecision, which does that: use precision="16-mixed" there.
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(TypeError, match="can only work with the `FSDPPrecision` plugin"):
+        FSDPStrategy(precision_plugin=AmpPlusPrecision("16-mixed"))
+
+
+@pytest.mark.requires_cuda
+def test_fsdp_trainer_is_refused_on_cuda():
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        make_trainer(strategy="fsdp", accelerator="cuda", devices=1, plugins=[AmpPlusPrecision("16-mixed")])
