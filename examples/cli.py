@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 class CLIModel(LightningModule):
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(nn.Linear(16, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._validation import check_bool, check_choice, check_scaler_args
 from lightning_amp_plus.history import ScaleHistory
+from lightning_amp_plus.islands import Fp32Islands, check_entries
 from lightning_amp_plus.scaler import DynamicLossScaler
 
 _SCALER_DEFAULTS: dict[str, Any] = {
@@ -65,6 +66,10 @@ class AmpPlusPrecision(Precision):
         skip_nonfinite: bf16-mixed only: skip optimizer steps whose gradients hold inf/nan (default ``True``).
             Costs one host sync per step with a non-fused optimizer. 16-mixed always skips.
         skip_scheduler_on_overflow: do not advance step-interval LR schedulers on skipped steps (default ``True``).
+        fp32_modules: modules to run in float32 with autocast disabled ("fp32 islands"): module classes, their
+            import paths (``"torch.nn.LayerNorm"``), or qualified names / glob patterns as in ``named_modules()``
+            (``"head"``, ``"encoder.*.attn"``). Installed when the model is connected, removed at teardown;
+            ``state_dict()`` keys never change. An entry that matches nothing is an error.
 
     The scaler knobs are for ``"16-mixed"``; giving one with ``"bf16-mixed"`` is an error.
 
@@ -93,6 +98,7 @@ class AmpPlusPrecision(Precision):
         hysteresis: Optional[int] = None,
         skip_nonfinite: bool = True,
         skip_scheduler_on_overflow: bool = True,
+        fp32_modules: Optional[list[Union[str, type[torch.nn.Module]]]] = None,
     ) -> None:
         owner = type(self).__name__
         check_choice(
@@ -136,6 +142,8 @@ class AmpPlusPrecision(Precision):
         self.device = device
         self.skip_nonfinite = skip_nonfinite
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
+        self.fp32_modules = check_entries(owner, fp32_modules)
+        self._islands = Fp32Islands(self.fp32_modules)
         self.scaler: Optional[DynamicLossScaler] = None
         if precision == "16-mixed":
             # the device type is only known once connected when `device=None`; "cpu" never disables the scaler
@@ -143,6 +151,8 @@ class AmpPlusPrecision(Precision):
         self.history = ScaleHistory()
         #: callables run on every skipped step whose skip the host knows (see :class:`SkipEvent`)
         self.skip_listeners: list[Callable[[SkipEvent], None]] = []
+        #: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)
+        self.before_unscale_listeners: list[Callable[[Optimizer, int], None]] = []
         #: when True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)
         self.sync_skips = False
         self._module: Optional[pl.LightningModule] = None
@@ -176,12 +186,20 @@ class AmpPlusPrecision(Precision):
                     )
         if module is not None and module.automatic_optimization and self.skip_scheduler_on_overflow:
             self._wrap_scheduler_hook(module)
+        if module is not None and self.fp32_modules:
+            self._islands.install(module, self.device or "cpu")
         return model, optimizers, lr_schedulers
+
+    @property
+    def fp32_module_names(self) -> list[str]:
+        """The qualified names of the modules running as fp32 islands (empty before the model is connected)."""
+        return list(self._islands.names)
 
     @override
     def teardown(self) -> None:
         self._apply_pending_update()
         self.history.flush()
+        self._islands.remove()
         if self._module is not None and self._wrapped_scheduler_hook:
             self._module.__dict__.pop("lr_scheduler_step", None)
             self._wrapped_scheduler_hook = False
@@ -271,6 +289,8 @@ class AmpPlusPrecision(Precision):
     def _unscale(self, optimizer: Optimizer) -> None:
         if self.scaler is not None:
             if not self.scaler.is_unscaled(optimizer):
+                for listener in list(self.before_unscale_listeners):
+                    listener(optimizer, self._cycle_step if self._cycle_step is not None else 0)
                 self.scaler.unscale_(optimizer)
         elif self.skip_nonfinite and id(optimizer) not in self._bf16_found:
             self._bf16_found[id(optimizer)] = _nonfinite_flag(optimizer)

@@ -3,6 +3,8 @@
 import json
 import os
 
+import torch
+
 from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -48,6 +50,8 @@ def test_cli_builds_everything_from_yaml(tmp_path, monkeypatch):
     assert plugin.scaler.get_growth_interval() == 20
     assert plugin.scaler.hysteresis == 2
     assert plugin.history.num_steps == 5
+    assert plugin.fp32_modules[0] is torch.nn.LayerNorm
+    assert plugin.fp32_module_names == []  # installed while fitting, removed at teardown
     kinds = {type(c) for c in cli.trainer.callbacks}
     assert {LossScaleMonitor, NaNSkipReporter} <= kinds
     assert (tmp_path / "runs" / "cli" / "skips.json").exists()

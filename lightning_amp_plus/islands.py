@@ -1,0 +1,146 @@
+"""fp32 islands: run chosen modules with autocast disabled and float32 inputs, without touching model code.
+
+Torch only. :class:`Fp32Islands` resolves the user's entries (module classes, import paths of classes, qualified
+names or glob patterns as in ``named_modules()``), then installs a forward wrapper on each matched module instance
+and removes it again; parameters, buffers and ``state_dict()`` keys are never changed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import importlib
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+Fp32Entry = Union[str, type]
+
+
+def _resolve_class(entry: str) -> type | None:
+    """``"torch.nn.LayerNorm"`` -> the class, or None when ``entry`` is not an importable module class."""
+    if "." not in entry or any(ch in entry for ch in "*?[]"):
+        return None
+    module_name, _, attr = entry.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return obj if isinstance(obj, type) and issubclass(obj, nn.Module) else None
+
+
+def check_entries(owner: str, entries: Any) -> list[Fp32Entry]:
+    """Validate ``fp32_modules`` (a list of module classes or strings)."""
+    if entries is None:
+        return []
+    if isinstance(entries, (str, type)) or not isinstance(entries, Iterable):
+        raise TypeError(
+            f"`{owner}(fp32_modules={entries!r})` is invalid: expected a list of module classes, import paths"
+            " or module-name patterns, e.g. [torch.nn.LayerNorm, 'head', 'encoder.*.attn']."
+        )
+    out: list[Fp32Entry] = []
+    for entry in entries:
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            out.append(entry)
+        elif isinstance(entry, str) and entry:
+            out.append(_resolve_class(entry) or entry)
+        else:
+            raise TypeError(
+                f"`{owner}(fp32_modules=[..., {entry!r}, ...])` is invalid: each entry must be an `nn.Module`"
+                " subclass, an import path of one, or a module-name pattern."
+            )
+    return out
+
+
+def _cast_inputs(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() and value.dtype != torch.float64 else value
+    if isinstance(value, (list, tuple)):
+        cast = [_cast_inputs(v) for v in value]
+        return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
+    if isinstance(value, dict):
+        return {k: _cast_inputs(v) for k, v in value.items()}
+    return value
+
+
+def _fp32_forward(original: Any, device_type: str) -> Any:
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, enabled=False):
+            return original(*_cast_inputs(args), **_cast_inputs(kwargs))
+
+    return forward
+
+
+class Fp32Islands:
+    """The modules of one model that run in float32 under autocast.
+
+    Args:
+        entries: module classes or qualified-name patterns (already checked by :func:`check_entries`).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+        >>> islands = Fp32Islands([nn.LayerNorm, "2"])
+        >>> islands.install(model, "cpu")
+        ['1', '2']
+        >>> with torch.autocast("cpu", dtype=torch.float16):
+        ...     model(torch.randn(3, 4)).dtype
+        torch.float32
+        >>> islands.remove()
+        >>> "forward" in vars(model[1])
+        False
+    """
+
+    def __init__(self, entries: Sequence[Fp32Entry]) -> None:
+        self.entries = list(entries)
+        self.names: list[str] = []
+        self._installed: list[tuple[nn.Module, Any]] = []
+
+    def match(self, model: nn.Module) -> list[str]:
+        """Names of the modules the entries select; raises ``ValueError`` for an entry that matches nothing."""
+        named = [(n, m) for n, m in model.named_modules() if n]
+        selected: dict[str, None] = {}
+        for entry in self.entries:
+            if isinstance(entry, type):
+                hits = [n for n, m in named if isinstance(m, entry)]
+                what = f"class {entry.__module__}.{entry.__qualname__}"
+            else:
+                hits = [n for n, _ in named if fnmatch.fnmatchcase(n, entry)]
+                what = f"pattern {entry!r}"
+            if not hits:
+                names = [n for n, _ in named]
+                close = difflib.get_close_matches(str(entry), names, n=5, cutoff=0.3) or names[:5]
+                raise ValueError(
+                    f"`AmpPlusPrecision(fp32_modules=...)`: the {what} matches no module of"
+                    f" {type(model).__name__}. Close module names: {', '.join(close) or '(none)'}."
+                )
+            selected.update(dict.fromkeys(hits))
+        return list(selected)
+
+    def install(self, model: nn.Module, device_type: str) -> list[str]:
+        """Wrap the selected modules' ``forward``; returns their names."""
+        self.remove()
+        names = self.match(model)
+        modules = dict(model.named_modules())
+        for name in names:
+            module = modules[name]
+            previous = module.__dict__.get("forward")
+            module.forward = _fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
+            self._installed.append((module, previous))
+        self.names = names
+        return names
+
+    def remove(self) -> None:
+        """Restore every wrapped module exactly as it was."""
+        for module, previous in self._installed:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous  # type: ignore[method-assign]
+        self._installed = []
+        self.names = []
