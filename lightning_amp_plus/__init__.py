@@ -1,7 +1,13 @@
 """lightning-amp-plus: visible, controllable and safe mixed precision for PyTorch Lightning."""
 
 from lightning_amp_plus.__about__ import __version__
-from lightning_amp_plus.callbacks import LossScaleCollapseError, LossScaleMonitor, NaNSkipReporter
+from lightning_amp_plus.callbacks import (
+    GradUnderflowMonitor,
+    LossScaleCollapseError,
+    LossScaleMonitor,
+    NaNSkipReporter,
+    PrecisionReport,
+)
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.plot import plot_history, plot_run
 from lightning_amp_plus.precision import AmpPlusPrecision, SkipEvent
@@ -10,9 +16,11 @@ from lightning_amp_plus.scaler import DynamicLossScaler
 __all__ = [
     "AmpPlusPrecision",
     "DynamicLossScaler",
+    "GradUnderflowMonitor",
     "LossScaleCollapseError",
     "LossScaleMonitor",
     "NaNSkipReporter",
+    "PrecisionReport",
     "ScaleHistory",
     "SkipEvent",
     "__version__",

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._validation import check_int
+from lightning_amp_plus.syncs import to_host
 
 _STATE_VERSION = 1
 
@@ -86,7 +87,7 @@ class ScaleHistory:
         if not self._pending_steps:
             return
         assert self._buffer is not None
-        rows = self._buffer[: len(self._pending_steps)].tolist()
+        rows = to_host(self._buffer[: len(self._pending_steps)])  # the one transfer
         for step, (scale, found) in zip(self._pending_steps, rows, strict=False):
             self._take(step, scale, found)
         self._pending_steps = []

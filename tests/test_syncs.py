@@ -111,4 +111,5 @@ def test_skip_aware_scheduler_with_fused_optimizer_costs_at_most_one_per_step():
     trainer = make_trainer(plugins=[ours()], max_steps=STEPS)
     with HostSyncCounter() as counter:
         trainer.fit(model)
-    assert counter.count - FIXED == STEPS  # reading the device skip flag once per step, only for the scheduler
+    # reading the device skip flag once per step, for the scheduler only; plus the history's flush at the end
+    assert STEPS <= counter.count - FIXED <= STEPS + 1

@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_amp_plus._validation import check_bool, check_int
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
 from lightning_amp_plus.precision import AmpPlusPrecision, SkipEvent
+from lightning_amp_plus.syncs import to_host
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -126,9 +127,9 @@ class NaNSkipReporter(Callback):
                         grads.append(param.grad)
         if not grads:
             return []
-        counts = torch.stack(
-            [torch.stack([g.isinf().sum(), g.isnan().sum()]).to(grads[0].device) for g in grads]
-        ).tolist()  # one host transfer, on skipped steps only
+        counts = to_host(
+            torch.stack([torch.stack([g.isinf().sum(), g.isnan().sum()]).to(grads[0].device) for g in grads])
+        )  # one host transfer, on skipped steps only
         return [
             {"name": name, "inf": int(n_inf), "nan": int(n_nan)}
             for name, (n_inf, n_nan) in zip(names, counts, strict=False)

@@ -1,0 +1,160 @@
+"""GradUnderflowMonitor: where the scaled gradients sit in float16's range (underflow fraction and headroom)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_amp_plus._validation import check_int
+from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
+from lightning_amp_plus.precision import AmpPlusPrecision
+from lightning_amp_plus.syncs import to_host
+
+FP16_TINY = 2.0**-24  # smallest positive float16 subnormal
+FP16_MAX = 65504.0
+
+
+class GradUnderflowMonitor(Callback):
+    """Measure the scaled gradients before they are unscaled, every ``every_n_steps`` optimizer steps (16-mixed).
+
+    Logs to every logger, at the optimizer step measured:
+
+    * ``{prefix}underflow_fraction``: the fraction of gradient elements that are zero or whose scaled magnitude is
+      below float16's smallest subnormal (``2**-24``), i.e. lost or about to be lost to fp16;
+    * ``{prefix}headroom_bits``: ``log2(65504 / max |scaled gradient|)``, how many doublings of the scale remain
+      before the largest gradient overflows (omitted when the step overflowed);
+    * with ``per_parameter=k``, ``{prefix}underflow/<name>`` for the ``k`` parameters with the highest fraction.
+
+    Computed on the device (a foreach max-norm and one count per gradient), one host transfer per measurement, and
+    nothing on the other steps. Warns (rank zero, at most ``max_warnings`` times) when the underflow fraction
+    stays at or above ``warn_fraction`` for ``patience`` measurements in a row while the scale sits at
+    ``min_scale``. :attr:`measurements` keeps ``{step, scale, underflow_fraction, headroom_bits}``.
+
+    Args:
+        every_n_steps: measure every this many optimizer steps (default: ``Trainer(log_every_n_steps)``).
+        per_parameter: also log this many worst parameters (default 0).
+        warn_fraction: underflow fraction that counts as high (default 0.5).
+        patience: high measurements in a row before warning (default 3).
+        max_warnings: warnings at most (default 3).
+        prefix: key prefix (default ``"amp/"``).
+
+    Example:
+        >>> from lightning_amp_plus import GradUnderflowMonitor
+        >>> GradUnderflowMonitor(every_n_steps=10).measurements
+        []
+    """
+
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = None,
+        per_parameter: int = 0,
+        warn_fraction: float = 0.5,
+        patience: int = 3,
+        max_warnings: int = 3,
+        prefix: str = "amp/",
+    ) -> None:
+        owner = type(self).__name__
+        if every_n_steps is not None:
+            check_int(owner, "every_n_steps", every_n_steps, minimum=1)
+        check_int(owner, "per_parameter", per_parameter, minimum=0)
+        check_int(owner, "patience", patience, minimum=1)
+        check_int(owner, "max_warnings", max_warnings, minimum=0)
+        if not isinstance(warn_fraction, (int, float)) or isinstance(warn_fraction, bool) or not 0 < warn_fraction <= 1:
+            raise ValueError(f"`{owner}(warn_fraction={warn_fraction!r})` is invalid: expected 0 < warn_fraction <= 1.")
+        self.every_n_steps = every_n_steps
+        self.per_parameter = per_parameter
+        self.warn_fraction = float(warn_fraction)
+        self.patience = patience
+        self.max_warnings = max_warnings
+        self.prefix = prefix
+        self.measurements: list[dict[str, Any]] = []
+        self._plugin: Optional[AmpPlusPrecision] = None
+        self._trainer: Optional[pl.Trainer] = None
+        self._names: dict[int, str] = {}
+        self._interval = 1
+        self._high = 0
+        self._warned = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        plugin = find_plugin(trainer, type(self).__name__)
+        self._plugin = plugin
+        self._trainer = trainer
+        self._interval = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", None) or 50)
+        self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        if plugin.scaler is None:
+            rank_zero_warn(
+                "`GradUnderflowMonitor` measures float16 underflow of scaled gradients; with bf16-mixed there is no"
+                " scaler and bfloat16 has float32's range, so it measures nothing."
+            )
+            return
+        if self._measure not in plugin.before_unscale_listeners:
+            plugin.before_unscale_listeners.append(self._measure)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._plugin is not None and self._measure in self._plugin.before_unscale_listeners:
+            self._plugin.before_unscale_listeners.remove(self._measure)
+
+    def _measure(self, optimizer: Optimizer, step: int) -> None:
+        if step % self._interval != 0:
+            return
+        assert self._plugin is not None
+        assert self._plugin.scaler is not None
+        assert self._trainer is not None
+        names, grads = [], []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and not param.grad.is_sparse:
+                    names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
+                    grads.append(param.grad)
+        if not grads:
+            return
+        scale = self._plugin.scaler.scale_tensor()
+        assert scale is not None
+        device = grads[0].device
+        with torch.no_grad():
+            # max |g| per gradient in one foreach kernel; the count of zero/sub-2**-24 elements per gradient
+            maxima = torch.stack([m.float().to(device) for m in torch._foreach_norm(grads, float("inf"))])
+            small = torch.stack([(g.abs() < FP16_TINY).sum().to(device) for g in grads]).float()
+            packed = torch.cat([maxima.max().reshape(1), scale.reshape(1).to(device), small])
+            values = to_host(packed)  # the one host transfer of this measurement
+        largest, scale_value, counts = values[0], values[1], values[2:]
+        fraction = sum(counts) / sum(g.numel() for g in grads)
+        record: dict[str, Any] = {"step": step, "scale": scale_value, "underflow_fraction": fraction}
+        metrics = {f"{self.prefix}underflow_fraction": fraction}
+        if math.isfinite(largest) and largest > 0:
+            record["headroom_bits"] = math.log2(FP16_MAX / largest)
+            metrics[f"{self.prefix}headroom_bits"] = record["headroom_bits"]
+        else:
+            record["headroom_bits"] = None
+        if self.per_parameter:
+            per = sorted(((c / g.numel(), n) for c, g, n in zip(counts, grads, names, strict=True)), reverse=True)
+            record["worst"] = [{"name": n, "underflow_fraction": f} for f, n in per[: self.per_parameter]]
+            for f, n in per[: self.per_parameter]:
+                metrics[f"{self.prefix}underflow/{n}"] = f
+        self.measurements.append(record)
+        log_to_all(self._trainer, metrics, step)
+        self._check(record)
+
+    def _check(self, record: dict[str, Any]) -> None:
+        assert self._plugin is not None
+        assert self._plugin.scaler is not None
+        at_floor = record["scale"] <= self._plugin.scaler.min_scale
+        self._high = self._high + 1 if (at_floor and record["underflow_fraction"] >= self.warn_fraction) else 0
+        if self._high >= self.patience and self._warned < self.max_warnings:
+            self._warned += 1
+            self._high = 0
+            rank_zero_warn(
+                f"`GradUnderflowMonitor`: {100 * record['underflow_fraction']:.0f}% of gradient elements underflow"
+                f" float16 while the loss scale sits at min_scale={self._plugin.scaler.min_scale:g} (step"
+                f" {record['step']}). HINT: raise `min_scale` or `init_scale`, use precision='bf16-mixed', or keep"
+                " the layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`)."
+            )

@@ -1,0 +1,236 @@
+"""PrecisionReport: per leaf module, the dtypes autocast really produced and its share of forward time."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_amp_plus._validation import check_bool, check_int
+from lightning_amp_plus.callbacks._common import find_plugin
+
+#: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
+HEAVY_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.MultiheadAttention,
+    nn.LSTM,
+    nn.GRU,
+    nn.RNN,
+)
+
+
+def _first_dtype(value: Any) -> Optional[torch.dtype]:
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.is_floating_point() else None
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            found = _first_dtype(v)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_dtype(list(value.values()))
+    return None
+
+
+def _name(dtype: Optional[torch.dtype]) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "-"
+
+
+class PrecisionReport(Callback):
+    """Record, for each leaf module, the dtypes it ran in and its share of forward time; flag fp32 heavy work.
+
+    On the first training batch (and every ``every_n_batches`` batches when given) it hooks every leaf module for
+    one forward pass and records a row: ``name``, ``type``, ``input_dtype``, ``output_dtype``, ``param_dtype``,
+    ``time_ms``, ``time_share``, ``autocast`` (whether autocast was on when the module ran), ``flagged`` and
+    ``cause``. A module is flagged when it does matmul/conv work (see ``HEAVY_TYPES``) or takes at least
+    ``flag_share`` of the forward time, yet produced float32 under mixed precision; the cause names an fp32 island,
+    autocast disabled around it (``autocast(enabled=False)``), or an explicit cast / an op autocast keeps in fp32.
+    Rows are in :attr:`rows` (the latest inspection); a table is printed on rank zero. Hooks are removed right
+    after the inspected batch, so the other batches cost nothing.
+
+    Timing is wall clock on CPU and CUDA events on GPU.
+
+    Args:
+        every_n_batches: inspect again every this many batches (default: only the first).
+        flag_share: time share from which an fp32 module is flagged whatever its type (default 0.25).
+        print_table: print the table on rank zero (default True).
+
+    Example:
+        >>> from lightning_amp_plus import PrecisionReport
+        >>> PrecisionReport(every_n_batches=100).rows
+        []
+    """
+
+    def __init__(self, every_n_batches: Optional[int] = None, flag_share: float = 0.25, print_table: bool = True):
+        owner = type(self).__name__
+        if every_n_batches is not None:
+            check_int(owner, "every_n_batches", every_n_batches, minimum=1)
+        if not isinstance(flag_share, (int, float)) or isinstance(flag_share, bool) or not 0 < flag_share <= 1:
+            raise ValueError(f"`{owner}(flag_share={flag_share!r})` is invalid: expected 0 < flag_share <= 1.")
+        check_bool(owner, "print_table", print_table)
+        self.every_n_batches = every_n_batches
+        self.flag_share = float(flag_share)
+        self.print_table = print_table
+        self.rows: list[dict[str, Any]] = []
+        self._handles: list[Any] = []
+        self._stats: dict[str, dict[str, Any]] = {}
+        self._order: list[str] = []
+        self._batches = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._plugin = find_plugin(trainer, type(self).__name__)
+
+    def _due(self) -> bool:
+        if self._batches == 0:
+            return True
+        return self.every_n_batches is not None and self._batches % self.every_n_batches == 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self._due():
+            self._install(pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._handles:
+            self._remove()
+            self.rows = self._build_rows()
+            if self.print_table and trainer.is_global_zero:
+                rank_zero_info(self.format_table())
+        self._batches += 1
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove()
+
+    # ------------------------------------------------------------------ hooks
+    def _install(self, pl_module: pl.LightningModule) -> None:
+        self._stats = {}
+        self._order = []
+        device_type = pl_module.device.type
+        use_events = device_type == "cuda"
+        for name, module in pl_module.named_modules():
+            if not name or list(module.children()):
+                continue
+            stats = {"module": module, "calls": 0, "time": 0.0, "events": []}
+            self._stats[name] = stats
+
+            def pre(mod: nn.Module, args: Any, kwargs: Any, stats: dict = stats, name: str = name) -> None:
+                if name not in self._order:
+                    self._order.append(name)
+                stats["input"] = stats.get("input") or _first_dtype((args, kwargs))
+                stats["autocast"] = torch.is_autocast_enabled(device_type)
+                if use_events:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    stats["start"] = start
+                else:
+                    stats["t0"] = time.perf_counter()
+
+            def post(mod: nn.Module, args: Any, kwargs: Any, output: Any, stats: dict = stats) -> None:
+                if use_events:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    stats["events"].append((stats.pop("start"), end))
+                else:
+                    stats["time"] += time.perf_counter() - stats.pop("t0")
+                stats["calls"] += 1
+                stats["output"] = _first_dtype(output)
+
+            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ rows
+    def _build_rows(self) -> list[dict[str, Any]]:
+        if any(s["events"] for s in self._stats.values()):
+            torch.cuda.synchronize()
+            for s in self._stats.values():
+                s["time"] = sum(a.elapsed_time(b) for a, b in s["events"]) / 1e3
+        ran = [(n, self._stats[n]) for n in self._order if self._stats[n]["calls"]]
+        total = sum(s["time"] for _, s in ran) or 1.0
+        mixed = self._plugin.precision in ("16-mixed", "bf16-mixed")
+        islands = set(self._plugin.fp32_module_names)
+        rows = []
+        for name, s in ran:
+            module = s["module"]
+            params = [p for p in module.parameters(recurse=False)]
+            param_dtype = params[0].dtype if params else None
+            share = s["time"] / total
+            output = s.get("output")
+            heavy = isinstance(module, HEAVY_TYPES)
+            flagged = mixed and output == torch.float32 and (heavy or share >= self.flag_share)
+            cause = None
+            if flagged:
+                if name in islands:
+                    cause = "fp32 island (AmpPlusPrecision(fp32_modules=...))"
+                elif not s.get("autocast"):
+                    cause = "autocast disabled around it (an `autocast(enabled=False)` block)"
+                elif s.get("input") == torch.float32 and not heavy:
+                    cause = "an op autocast keeps in float32 (its fp32 list), or fp32 inputs"
+                else:
+                    cause = "an explicit cast to float32 (`.float()`), or an op autocast keeps in float32"
+            rows.append(
+                {
+                    "name": name,
+                    "type": type(module).__name__,
+                    "input_dtype": _name(s.get("input")),
+                    "output_dtype": _name(output),
+                    "param_dtype": _name(param_dtype),
+                    "time_ms": s["time"] * 1e3,
+                    "time_share": share,
+                    "autocast": bool(s.get("autocast")),
+                    "flagged": flagged,
+                    "cause": cause,
+                }
+            )
+        return rows
+
+    def format_table(self) -> str:
+        """The latest rows as a text table."""
+        header = ("module", "type", "in", "out", "param", "time ms", "share", "flag")
+        lines = [
+            (
+                r["name"],
+                r["type"],
+                r["input_dtype"],
+                r["output_dtype"],
+                r["param_dtype"],
+                f"{r['time_ms']:.3f}",
+                f"{100 * r['time_share']:.1f}%",
+                r["cause"] or "",
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        out = ["PrecisionReport (first inspected batch)" if self._batches == 0 else "PrecisionReport"]
+        out.append(fmt.format(*header))
+        out.extend(fmt.format(*line) for line in lines)
+        flagged = [r for r in self.rows if r["flagged"]]
+        if flagged:
+            out.append(
+                f"{len(flagged)} module(s) do heavy work in float32 under mixed precision: "
+                + ", ".join(r["name"] for r in flagged)
+            )
+        return "\n".join(out)
