@@ -100,7 +100,9 @@ class PrecisionReport(Callback):
         return self.every_n_batches is not None and self._batches % self.every_n_batches == 0
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._due():
             self._install(pl_module)
 

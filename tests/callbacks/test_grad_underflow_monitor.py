@@ -1,7 +1,6 @@
 import warnings
 
 import pytest
-import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, GradUnderflowMonitor
@@ -61,7 +60,8 @@ def test_logged_and_measured_only_every_n_steps(tmp_path):
     assert [m["step"] for m in monitor.measurements] == [0, 3, 6]
     with open(logger.experiment.metrics_file_path) as f:
         text = f.read()
-    assert "amp/underflow_fraction" in text and "amp/headroom_bits" in text
+    assert "amp/underflow_fraction" in text
+    assert "amp/headroom_bits" in text
 
 
 def test_one_host_transfer_per_measurement():

@@ -27,13 +27,17 @@ def test_report_dtypes_with_one_island():
     make_trainer(plugins=[plugin], callbacks=[report], max_steps=3).fit(model)
     rows = {r["name"]: r for r in report.rows}
     assert list(rows) == ["net.0", "net.1", "net.2", "head"]  # forward order
-    assert rows["net.0"]["output_dtype"] == "float16" and not rows["net.0"]["flagged"]
+    assert rows["net.0"]["output_dtype"] == "float16"
+    assert not rows["net.0"]["flagged"]
     # the island receives float16 from net.1 and casts it: float32 out
     assert rows["net.2"]["input_dtype"] == "float16"
     assert rows["net.2"]["output_dtype"] == "float32"
-    assert rows["net.2"]["flagged"] and "fp32 island" in rows["net.2"]["cause"]
-    assert rows["head"]["flagged"] and "autocast disabled" in rows["head"]["cause"]
-    assert rows["net.0"]["param_dtype"] == "float32" and rows["net.1"]["param_dtype"] == "-"
+    assert rows["net.2"]["flagged"]
+    assert "fp32 island" in rows["net.2"]["cause"]
+    assert rows["head"]["flagged"]
+    assert "autocast disabled" in rows["head"]["cause"]
+    assert rows["net.0"]["param_dtype"] == "float32"
+    assert rows["net.1"]["param_dtype"] == "-"
     assert sum(r["time_share"] for r in report.rows) == pytest.approx(1.0)
     # hooks are gone after the inspected batch
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
@@ -46,7 +50,9 @@ def test_bf16_dtypes_and_table(capsys):
     assert [r["output_dtype"] for r in report.rows] == ["bfloat16", "bfloat16", "bfloat16"]
     assert not any(r["flagged"] for r in report.rows)
     table = report.format_table()
-    assert "net.0" in table and "Linear" in table and "bfloat16" in table
+    assert "net.0" in table
+    assert "Linear" in table
+    assert "bfloat16" in table
 
 
 def test_every_n_batches_inspects_again():
