@@ -8,12 +8,14 @@ from lightning_amp_plus.callbacks import (
     NaNSkipReporter,
     PrecisionReport,
 )
+from lightning_amp_plus.engine import AmpEngine, SkipEvent
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.plot import plot_history, plot_run
-from lightning_amp_plus.precision import AmpPlusPrecision, SkipEvent
+from lightning_amp_plus.precision import AmpPlusPrecision
 from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = [
+    "AmpEngine",
     "AmpPlusPrecision",
     "DynamicLossScaler",
     "GradUnderflowMonitor",

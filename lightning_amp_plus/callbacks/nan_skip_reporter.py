@@ -16,7 +16,8 @@ from typing_extensions import override
 
 from lightning_amp_plus._validation import check_bool, check_int
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
-from lightning_amp_plus.precision import AmpPlusPrecision, SkipEvent
+from lightning_amp_plus.engine import SkipEvent
+from lightning_amp_plus.precision import AmpPlusPrecision
 from lightning_amp_plus.syncs import to_host
 
 

@@ -1,0 +1,309 @@
+"""AmpEngine: the optimizer-step cycle shared by the Lightning and Fabric plugins (torch only).
+
+One cycle: ``begin`` -> ``unscale`` (once per optimizer) -> the caller's hooks and clipping -> ``step`` (or skip)
+-> ``end_cycle`` (record in the history, update the scale once, tell the listeners). A cycle may hold several
+optimizers (one backward, two optimizers; a GAN's two steps in one batch): the scale updates once, at its end.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_amp_plus._validation import check_bool, check_choice, check_scaler_args
+from lightning_amp_plus.history import ScaleHistory
+from lightning_amp_plus.scaler import DynamicLossScaler
+
+
+@dataclass
+class SkipEvent:
+    """A skipped optimizer-step cycle, as handed to the ``skip_listeners``.
+
+    Gradients are still in place (unscaled) when listeners run, so they can be inspected.
+    """
+
+    step: int
+    scale: float
+    new_scale: float
+    optimizers: list[Optimizer] = field(default_factory=list)
+
+
+class AmpEngine:
+    """The scale/unscale/step/skip/record/update cycle, independent of any trainer.
+
+    Args:
+        precision: ``"16-mixed"`` (uses ``scaler``) or ``"bf16-mixed"`` (no scaler).
+        scaler: the loss scaler for 16-mixed, ``None`` for bf16-mixed.
+        skip_nonfinite: bf16-mixed: skip steps whose gradients hold inf/nan.
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed"],
+        scaler: Optional[DynamicLossScaler],
+        skip_nonfinite: bool = True,
+    ) -> None:
+        self.precision = precision
+        self.scaler = scaler
+        self.skip_nonfinite = skip_nonfinite
+        self.history = ScaleHistory()
+        #: callables run on every skipped cycle whose skip the host knows (see :class:`SkipEvent`)
+        self.skip_listeners: list[Callable[[SkipEvent], None]] = []
+        #: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)
+        self.before_unscale_listeners: list[Callable[[Optimizer, int], None]] = []
+        #: when True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)
+        self.sync_skips = False
+        self._cycle_step: Optional[int] = None
+        self._cycle_optimizers: list[Optimizer] = []
+        self._bf16_found: dict[int, Tensor] = {}
+        self._bf16_cycle_found: Optional[Tensor] = None
+        self._bf16_skipped: dict[int, Union[bool, Tensor]] = {}
+        self._last_cycle_skipped: Union[bool, Tensor, None] = None
+        self._one: Optional[Tensor] = None
+
+    # ------------------------------------------------------------------ the cycle
+    def scale(self, loss: Tensor) -> Tensor:
+        """The loss times the current scale (unchanged for bf16-mixed)."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    @property
+    def cycle_open(self) -> bool:
+        """Whether some optimizer stepped since the last update."""
+        return bool(self._cycle_optimizers)
+
+    def next_step(self) -> int:
+        """The step index the next cycle gets when the caller has none: one past the last recorded."""
+        last = self.history.last_step
+        return 0 if last is None else last + 1
+
+    def begin(self, optimizer: Optimizer, step: Optional[int] = None) -> None:
+        """Open a cycle (or join the open one) for ``optimizer``; ``step`` is the caller's step index."""
+        if any(o is optimizer for o in self._cycle_optimizers):
+            self.end_cycle()  # the same optimizer steps twice before the cycle closed: close it first
+        if self._cycle_step is None:
+            self._cycle_step = self.next_step() if step is None else max(step, self.next_step())
+            self._bf16_skipped.clear()
+            if self.scaler is not None:
+                self.scaler._last_skipped.clear()
+
+    def unscale(self, optimizer: Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients once per cycle (bf16: find non-finite gradients once)."""
+        if self.scaler is not None:
+            if not self.scaler.is_unscaled(optimizer):
+                step = self._cycle_step if self._cycle_step is not None else self.next_step()
+                for listener in list(self.before_unscale_listeners):
+                    listener(optimizer, step)
+                self.scaler.unscale_(optimizer)
+        elif self.skip_nonfinite and id(optimizer) not in self._bf16_found:
+            self._bf16_found[id(optimizer)] = nonfinite_flag(optimizer)
+
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Step ``optimizer`` unless its gradients hold inf/nan (parameters and state then stay bit-identical)."""
+        self._cycle_optimizers.append(optimizer)
+        if self.scaler is not None:
+            return self.scaler.step(optimizer, **kwargs)
+        found = self._bf16_found.pop(id(optimizer), None)
+        if found is None:
+            return optimizer.step(**kwargs)
+        self._bf16_cycle_found = found if self._bf16_cycle_found is None else self._bf16_cycle_found + found
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # fused kernels skip on the device: no host sync
+            optimizer.grad_scale = None  # type: ignore[attr-defined]
+            optimizer.found_inf = found  # type: ignore[attr-defined]
+            try:
+                output = optimizer.step(**kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            self._bf16_skipped[id(optimizer)] = found > 0
+            return output
+        skipped = bool(found.item())
+        self._bf16_skipped[id(optimizer)] = skipped
+        return None if skipped else optimizer.step(**kwargs)
+
+    def apply_pending_update(self) -> None:
+        """Close the open cycle, if any."""
+        if self._cycle_optimizers:
+            self.end_cycle()
+
+    def end_cycle(self) -> None:
+        """Record the cycle in the history, update the scale once, and tell the listeners about a known skip."""
+        step = self._cycle_step if self._cycle_step is not None else self.next_step()
+        optimizers = self._cycle_optimizers
+        scale_before = 1.0
+        if self.scaler is not None:
+            scale = self.scaler.scale_tensor()
+            assert scale is not None
+            self.history.record(step, scale, self.scaler.found_inf())
+            skipped = self._cycle_skipped(optimizers)
+            if skipped is True:
+                scale_before = float(scale.item())  # only on skipped steps
+            self.scaler.update()
+        else:
+            found, self._bf16_cycle_found = self._bf16_cycle_found, None
+            if found is None:
+                self.history.record(step, 1.0, 0.0)
+            else:
+                if self._one is None or self._one.device != found.device:
+                    self._one = torch.ones((), device=found.device)
+                self.history.record(step, self._one, found)
+            skipped = self._cycle_skipped(optimizers)
+        self._last_cycle_skipped = skipped
+        self._cycle_optimizers = []
+        self._cycle_step = None
+        if skipped is True and self.skip_listeners:
+            new_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+            event = SkipEvent(
+                step=step,
+                scale=scale_before,
+                new_scale=new_scale,
+                optimizers=[o for o in optimizers if self.step_was_skipped(o)],
+            )
+            for listener in list(self.skip_listeners):
+                listener(event)
+
+    def _cycle_skipped(self, optimizers: list[Optimizer]) -> Optional[bool]:
+        """Whether some optimizer of the cycle skipped: known on the host, or None (decided on the device)."""
+        outcome: Optional[bool] = False
+        for optimizer in optimizers:
+            skipped = self.step_was_skipped(optimizer, sync=self.sync_skips)
+            if skipped is True:
+                return True
+            if skipped is None:
+                outcome = None
+        return outcome
+
+    # ------------------------------------------------------------------ public state
+    def step_was_skipped(self, optimizer: Optimizer, *, sync: bool = True) -> Optional[bool]:
+        """Whether ``optimizer``'s last step was skipped (``None`` if it has not stepped).
+
+        Free when the host already knows; for fused optimizers the flag is read from the device when ``sync``.
+        """
+        if self.scaler is not None:
+            return self.scaler.step_was_skipped(optimizer, sync=sync)
+        value = self._bf16_skipped.get(id(optimizer))
+        if value is None or isinstance(value, bool):
+            return value
+        if not sync:
+            return None
+        resolved = bool(value.item())
+        self._bf16_skipped[id(optimizer)] = resolved
+        return resolved
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last cycle was skipped (reads the device flag for fused optimizers: one sync)."""
+        if self._last_cycle_skipped is None:
+            flags = self.scaler._last_skipped if self.scaler is not None else self._bf16_skipped
+            self._last_cycle_skipped = any(bool(f.item()) if isinstance(f, Tensor) else f for f in flags.values())
+        return bool(self._last_cycle_skipped)
+
+    @property
+    def skip_known_on_host(self) -> bool:
+        """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
+        return self._last_cycle_skipped is not None
+
+    @property
+    def applied_steps(self) -> int:
+        """Cycles that updated the weights (recorded cycles minus skipped ones)."""
+        return self.history.num_steps - self.history.num_skipped
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 for bf16-mixed). Reads the device value: one host sync."""
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler (every tracker) and the history; closes an open cycle first."""
+        self.apply_pending_update()
+        state: dict[str, Any] = {"precision": self.precision, "history": self.history.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output (a plain ``GradScaler`` state loads into the scaler too)."""
+        if "scaler" in state_dict and self.scaler is not None:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        elif self.scaler is not None and "scale" in state_dict:
+            self.scaler.load_state_dict(state_dict)
+        if "history" in state_dict:
+            self.history.load_state_dict(state_dict["history"])
+
+
+def nonfinite_flag(optimizer: Optimizer) -> Tensor:
+    """A device flag (> 0) telling whether any gradient of ``optimizer`` holds inf/nan; read-only, no host sync."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                grad = param.grad._values() if param.grad.is_sparse else param.grad
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    flags = []
+    for grads in groups.values():
+        norms = torch._foreach_norm(grads, float("inf"))  # max |g| per tensor; inf/nan propagate
+        flags.append(torch.stack(norms).isfinite().logical_not().any().float())
+    if not flags:
+        warnings.warn("an optimizer stepped without any gradient.", stacklevel=3)
+        return torch.zeros(())
+    first = flags[0]
+    return sum((f.to(first.device) for f in flags[1:]), first)
+
+
+SCALER_DEFAULTS: dict[str, Any] = {
+    "init_scale": 2.0**16,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "min_scale": 1.0,
+    "max_scale": 2.0**24,
+    "hysteresis": 1,
+}
+
+
+def make_engine(
+    owner: str,
+    precision: Any,
+    device: Any,
+    skip_nonfinite: Any,
+    knobs: dict[str, Any],
+) -> AmpEngine:
+    """Validate a plugin's arguments (messages name ``owner``) and build its engine."""
+    check_choice(
+        owner,
+        "precision",
+        precision,
+        ("16-mixed", "bf16-mixed"),
+        hint="for fp32 leave the plugin out; for pure half precision use Lightning's `precision='16-true'`.",
+    )
+    if device is not None and not isinstance(device, str):
+        raise TypeError(
+            f"`{owner}(device={device!r})` is invalid: expected a device type string such as 'cuda' or 'cpu',"
+            " or None for the trainer's accelerator."
+        )
+    check_bool(owner, "skip_nonfinite", skip_nonfinite)
+    given = {k: v for k, v in knobs.items() if v is not None}
+    if precision == "bf16-mixed" and given:
+        names = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ValueError(
+            f"`{owner}(precision='bf16-mixed', {names})` is invalid: bf16-mixed uses no loss scaler."
+            " HINT: remove the scaler arguments, or use precision='16-mixed'."
+        )
+    scaler = None
+    if precision == "16-mixed":
+        check_scaler_args(owner, **{**SCALER_DEFAULTS, **given})
+        if not skip_nonfinite:
+            raise ValueError(
+                f"`{owner}(precision='16-mixed', skip_nonfinite=False)` is invalid: with loss scaling an overflowing"
+                " step must be skipped. `skip_nonfinite` applies to bf16-mixed only."
+            )
+        # the device type may only be known later (`device=None`); "cpu" never disables the scaler meanwhile
+        scaler = DynamicLossScaler(device or "cpu", **{**SCALER_DEFAULTS, **given})
+    return AmpEngine(precision, scaler, skip_nonfinite)
