@@ -9,6 +9,7 @@ from lightning_amp_plus.callbacks import (
     PrecisionReport,
 )
 from lightning_amp_plus.engine import AmpEngine, SkipEvent
+from lightning_amp_plus.fabric import AmpPlusFabricPrecision
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.plot import plot_history, plot_run
 from lightning_amp_plus.precision import AmpPlusPrecision
@@ -16,6 +17,7 @@ from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = [
     "AmpEngine",
+    "AmpPlusFabricPrecision",
     "AmpPlusPrecision",
     "DynamicLossScaler",
     "GradUnderflowMonitor",

@@ -20,15 +20,13 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._validation import check_bool
-from lightning_amp_plus.engine import AmpEngine, SkipEvent, make_engine
-from lightning_amp_plus.history import ScaleHistory
+from lightning_amp_plus.engine import AmpEngine, EngineView, SkipEvent, make_engine
 from lightning_amp_plus.islands import Fp32Islands, check_entries
-from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
 
 
-class AmpPlusPrecision(Precision):
+class AmpPlusPrecision(EngineView, Precision):
     """Mixed precision with a bounded dynamic loss scaler, unscale-before-clip and skip bookkeeping.
 
     Args:
@@ -98,65 +96,6 @@ class AmpPlusPrecision(Precision):
         self._islands = Fp32Islands(self.fp32_modules)
         self._module: Optional[pl.LightningModule] = None
         self._wrapped_scheduler_hook = False
-
-    # ------------------------------------------------------------------ the engine's public state
-    @property
-    def engine(self) -> AmpEngine:
-        """The shared scale/unscale/step/skip/record/update engine."""
-        return self._engine
-
-    @property
-    def scaler(self) -> Optional[DynamicLossScaler]:
-        """The loss scaler (16-mixed), or ``None`` (bf16-mixed)."""
-        return self._engine.scaler
-
-    @property
-    def history(self) -> ScaleHistory:
-        """The scale curve and the skipped steps."""
-        return self._engine.history
-
-    @property
-    def skip_listeners(self) -> list[Callable[[SkipEvent], None]]:
-        """Callables run on every skipped step whose skip the host knows (see :class:`SkipEvent`)."""
-        return self._engine.skip_listeners
-
-    @property
-    def before_unscale_listeners(self) -> list[Callable[[Optimizer, int], None]]:
-        """Callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)."""
-        return self._engine.before_unscale_listeners
-
-    @property
-    def sync_skips(self) -> bool:
-        """When True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)."""
-        return self._engine.sync_skips
-
-    @sync_skips.setter
-    def sync_skips(self, value: bool) -> None:
-        self._engine.sync_skips = value
-
-    def step_was_skipped(self, optimizer: Optimizer, *, sync: bool = True) -> Optional[bool]:
-        """Whether ``optimizer``'s last step was skipped (``None`` if it has not stepped)."""
-        return self._engine.step_was_skipped(optimizer, sync=sync)
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer-step cycle was skipped (reads the device flag for fused optimizers)."""
-        return self._engine.optimizer_step_was_skipped
-
-    @property
-    def skip_known_on_host(self) -> bool:
-        """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
-        return self._engine.skip_known_on_host
-
-    @property
-    def applied_steps(self) -> int:
-        """Optimizer-step cycles that updated the weights (``trainer.global_step`` counts skipped ones too)."""
-        return self._engine.applied_steps
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 for bf16-mixed). Reads the device value: one host sync."""
-        return self._engine.loss_scale
 
     @property
     def fp32_module_names(self) -> list[str]:

@@ -16,8 +16,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._validation import check_bool, check_int
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
-from lightning_amp_plus.engine import SkipEvent
-from lightning_amp_plus.precision import AmpPlusPrecision
+from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.syncs import to_host
 
 
@@ -72,7 +71,7 @@ class NaNSkipReporter(Callback):
         self.sync_fused = sync_fused
         self.prefix = prefix
         self.skips: list[dict[str, Any]] = []
-        self._plugin: Optional[AmpPlusPrecision] = None
+        self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
         self._loss: Optional[Tensor] = None
@@ -84,22 +83,33 @@ class NaNSkipReporter(Callback):
     # ------------------------------------------------------------------ wiring
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        plugin = find_plugin(trainer, type(self).__name__)
+        self.attach(find_plugin(trainer, type(self).__name__), pl_module, trainer)
+
+    def attach(self, plugin: EngineView, module: torch.nn.Module, trainer: Optional[pl.Trainer] = None) -> None:
+        """Report the skips of ``plugin`` (``AmpPlusPrecision`` or ``AmpPlusFabricPrecision``) for ``module``.
+
+        The Trainer calls this at setup. With Fabric call it yourself after ``fabric.setup``, and :meth:`finish`
+        at the end (summary and JSON report); metrics go to loggers only under a Trainer.
+        """
         self._plugin = plugin
         self._trainer = trainer
-        self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._names = {id(p): n for n, p in module.named_parameters()}
         if self._on_skip not in plugin.skip_listeners:
             plugin.skip_listeners.append(self._on_skip)
         if self.sync_fused:
             plugin.sync_skips = True
 
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def detach(self) -> None:
+        """Stop listening to the plugin."""
         if self._plugin is not None:
             if self._on_skip in self._plugin.skip_listeners:
                 self._plugin.skip_listeners.remove(self._on_skip)
             if self.sync_fused:
                 self._plugin.sync_skips = False
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.detach()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -172,7 +182,6 @@ class NaNSkipReporter(Callback):
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, record: dict[str, Any], index: Optional[int]) -> None:
         assert self._plugin is not None
-        assert self._trainer is not None
         contiguous = (
             index is not None and self._last_skip_index is not None and index == self._last_skip_index + 1
         ) or (index is None and self.skips and record["step"] - self.skips[-1]["step"] <= 1)
@@ -180,11 +189,12 @@ class NaNSkipReporter(Callback):
         self._last_skip_index = index
         self.skips.append(record)
         self._reported_upto = max(self._reported_upto, record["step"])
-        log_to_all(
-            self._trainer,
-            {f"{self.prefix}step_skipped": 1.0, f"{self.prefix}consecutive_skips": float(self._consecutive)},
-            record["step"],
-        )
+        if self._trainer is not None:
+            log_to_all(
+                self._trainer,
+                {f"{self.prefix}step_skipped": 1.0, f"{self.prefix}consecutive_skips": float(self._consecutive)},
+                record["step"],
+            )
         if self._warned < self.max_warnings:
             rank_zero_warn(_describe(record))
             self._warned += 1
@@ -221,6 +231,10 @@ class NaNSkipReporter(Callback):
     # ------------------------------------------------------------------ summary and report
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
         self._collect_device_skips()
         if self.skips:
             report = self.report()

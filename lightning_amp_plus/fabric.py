@@ -1,0 +1,140 @@
+"""AmpPlusFabricPrecision: the same engine (scaler, history, skip reporting) for Lightning Fabric."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_amp_plus._validation import check_choice
+from lightning_amp_plus.engine import AmpEngine, EngineView, make_engine
+
+
+def _convert(tensor: Tensor, dst_type: torch.dtype) -> Tensor:
+    return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
+
+
+class AmpPlusFabricPrecision(EngineView, FabricPrecision):
+    """Fabric precision plugin sharing :class:`~lightning_amp_plus.engine.AmpEngine` with ``AmpPlusPrecision``.
+
+    Same arguments and defaults as ``AmpPlusPrecision`` for the scaler (``init_scale`` ... ``hysteresis``) and
+    ``skip_nonfinite``; the same ``.scaler``, ``.history``, ``.skip_listeners``, ``.optimizer_step_was_skipped``
+    and ``.applied_steps``. ``fabric.clip_gradients`` unscales first, fused optimizers included. A step index is
+    the count of optimizer-step cycles so far.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: device type for autocast; ``None``: ``"cuda"`` when available, else ``"cpu"``.
+        update: ``"step"`` (default) updates the scale after every ``optimizer.step()``, torch's single-optimizer
+            recipe. ``"manual"``: call :meth:`update` once per iteration after all optimizers stepped, torch's
+            recipe for several optimizers (the scale then backs off once, and every optimizer unscales with the
+            scale its gradients were scaled with).
+
+    Example:
+        >>> import torch
+        >>> from lightning.fabric import Fabric
+        >>> from lightning_amp_plus import AmpPlusFabricPrecision
+        >>> plugin = AmpPlusFabricPrecision("16-mixed", init_scale=2.0**10)
+        >>> fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        >>> model = fabric.setup_module(torch.nn.Linear(4, 1))
+        >>> opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> loss = model(torch.randn(8, 4)).float().pow(2).mean() * float("inf")
+        >>> fabric.backward(loss)
+        >>> opt.step()
+        >>> plugin.history.skipped_steps, plugin.loss_scale
+        ([0], 512.0)
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
+        device: Optional[str] = None,
+        *,
+        init_scale: Optional[float] = None,
+        growth_factor: Optional[float] = None,
+        backoff_factor: Optional[float] = None,
+        growth_interval: Optional[int] = None,
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+        hysteresis: Optional[int] = None,
+        skip_nonfinite: bool = True,
+        update: Literal["step", "manual"] = "step",
+    ) -> None:
+        owner = type(self).__name__
+        knobs = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+            "hysteresis": hysteresis,
+        }
+        self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs)
+        check_choice(owner, "update", update, ("step", "manual"))
+        self.precision = precision  # type: ignore[assignment]
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.scaler is not None:
+            self.scaler._device = self.device
+        self.update_mode = update
+        self._dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return torch.autocast(self.device, dtype=self._dtype, cache_enabled=False)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_convert, dtype=Tensor, dst_type=self._dtype)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_convert, dtype=Tensor, dst_type=torch.get_default_dtype())
+
+    @override
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        super().backward(self._engine.scale(tensor), model, *args, **kwargs)
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale once per cycle (``fabric.clip_gradients`` calls this), fused optimizers included."""
+        self._engine.begin(optimizer)
+        self._engine.unscale(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.scaler is not None and isinstance(optimizer, LBFGS):
+            raise TypeError(
+                "`AmpPlusFabricPrecision(precision='16-mixed')` cannot step `torch.optim.LBFGS`: it re-evaluates the"
+                " closure, which loss scaling breaks. HINT: use precision='bf16-mixed' or 32-bit precision."
+            )
+        self._engine.begin(optimizer)
+        self._engine.unscale(optimizer)
+        output = self._engine.step(optimizer, **kwargs)
+        if self.update_mode == "step":
+            self._engine.end_cycle()
+        return output
+
+    def update(self) -> None:
+        """Close the iteration (``update="manual"``): record it and update the scale once."""
+        self._engine.apply_pending_update()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._engine.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._engine.load_state_dict(state_dict)
+
+    @override
+    def teardown(self) -> None:
+        self._engine.apply_pending_update()
+        self._engine.history.flush()

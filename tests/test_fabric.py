@@ -1,0 +1,89 @@
+"""Fabric: the same engine, scaler, history and skip reporting as the Trainer plugin."""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_amp_plus import AmpPlusFabricPrecision, NaNSkipReporter
+from tests.helpers.models import make_loader
+
+
+def _setup(plugin, fused=False):
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    fmodel, fopt = fabric.setup(model, opt)
+    return fabric, model, fmodel, fopt
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_skip_clip_and_history(fused):
+    plugin = AmpPlusFabricPrecision("16-mixed", init_scale=1024.0, growth_interval=3)
+    fabric, model, fmodel, fopt = _setup(plugin, fused=fused)
+    reporter = NaNSkipReporter(max_warnings=0, sync_fused=fused)
+    reporter.attach(plugin, model)
+    norms = []
+    for step, (x, y) in enumerate(make_loader()):
+        if step == 8:
+            break
+        out = fmodel(x)
+        assert out.dtype == torch.float32  # convert_output, as Fabric's own MixedPrecision
+        loss = nn.functional.mse_loss(out, y)
+        if step == 2:
+            loss = loss * float("inf")
+        fabric.backward(loss)
+        before = [p.detach().clone() for p in model.parameters()]
+        norms.append(float(fabric.clip_gradients(fmodel, fopt, max_norm=0.05, error_if_nonfinite=False)))
+        fopt.step()
+        fopt.zero_grad()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert unchanged == (step == 2)
+    assert plugin.history.skipped_steps == [2]
+    assert plugin.history.curve() == [(0, 1024.0), (3, 512.0), (6, 1024.0)]
+    assert all(n < 100 for i, n in enumerate(norms) if i != 2)  # true norms before clipping
+    assert [r["step"] for r in reporter.skips] == [2]
+    assert reporter.skips[0]["offenders"]
+    reporter.finish()
+
+
+def test_manual_update_backs_off_once_for_two_optimizers():
+    plugin = AmpPlusFabricPrecision("16-mixed", init_scale=256.0, update="manual")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    a, b = nn.Linear(8, 1), nn.Linear(8, 1)
+    a, opt_a = fabric.setup(a, torch.optim.SGD(a.parameters(), lr=0.1))
+    b, opt_b = fabric.setup(b, torch.optim.SGD(b.parameters(), lr=0.1))
+    x, y = next(iter(make_loader()))
+    loss = nn.functional.mse_loss(a(x) + b(x), y)
+    handle = a.weight.register_hook(lambda g: g * float("inf"))
+    fabric.backward(loss)
+    handle.remove()
+    scaled = b.weight.grad.detach().clone()
+    before = b.weight.detach().clone()
+    opt_a.step()
+    opt_b.step()
+    plugin.update()
+    assert plugin.loss_scale == 128.0
+    torch.testing.assert_close(b.weight.detach() - before, -0.1 * scaled / 256.0, rtol=1e-3, atol=1e-7)
+    assert plugin.history.skipped_steps == [0]
+    assert plugin.history.num_steps == 1
+
+
+def test_bf16_and_state_dict():
+    plugin = AmpPlusFabricPrecision("bf16-mixed")
+    fabric, model, fmodel, fopt = _setup(plugin)
+    x, y = next(iter(make_loader()))
+    fabric.backward(nn.functional.mse_loss(fmodel(x), y) * float("nan"))
+    fopt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert plugin.optimizer_step_was_skipped
+    clone = AmpPlusFabricPrecision("bf16-mixed")
+    clone.load_state_dict(plugin.state_dict())
+    assert clone.history.skipped_steps == [0]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"`AmpPlusFabricPrecision\(update='sometimes'\)` is invalid"):
+        AmpPlusFabricPrecision(update="sometimes")
+    with pytest.raises(ValueError, match=r"`AmpPlusFabricPrecision\(precision='bf16-mixed', hysteresis=2\)`"):
+        AmpPlusFabricPrecision("bf16-mixed", hysteresis=2)
