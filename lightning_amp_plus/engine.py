@@ -90,7 +90,7 @@ class AmpEngine:
             self._cycle_step = self.next_step() if step is None else max(step, self.next_step())
             self._bf16_skipped.clear()
             if self.scaler is not None:
-                self.scaler._last_skipped.clear()
+                self.scaler.forget_skips()
 
     def unscale(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients once per cycle (bf16: find non-finite gradients once)."""
@@ -200,8 +200,11 @@ class AmpEngine:
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last cycle was skipped (reads the device flag for fused optimizers: one sync)."""
         if self._last_cycle_skipped is None:
-            flags = self.scaler._last_skipped if self.scaler is not None else self._bf16_skipped
-            self._last_cycle_skipped = any(bool(f.item()) if isinstance(f, Tensor) else f for f in flags.values())
+            if self.scaler is not None:
+                self._last_cycle_skipped = self.scaler.any_step_skipped()
+            else:
+                flags = [bool(f.item()) if isinstance(f, Tensor) else f for f in self._bf16_skipped.values()]
+                self._last_cycle_skipped = any(flags)
         return bool(self._last_cycle_skipped)
 
     @property

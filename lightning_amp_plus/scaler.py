@@ -99,7 +99,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._found_inf_combined: Tensor | None = None
         # per optimizer (id): whether its last step was skipped; a bool when the host knows it (torch already
         # synced to decide), else the device flag (fused optimizers decide on the device).
-        self._last_skipped: dict[int, bool | Tensor] = {}
+        self._last_skipped: dict[int, bool | list[Tensor]] = {}
 
     # ------------------------------------------------------------------ knobs
     @property
@@ -139,8 +139,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan."""
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             retval = super().step(optimizer, *args, **kwargs)
-            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-            self._last_skipped[id(optimizer)] = torch.stack([f.to(self._scale.device) for f in found]).sum() > 0  # type: ignore[union-attr]
+            # the fused kernel decided on the device: keep its flags, read them only if someone asks
+            self._last_skipped[id(optimizer)] = list(
+                self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+            )
             return retval
         return super().step(optimizer, *args, **kwargs)
 
@@ -162,18 +164,29 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return self._enabled and any(s["stage"] is OptState.STEPPED for s in self._per_optimizer_states.values())
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> bool | None:
-        """Whether the last step of ``optimizer`` was skipped.
+        """Whether the last step of ``optimizer`` was skipped (``None`` if it has not stepped).
 
         Free for non-fused optimizers (torch already read the flag). For fused optimizers the flag lives on the
         device: ``sync=True`` reads it (one host sync), ``sync=False`` returns ``None``.
         """
-        value = self._last_skipped.get(id(optimizer))
+        return self._skipped(id(optimizer), sync)
+
+    def any_step_skipped(self) -> bool:
+        """Whether any optimizer's last step was skipped (reads the device flags of fused optimizers)."""
+        return any(self._skipped(key, True) for key in list(self._last_skipped))
+
+    def forget_skips(self) -> None:
+        """Forget the last steps' outcomes (a new cycle begins)."""
+        self._last_skipped.clear()
+
+    def _skipped(self, key: int, sync: bool) -> bool | None:
+        value = self._last_skipped.get(key)
         if value is None or isinstance(value, bool):
             return value
         if not sync:
             return None
-        resolved = bool(value.item())
-        self._last_skipped[id(optimizer)] = resolved
+        resolved = bool(sum(v.item() for v in value))
+        self._last_skipped[key] = resolved
         return resolved
 
     def found_inf(self) -> Tensor:
