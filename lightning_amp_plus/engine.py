@@ -308,6 +308,11 @@ def make_engine(
                 " step must be skipped. `skip_nonfinite` applies to bf16-mixed only."
             )
         # the device type may only be known later (`device=None`); "cpu" never disables the scaler meanwhile
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"`{owner}(device='cuda')` is invalid: CUDA is not available here. HINT: leave `device=None` to"
+                " follow the trainer's accelerator."
+            )
         scaler = DynamicLossScaler(device or "cpu", **{**SCALER_DEFAULTS, **given})
     return AmpEngine(precision, scaler, skip_nonfinite)
 

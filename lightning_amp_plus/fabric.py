@@ -82,7 +82,7 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
         self.precision = precision  # type: ignore[assignment]
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.scaler is not None:
-            self.scaler._device = self.device
+            self.scaler.set_device_type(self.device)
         self.update_mode = update
         self._dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
 

@@ -110,7 +110,7 @@ class AmpPlusPrecision(EngineView, Precision):
         if module is not None and module._trainer is not None and self.device is None:
             self.device = module.trainer.strategy.root_device.type
         if self.scaler is not None:
-            self.scaler._device = self.device or "cpu"
+            self.scaler.set_device_type(self.device or "cpu")
             for optimizer in optimizers:
                 if isinstance(optimizer, LBFGS):
                     raise ValueError(

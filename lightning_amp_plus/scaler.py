@@ -117,6 +117,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Overflows tolerated before backing off."""
         return self._hysteresis
 
+    def set_device_type(self, device: str) -> None:
+        """Set the device type once it is known (a plugin built with ``device=None`` learns it from the trainer)."""
+        self._device = device
+
     def scale_tensor(self) -> Tensor | None:
         """The current scale as a device tensor (no sync), or ``None`` before the first :meth:`scale`."""
         return self._scale if self._enabled else None

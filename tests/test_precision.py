@@ -290,6 +290,13 @@ def test_step_was_skipped_is_exposed():
         (("16-mixed",), {"backoff_factor": 2.0}, ValueError, r"`AmpPlusPrecision\(backoff_factor=2.0\)` is invalid"),
         (("16-mixed",), {"growth_interval": 0}, ValueError, r"`AmpPlusPrecision\(growth_interval=0\)` is invalid"),
         (("16-mixed", 3), {}, TypeError, r"`AmpPlusPrecision\(device=3\)` is invalid"),
+        pytest.param(
+            ("16-mixed", "cuda"),
+            {},
+            ValueError,
+            r"`AmpPlusPrecision\(device='cuda'\)` is invalid: CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
+        ),
         (("16-mixed",), {"skip_scheduler_on_overflow": "yes"}, TypeError, r"skip_scheduler_on_overflow='yes'"),
     ],
 )
