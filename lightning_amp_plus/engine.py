@@ -242,22 +242,29 @@ class AmpEngine:
 
 
 def nonfinite_flag(optimizer: Optimizer) -> Tensor:
-    """A device flag (> 0) telling whether any gradient of ``optimizer`` holds inf/nan; read-only, no host sync."""
+    """A device flag (> 0) telling whether any gradient of ``optimizer`` holds inf/nan; no host sync.
+
+    Uses torch's fused AMP check with an inverse scale of exactly 1 (``x * 1.0 == x`` for every float, so the
+    gradients are unchanged), as ``GradScaler`` does for fused optimizers: one kernel per device and dtype, about 10x
+    faster on CPU than a foreach inf-norm.
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None:
                 grad = param.grad._values() if param.grad.is_sparse else param.grad
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    flags = []
-    for grads in groups.values():
-        norms = torch._foreach_norm(grads, float("inf"))  # max |g| per tensor; inf/nan propagate
-        flags.append(torch.stack(norms).isfinite().logical_not().any().float())
-    if not flags:
+    if not groups:
         warnings.warn("an optimizer stepped without any gradient.", stacklevel=3)
         return torch.zeros(())
-    first = flags[0]
-    return sum((f.to(first.device) for f in flags[1:]), first)
+    found: Optional[Tensor] = None
+    with torch.no_grad():
+        for (device, _), grads in groups.items():
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones((), device=device))
+            found = flag if found is None else found + flag.to(found.device)
+    assert found is not None
+    return found
 
 
 SCALER_DEFAULTS: dict[str, Any] = {
