@@ -199,5 +199,7 @@ class ScaleHistory:
 
 def _as_tensor(value: Tensor | float, device: torch.device) -> Tensor:
     if isinstance(value, Tensor):
+        if value.dtype == torch.float32 and value.dim() == 0 and value.device == device:
+            return value  # the usual case (the scale, the overflow flag): no op at all
         return value.to(device=device, dtype=torch.float32).reshape(())
     return torch.tensor(float(value), dtype=torch.float32, device=device)
