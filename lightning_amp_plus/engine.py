@@ -72,11 +72,6 @@ class AmpEngine:
         """The loss times the current scale (unchanged for bf16-mixed)."""
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    @property
-    def cycle_open(self) -> bool:
-        """Whether some optimizer stepped since the last update."""
-        return bool(self._cycle_optimizers)
-
     def next_step(self) -> int:
         """The step index the next cycle gets when the caller has none: one past the last recorded."""
         last = self.history.last_step
@@ -121,7 +116,7 @@ class AmpEngine:
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
-            self._bf16_skipped[id(optimizer)] = found > 0
+            self._bf16_skipped[id(optimizer)] = found  # read only if someone asks
             return output
         skipped = bool(found.item())
         self._bf16_skipped[id(optimizer)] = skipped
