@@ -14,7 +14,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._validation import check_choice
-from lightning_amp_plus.engine import AmpEngine, EngineView, make_engine
+from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, make_engine
 
 
 def _convert(tensor: Tensor, dst_type: torch.dtype) -> Tensor:
@@ -68,15 +68,7 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
         update: Literal["step", "manual"] = "step",
     ) -> None:
         owner = type(self).__name__
-        knobs = {
-            "init_scale": init_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-            "min_scale": min_scale,
-            "max_scale": max_scale,
-            "hysteresis": hysteresis,
-        }
+        knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
         self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs)
         check_choice(owner, "update", update, ("step", "manual"))
         self.precision = precision  # type: ignore[assignment]

@@ -20,7 +20,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._validation import check_bool
-from lightning_amp_plus.engine import AmpEngine, EngineView, SkipEvent, make_engine
+from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
 from lightning_amp_plus.islands import Fp32Islands, check_entries
 
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
@@ -77,15 +77,7 @@ class AmpPlusPrecision(EngineView, Precision):
         fp32_modules: Optional[list[Union[str, type[torch.nn.Module]]]] = None,
     ) -> None:
         owner = type(self).__name__
-        knobs = {
-            "init_scale": init_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-            "min_scale": min_scale,
-            "max_scale": max_scale,
-            "hysteresis": hysteresis,
-        }
+        knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
         self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs)
         check_bool(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
