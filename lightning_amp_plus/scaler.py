@@ -156,17 +156,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return False
         return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
-    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` already stepped in this cycle (an :meth:`update` is due before it steps again)."""
-        if not self._enabled or id(optimizer) not in self._per_optimizer_states:
-            return False
-        return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED
-
-    @property
-    def pending_update(self) -> bool:
-        """Whether some optimizer stepped since the last :meth:`update`."""
-        return self._enabled and any(s["stage"] is OptState.STEPPED for s in self._per_optimizer_states.values())
-
     def step_was_skipped(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> bool | None:
         """Whether the last step of ``optimizer`` was skipped (``None`` if it has not stepped).
 
