@@ -143,10 +143,6 @@ class ScaleHistory:
         self.flush()
         return list(zip(self._change_steps, self._change_scales, strict=False))
 
-    def changes_between(self, start: int, end: int) -> list[tuple[int, float]]:
-        """The change points with ``start <= step <= end``."""
-        return [(s, v) for s, v in self.curve() if start <= s <= end]
-
     def skipped_between(self, start: int, end: int) -> list[int]:
         """The skipped steps with ``start <= step <= end``."""
         return [s for s in self.skipped_steps if start <= s <= end]

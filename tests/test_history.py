@@ -17,6 +17,7 @@ def test_change_points_and_skips():
     assert history.num_skipped == 3
     assert history.num_steps == 9
     assert [history.scale_at(s) for s in range(9)] == [s for s, _ in seq]
+    assert history.skipped_between(2, 7) == [6, 7]
 
 
 def test_buffer_flushes_in_one_transfer_per_capacity():
