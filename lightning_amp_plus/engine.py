@@ -61,6 +61,7 @@ class AmpEngine:
         self.sync_skips = False
         self._cycle_step: Optional[int] = None
         self._cycle_optimizers: list[Optimizer] = []
+        self._unscaled: list[Optimizer] = []
         self._bf16_found: dict[int, Tensor] = {}
         self._bf16_cycle_found: Optional[Tensor] = None
         self._bf16_skipped: dict[int, Union[bool, Tensor]] = {}
@@ -89,6 +90,8 @@ class AmpEngine:
 
     def unscale(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients once per cycle (bf16: find non-finite gradients once)."""
+        if not any(o is optimizer for o in self._unscaled):
+            self._unscaled.append(optimizer)
         if self.scaler is not None:
             if not self.scaler.is_unscaled(optimizer):
                 step = self._cycle_step if self._cycle_step is not None else self.next_step()
@@ -122,6 +125,10 @@ class AmpEngine:
         self._bf16_skipped[id(optimizer)] = skipped
         return None if skipped else optimizer.step(**kwargs)
 
+    def unscaled_not_stepped(self) -> list[Optimizer]:
+        """Optimizers unscaled (e.g. clipped) in the open cycle that have not stepped."""
+        return [o for o in self._unscaled if not any(o is s for s in self._cycle_optimizers)]
+
     def apply_pending_update(self) -> None:
         """Close the open cycle, if any."""
         if self._cycle_optimizers:
@@ -151,6 +158,7 @@ class AmpEngine:
             skipped = self._cycle_skipped(optimizers)
         self._last_cycle_skipped = skipped
         self._cycle_optimizers = []
+        self._unscaled = []
         self._cycle_step = None
         if skipped is True and self.skip_listeners:
             new_scale = self.scaler.get_scale() if self.scaler is not None else 1.0

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -147,6 +148,14 @@ class AmpPlusPrecision(EngineView, Precision):
             yield
         module = self._module
         if module is not None and not module.automatic_optimization:
+            pending = self._engine.unscaled_not_stepped()
+            if pending:
+                rank_zero_warn(
+                    f"`AmpPlusPrecision`: {len(pending)} optimizer(s) had their gradients unscaled (by"
+                    " `clip_gradients`) in this training step but did not step. Their gradients stay unscaled, and"
+                    " a further backward would add scaled gradients to them. HINT: clip only on the batches where"
+                    " you call `optimizer.step()`."
+                )
             self._engine.apply_pending_update()
 
     # ------------------------------------------------------------------ backward

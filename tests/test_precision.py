@@ -320,3 +320,17 @@ def test_gan_loop_updates_once_per_batch():
     plugin = main(["--fast"])  # 4 batches, two optimizer steps and two backward calls each
     assert plugin.history.num_steps == 4
     assert [s for s, _ in plugin.history.curve()] == [0]
+
+
+def test_clipping_without_stepping_warns():
+    class ClipNoStep(ManualClip):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(nn.functional.mse_loss(self.net(batch[0]).float(), batch[1]))
+            self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+            if batch_idx % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+
+    with pytest.warns(UserWarning, match=r"unscaled \(by `clip_gradients`\) in this training step but did not step"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], max_steps=2).fit(ClipNoStep())
