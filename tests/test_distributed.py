@@ -98,3 +98,43 @@ def test_fsdp_is_refused_with_a_message_naming_the_plugin_it_needs():
 def test_fsdp_trainer_is_refused_on_cuda():
     with pytest.raises(TypeError, match="FSDPPrecision"):
         make_trainer(strategy="fsdp", accelerator="cuda", devices=1, plugins=[AmpPlusPrecision("16-mixed")])
+
+
+DDP_SCRIPT = """
+import json, sys
+import torch
+from lightning.pytorch import Trainer
+from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
+from tests.helpers.models import RankPoisonModel
+
+out = sys.argv[1]
+model = RankPoisonModel(poison_rank=1, poison={1: "inf"})
+plugin = AmpPlusPrecision("16-mixed", init_scale=512.0)
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[plugin], max_steps=4, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[NaNSkipReporter(max_warnings=0)])
+trainer.fit(model)
+checksum = float(sum(p.double().sum() for p in model.parameters()))
+with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"skipped": plugin.history.skipped_steps, "scale": plugin.loss_scale, "checksum": checksum}, f)
+"""
+
+
+@pytest.mark.slow
+def test_ddp_subprocess_launcher(tmp_path):
+    """`strategy="ddp"` as users run it: Lightning re-launches the script for rank 1."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_ddp.py"
+    script.write_text(DDP_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], cwd=root, env=env, check=True, timeout=300, capture_output=True
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["skipped"] == [1]
+    assert ranks[0]["scale"] == 256.0
