@@ -24,7 +24,7 @@ class LossScaleMonitor(Callback):
     * ``{prefix}loss_scale`` and ``{prefix}log2_loss_scale``: the scale step ``s`` used (before its update), and the
       same at every step in the interval where the scale changed, so the logged curve is the true step function;
     * ``{prefix}skipped_steps``: the cumulative count of skipped steps, also at every skipped step;
-    * ``{prefix}skip_rate``: the fraction of steps skipped since the previous logging point;
+    * ``{prefix}skip_rate``: the fraction of optimizer-step cycles skipped since the previous logging point;
     * ``{prefix}growths`` and ``{prefix}backoffs``: cumulative counts of scale increases and decreases;
     * ``{prefix}applied_steps``: optimizer steps that updated the weights.
 
@@ -55,6 +55,7 @@ class LossScaleMonitor(Callback):
         self._growths = 0
         self._backoffs = 0
         self._skipped_logged = 0
+        self._steps_logged = 0  # recorded optimizer-step cycles covered by earlier logging points
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -110,7 +111,9 @@ class LossScaleMonitor(Callback):
         final = points.setdefault(last, {})
         final.update(self._scale_metrics(history.scale_at(last)))
         final[f"{self.prefix}skipped_steps"] = float(count)
-        final[f"{self.prefix}skip_rate"] = len(window) / max(1, last - start + 1)
+        # a rate over recorded cycles, not over the step range (a GAN's two optimizers record every other step)
+        final[f"{self.prefix}skip_rate"] = len(window) / max(1, history.num_steps - self._steps_logged)
+        self._steps_logged = history.num_steps
         final[f"{self.prefix}growths"] = float(self._growths)
         final[f"{self.prefix}backoffs"] = float(self._backoffs)
         final[f"{self.prefix}applied_steps"] = float(history.num_steps - len(skipped))
@@ -128,6 +131,7 @@ class LossScaleMonitor(Callback):
             "growths": self._growths,
             "backoffs": self._backoffs,
             "skipped_logged": self._skipped_logged,
+            "steps_logged": self._steps_logged,
         }
 
     @override
@@ -136,6 +140,7 @@ class LossScaleMonitor(Callback):
         self._growths = int(state_dict.get("growths", 0))
         self._backoffs = int(state_dict.get("backoffs", 0))
         self._skipped_logged = int(state_dict.get("skipped_logged", 0))
+        self._steps_logged = int(state_dict.get("steps_logged", 0))
 
 
 def _scale_before(curve: list[tuple[int, float]], step: int) -> Optional[float]:

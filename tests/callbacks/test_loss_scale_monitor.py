@@ -61,6 +61,8 @@ def test_csv_curve_is_the_true_step_function(tmp_path):
     # logging points follow log_every_n_steps: 0, 5, 10, 15 and the end (19)
     rate_steps = sorted(int(r["step"]) for r in rows if r.get("amp/skip_rate"))
     assert rate_steps == [0, 5, 10, 15, 19]
+    rates = {int(r["step"]): float(r["amp/skip_rate"]) for r in rows if r.get("amp/skip_rate")}
+    assert rates == {0: 0.0, 5: 2 / 5, 10: 0.0, 15: 1 / 5, 19: 0.0}
 
 
 def test_tensorboard_tag_reads_back(tmp_path):
@@ -144,3 +146,22 @@ def test_resume_gives_the_same_curve_skips_and_parameters(tmp_path):
     resumed_rows = read_csv(resumed_logger.experiment.metrics_file_path)
     key = lambda rows: sorted((int(r["step"]), r.get("amp/loss_scale", "")) for r in rows if r.get("amp/loss_scale"))  # noqa: E731
     assert key(resumed_rows) == key(full_rows)
+
+
+def test_skip_rate_counts_cycles_with_two_optimizers(tmp_path):
+    from tests.test_precision import TwoOptimizers
+
+    class EveryBatchOverflows(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            self.poison_step = self.trainer.global_step
+            return super().training_step(batch, batch_idx)
+
+    logger = CSVLogger(tmp_path)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, min_scale=0.0)
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=100)], logger=logger, max_steps=6).fit(
+        EveryBatchOverflows(poison_step=-1)
+    )
+    rows = read_csv(logger.experiment.metrics_file_path)
+    rates = [float(r["amp/skip_rate"]) for r in rows if r.get("amp/skip_rate")]
+    assert plugin.history.skipped_steps == [0, 2, 4]  # one cycle per batch, recorded at every other step
+    assert rates[-1] == 1.0  # every cycle skipped, not 3 of a 5-step range
