@@ -13,6 +13,7 @@ import os
 import platform
 import resource
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import date
@@ -21,6 +22,7 @@ from typing import Any, Optional
 import lightning
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
@@ -143,7 +145,7 @@ def run_once(
         plugins=plugins,
         callbacks=[timer, *callbacks],
         max_steps=steps + warmup,
-        logger=False,
+        logger=CSVLogger(tempfile.mkdtemp(prefix="amp-bench-")),  # every config logs: the monitor's path is timed
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

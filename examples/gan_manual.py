@@ -3,7 +3,7 @@
 The scaler updates once per batch, after the last optimizer step: an overflow in the discriminator's step backs the
 scale off once, and the generator's gradients are unscaled with the scale they were scaled with.
 
-    python examples/gan_manual.py [--steps 200] [--fast]
+    python examples/gan_manual.py [--steps 200] [--out runs/gan] [--fast]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -57,6 +58,7 @@ class GAN(LightningModule):
 def main(argv: list[str] | None = None) -> AmpPlusPrecision:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="batches")
+    parser.add_argument("--out", default="runs/gan", help="CSV logs go here")
     parser.add_argument("--fast", action="store_true")
     args = parser.parse_args(argv)
     seed_everything(0)
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> AmpPlusPrecision:
         devices=1,
         plugins=[plugin],
         max_steps=2 * batches,  # Lightning counts each optimizer's step
-        logger=False,
+        logger=CSVLogger(args.out, name="logs"),
         callbacks=[LossScaleMonitor(), NaNSkipReporter()],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -77,8 +79,9 @@ def main(argv: list[str] | None = None) -> AmpPlusPrecision:
     )
     trainer.fit(GAN(), loader)
     print(
-        f"optimizer steps: {trainer.global_step}, scaler cycles: {plugin.history.num_steps},"
-        f" skipped cycles: {plugin.history.skipped_steps}, loss scale: {plugin.loss_scale:g}"
+        f"optimizer steps (global_step): {trainer.global_step}; updates (loss-scale cycles, one per batch):"
+        f" {plugin.history.num_steps}, applied {plugin.applied_steps}, skipped at global_step"
+        f" {plugin.history.skipped_steps}; loss scale {plugin.loss_scale:g}"
     )
     return plugin
 

@@ -1,6 +1,6 @@
 """Gradient accumulation under AmpPlusPrecision: gradients unscaled once, on the stepping batch, then clipped.
 
-python examples/grad_accumulation.py [--steps 50] [--accumulate 4] [--fast]
+python examples/grad_accumulation.py [--steps 50] [--accumulate 4] [--out runs/accumulation] [--fast]
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import argparse
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> Regressor:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
     parser.add_argument("--accumulate", type=int, default=4)
+    parser.add_argument("--out", default="runs/accumulation", help="CSV logs go here")
     parser.add_argument("--fast", action="store_true")
     args = parser.parse_args(argv)
     seed_everything(0)
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> Regressor:
         max_steps=3 if args.fast else args.steps,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=1.0,
-        logger=False,
+        logger=CSVLogger(args.out, name="logs"),
         callbacks=[LossScaleMonitor(), NaNSkipReporter()],
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -1,6 +1,7 @@
 """lightning-amp-plus: visible, controllable and safe mixed precision for PyTorch Lightning."""
 
 from lightning_amp_plus.__about__ import __version__
+from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks import (
     GradUnderflowMonitor,
     LossScaleCollapseError,
@@ -17,6 +18,7 @@ from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = [
     "AmpEngine",
+    "AmpPlusWarning",
     "AmpPlusFabricPrecision",
     "AmpPlusPrecision",
     "DynamicLossScaler",

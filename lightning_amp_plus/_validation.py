@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 
 def _is_real(value: Any) -> bool:
@@ -50,6 +50,18 @@ def check_choice(owner: str, name: str, value: Any, allowed: Iterable[Any], hint
     return value
 
 
+#: float32's largest finite value and smallest normal value: the range a device-side scale can hold
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 2.0**-126
+#: the device-side growth and hysteresis trackers are int32
+INT32_MAX = 2**31 - 1
+
+
+def _float32_scale(value: float) -> bool:
+    """Whether ``value`` is a finite, normal, positive float32 whose inverse is finite too."""
+    return math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX
+
+
 def check_scaler_args(
     owner: str,
     *,
@@ -60,38 +72,73 @@ def check_scaler_args(
     min_scale: Any,
     max_scale: Any,
     hysteresis: Any,
+    label: Optional[dict[str, str]] = None,
 ) -> None:
-    """Validate the knobs of a dynamic loss scaler (shared by the scaler and the Lightning plugin)."""
-    init_scale = check_real(owner, "init_scale", init_scale)
-    if not (math.isfinite(init_scale) and init_scale > 0):
-        raise ValueError(f"`{owner}(init_scale={init_scale!r})` is invalid: expected a finite number > 0.")
-    growth_factor = check_real(owner, "growth_factor", growth_factor)
-    if not (math.isfinite(growth_factor) and growth_factor > 1):
+    """Validate the knobs of a dynamic loss scaler (the constructors and ``load_state_dict`` share it).
+
+    Every scale, bound and factor must be something float32 can hold on the device: a finite, normal float32 (and
+    for a scale, one whose inverse is finite too); ``max_scale`` may be ``inf``; ``min_scale`` may be 0 (the scale
+    then never backs off below float32's smallest normal value, 2**-126). The integer knobs must fit the int32
+    device trackers. ``init_scale=None`` checks the other knobs only. ``label`` renames arguments in the
+    messages (a checkpoint key instead of the argument).
+    """
+    names = label or {}
+
+    def call(name: str, value: Any) -> str:
+        return f"`{owner}({names.get(name, name)}={value!r})` is invalid"
+
+    def real(name: str, value: Any) -> float:
+        if not _is_real(value):
+            raise TypeError(f"{call(name, value)}: expected a real number, got {type(value).__name__}.")
+        return float(value)
+
+    def integer(name: str, value: Any, minimum: int) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{call(name, value)}: expected an int, got {type(value).__name__}.")
+        if not minimum <= value <= INT32_MAX:
+            raise ValueError(
+                f"{call(name, value)}: expected an int in [{minimum}, {INT32_MAX}] (the device tracker is int32)."
+            )
+        return value
+
+    span = f"[{FLOAT32_TINY!r}, {FLOAT32_MAX!r}]"
+    if init_scale is not None:
+        init_scale = real("init_scale", init_scale)
+    if init_scale is not None and not _float32_scale(init_scale):
         raise ValueError(
-            f"`{owner}(growth_factor={growth_factor!r})` is invalid: expected a finite number > 1"
+            f"{call('init_scale', init_scale)}: expected a finite float32 scale in {span} (2**-126 to float32's max),"
+            " whose inverse float32 can hold too."
+        )
+    growth_factor = real("growth_factor", growth_factor)
+    if not (math.isfinite(growth_factor) and 1 < growth_factor <= FLOAT32_MAX):
+        raise ValueError(
+            f"{call('growth_factor', growth_factor)}: expected a finite number > 1 that float32 can hold"
             " (the scale is multiplied by it after `growth_interval` clean steps)."
         )
-    backoff_factor = check_real(owner, "backoff_factor", backoff_factor)
-    if not 0 < backoff_factor < 1:
+    backoff_factor = real("backoff_factor", backoff_factor)
+    if not (FLOAT32_TINY <= backoff_factor < 1):
         raise ValueError(
-            f"`{owner}(backoff_factor={backoff_factor!r})` is invalid: expected 0 < backoff_factor < 1"
-            " (the scale is multiplied by it when a step overflows)."
+            f"{call('backoff_factor', backoff_factor)}: expected 0 < backoff_factor < 1, at least 2**-126 so that"
+            " float32 can hold it (the scale is multiplied by it when a step overflows)."
         )
-    check_int(owner, "growth_interval", growth_interval, minimum=1)
-    check_int(owner, "hysteresis", hysteresis, minimum=1)
-    min_scale = check_real(owner, "min_scale", min_scale)
-    if not (math.isfinite(min_scale) and min_scale >= 0):
-        raise ValueError(f"`{owner}(min_scale={min_scale!r})` is invalid: expected a finite number >= 0.")
-    max_scale = check_real(owner, "max_scale", max_scale)
-    if math.isnan(max_scale) or max_scale <= 0:
-        raise ValueError(f"`{owner}(max_scale={max_scale!r})` is invalid: expected a number > 0 (inf allowed).")
+    integer("growth_interval", growth_interval, 1)
+    integer("hysteresis", hysteresis, 1)
+    min_scale = real("min_scale", min_scale)
+    if not (min_scale == 0 or _float32_scale(min_scale)):
+        raise ValueError(
+            f"{call('min_scale', min_scale)}: expected 0 (no bound but float32's) or a finite float32 scale in {span}."
+        )
+    max_scale = real("max_scale", max_scale)
+    if not (max_scale == math.inf or _float32_scale(max_scale)):
+        raise ValueError(f"{call('max_scale', max_scale)}: expected inf or a finite float32 scale in {span}.")
     if min_scale > max_scale:
         raise ValueError(
-            f"`{owner}(min_scale={min_scale!r}, max_scale={max_scale!r})` is invalid: expected min_scale <= max_scale."
+            f"`{owner}({names.get('min_scale', 'min_scale')}={min_scale!r},"
+            f" {names.get('max_scale', 'max_scale')}={max_scale!r})` is invalid: expected min_scale <= max_scale."
         )
-    if not min_scale <= init_scale <= max_scale:
+    if init_scale is not None and not min_scale <= init_scale <= max_scale:
         raise ValueError(
-            f"`{owner}(init_scale={init_scale!r})` is invalid: expected min_scale <= init_scale <= max_scale"
+            f"{call('init_scale', init_scale)}: expected min_scale <= init_scale <= max_scale"
             f" ({min_scale!r} <= init_scale <= {max_scale!r}). HINT: widen `min_scale`/`max_scale` or change"
             " `init_scale`."
         )

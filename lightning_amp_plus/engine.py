@@ -3,6 +3,11 @@
 One cycle: ``begin`` -> ``unscale`` (once per optimizer) -> the caller's hooks and clipping -> ``step`` (or skip)
 -> ``end_cycle`` (record in the history, update the scale once, tell the listeners). A cycle may hold several
 optimizers (one backward, two optimizers; a GAN's two steps in one batch): the scale updates once, at its end.
+
+Every method that takes an optimizer resolves wrappers (``LightningOptimizer``, Fabric's optimizer) to the optimizer
+inside first, so a wrapper and its optimizer are one identity. An exception inside the cycle (``abort_cycle``) or a
+new backward onto gradients that were unscaled but not stepped never leaves a stale "unscaled" mark behind: the next
+step always unscales what it applies.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_amp_plus._log import say
 from lightning_amp_plus._validation import check_bool, check_choice, check_scaler_args
+from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.history import ScaleHistory
-from lightning_amp_plus.scaler import DynamicLossScaler
+from lightning_amp_plus.scaler import DynamicLossScaler, unwrap_optimizer
 
 
 @dataclass
@@ -67,11 +74,34 @@ class AmpEngine:
         self._bf16_skipped: dict[int, Union[bool, Tensor]] = {}
         self._last_cycle_skipped: Union[bool, Tensor, None] = None
         self._one: Optional[Tensor] = None
+        self._backward_seen = False
 
     # ------------------------------------------------------------------ the cycle
     def scale(self, loss: Tensor) -> Tensor:
-        """The loss times the current scale (unchanged for bf16-mixed)."""
+        """The loss times the current scale (unchanged for bf16-mixed); called once per backward."""
+        if self._unscaled:
+            stale = self.forget_unstepped()
+            if stale:
+                warnings.warn(
+                    f"{len(stale)} optimizer(s) had their gradients unscaled (e.g. by clipping) but did not step"
+                    " before this backward. Their unscale was undone so that the next step unscales everything it"
+                    " applies; the gradients unscaled earlier are now divided by the scale twice. HINT: unscale or"
+                    " clip only right before `optimizer.step()`.",
+                    AmpPlusWarning,
+                    stacklevel=3,
+                )
+        self._backward_seen = True
         return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    @property
+    def backward_seen(self) -> bool:
+        """Whether any backward has run (before it nothing is scaled, and there is nothing to unscale)."""
+        return self._backward_seen
+
+    @property
+    def cycle_open(self) -> bool:
+        """Whether a cycle is open: some optimizer unscaled or stepped and the scale not yet updated."""
+        return bool(self._unscaled or self._cycle_optimizers) or self._cycle_step is not None
 
     def next_step(self) -> int:
         """The step index the next cycle gets when the caller has none: one past the last recorded."""
@@ -80,6 +110,7 @@ class AmpEngine:
 
     def begin(self, optimizer: Optimizer, step: Optional[int] = None) -> None:
         """Open a cycle (or join the open one) for ``optimizer``; ``step`` is the caller's step index."""
+        optimizer = unwrap_optimizer(optimizer)
         if any(o is optimizer for o in self._cycle_optimizers):
             self.end_cycle()  # the same optimizer steps twice before the cycle closed: close it first
         if self._cycle_step is None:
@@ -90,6 +121,7 @@ class AmpEngine:
 
     def unscale(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients once per cycle (bf16: find non-finite gradients once)."""
+        optimizer = unwrap_optimizer(optimizer)
         if not any(o is optimizer for o in self._unscaled):
             self._unscaled.append(optimizer)
         if self.scaler is not None:
@@ -102,14 +134,26 @@ class AmpEngine:
             self._bf16_found[id(optimizer)] = nonfinite_flag(optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step ``optimizer`` unless its gradients hold inf/nan (parameters and state then stay bit-identical)."""
+        """Step ``optimizer`` unless its gradients hold inf/nan (parameters and state then stay bit-identical).
+
+        A step that raises is not counted: the optimizer leaves the cycle (its unscale is forgotten) and the
+        exception propagates.
+        """
+        optimizer = unwrap_optimizer(optimizer)
         self._cycle_optimizers.append(optimizer)
+        try:
+            return self._step(optimizer, **kwargs)
+        except BaseException:
+            self._cycle_optimizers = [o for o in self._cycle_optimizers if o is not optimizer]
+            self._forget(optimizer)
+            raise
+
+    def _step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         if self.scaler is not None:
             return self.scaler.step(optimizer, **kwargs)
         found = self._bf16_found.pop(id(optimizer), None)
         if found is None:
             return optimizer.step(**kwargs)
-        self._bf16_cycle_found = found if self._bf16_cycle_found is None else self._bf16_cycle_found + found
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # fused kernels skip on the device: no host sync
             optimizer.grad_scale = None  # type: ignore[attr-defined]
@@ -120,13 +164,56 @@ class AmpEngine:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             self._bf16_skipped[id(optimizer)] = found  # read only if someone asks
-            return output
-        skipped = bool(found.item())
-        self._bf16_skipped[id(optimizer)] = skipped
-        return None if skipped else optimizer.step(**kwargs)
+        else:
+            skipped = bool(found.item())
+            self._bf16_skipped[id(optimizer)] = skipped
+            output = None if skipped else optimizer.step(**kwargs)
+        self._bf16_cycle_found = found if self._bf16_cycle_found is None else self._bf16_cycle_found + found
+        return output
+
+    def _forget(self, optimizer: Optimizer) -> None:
+        """Forget ``optimizer``'s unscale (and step outcome) in the open cycle: its next step unscales again."""
+        self._unscaled = [o for o in self._unscaled if o is not optimizer]
+        self._bf16_found.pop(id(optimizer), None)
+        self._bf16_skipped.pop(id(optimizer), None)
+        if self.scaler is not None:
+            self.scaler.reset_cycle([optimizer])
+
+    def forget_unstepped(self) -> list[Optimizer]:
+        """Forget the unscale of optimizers that did not step in the open cycle (their next step unscales again)."""
+        stale = self.unscaled_not_stepped()
+        for optimizer in stale:
+            self._forget(optimizer)
+        if not self._cycle_optimizers:
+            self._cycle_step = None
+        return stale
+
+    def abort_cycle(self) -> None:
+        """Close the open cycle after an exception, never raising over it.
+
+        Steps that did run are recorded and update the scale as usual; optimizers unscaled but not stepped are
+        forgotten (their next step unscales again). A no-op when no cycle is open.
+        """
+        try:
+            if self._cycle_optimizers:
+                self.end_cycle()
+        except Exception:  # noqa: S110 - the exception being handled is the one that matters
+            pass
+        finally:
+            for optimizer in list(self._unscaled):
+                self._forget(optimizer)
+            if self.scaler is not None:
+                self.scaler.reset_cycle()
+            self._cycle_optimizers = []
+            self._unscaled = []
+            self._cycle_step = None
+            self._bf16_found.clear()
+            self._bf16_cycle_found = None
 
     def unscaled_not_stepped(self) -> list[Optimizer]:
         """Optimizers unscaled (e.g. clipped) in the open cycle that have not stepped."""
+        if not self._unscaled:
+            return []
         return [o for o in self._unscaled if not any(o is s for s in self._cycle_optimizers)]
 
     def apply_pending_update(self) -> None:
@@ -188,6 +275,7 @@ class AmpEngine:
 
         Free when the host already knows; for fused optimizers the flag is read from the device when ``sync``.
         """
+        optimizer = unwrap_optimizer(optimizer)
         if self.scaler is not None:
             return self.scaler.step_was_skipped(optimizer, sync=sync)
         value = self._bf16_skipped.get(id(optimizer))
@@ -227,21 +315,53 @@ class AmpEngine:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """The scaler (every tracker) and the history; closes an open cycle first."""
+        """The scaler's state, the precision and the history; closes an open cycle first.
+
+        The scaler's keys sit at the top level, as in stock ``MixedPrecision``'s state, so stock loads it too.
+        """
         self.apply_pending_update()
-        state: dict[str, Any] = {"precision": self.precision, "history": self.history.state_dict()}
+        state: dict[str, Any] = {}
         if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
+            state.update(self.scaler.state_dict())
+        state.update(precision=self.precision, history=self.history.state_dict())
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output (a plain ``GradScaler`` state loads into the scaler too)."""
-        if "scaler" in state_dict and self.scaler is not None:
-            self.scaler.load_state_dict(state_dict["scaler"])
-        elif self.scaler is not None and "scale" in state_dict:
-            self.scaler.load_state_dict(state_dict)
-        if "history" in state_dict:
-            self.history.load_state_dict(state_dict["history"])
+    def load_state_dict(self, state_dict: Any, where: str = "AmpEngine.load_state_dict") -> None:
+        """Load :meth:`state_dict` output, a stock ``MixedPrecision``/``GradScaler`` state, or a 0.1.0 state.
+
+        Every value is checked (errors name ``where``, the key and the value). A state of the other precision is
+        converted, and says so: 16-mixed -> bf16-mixed drops the scaler state; bf16-mixed -> 16-mixed starts the
+        scale at ``init_scale``; the history continues in both cases.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"`{where}` is invalid: expected a dict (the plugin's `state_dict()`), got"
+                f" {type(state_dict).__name__}: {state_dict!r:.80}."
+            )
+        scaler_state = state_dict.get("scaler", state_dict)  # 0.1.0 nested the scaler's state
+        has_scaler_state = isinstance(scaler_state, dict) and "scale" in scaler_state
+        saved = state_dict.get("precision", "16-mixed" if has_scaler_state else None)
+        if saved not in (None, "16-mixed", "bf16-mixed"):
+            raise ValueError(f"`{where}['precision']={saved!r}` is invalid: expected '16-mixed' or 'bf16-mixed'.")
+        if saved == "16-mixed" and not has_scaler_state:
+            raise ValueError(
+                f"`{where}` is invalid: a 16-mixed state needs the scaler's keys ('scale', 'growth_factor',"
+                f" 'backoff_factor', 'growth_interval', '_growth_tracker'); it has {sorted(state_dict)}."
+            )
+        history = state_dict.get("history")
+        if history is not None:
+            self.history.load_state_dict(history, where=f"{where}['history']")  # validates before it replaces
+        if self.scaler is not None and has_scaler_state:
+            self.scaler.load_state_dict(scaler_state)
+        elif saved is not None and saved != self.precision:
+            if self.scaler is None:
+                what = f"its loss scaler's state (scale {scaler_state.get('scale')!r}) is dropped"
+            else:
+                what = f"the loss scale starts at init_scale={self.scaler.get_scale():g}"
+            say(
+                f"`{where}`: resuming a {saved} state under {self.precision}: {what}; the scale history continues"
+                " (its curve shows the switch)."
+            )
 
 
 def nonfinite_flag(optimizer: Optimizer) -> Tensor:
@@ -258,7 +378,7 @@ def nonfinite_flag(optimizer: Optimizer) -> Tensor:
                 grad = param.grad._values() if param.grad.is_sparse else param.grad
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
     if not groups:
-        warnings.warn("an optimizer stepped without any gradient.", stacklevel=3)
+        warnings.warn("an optimizer stepped without any gradient.", AmpPlusWarning, stacklevel=3)
         return torch.zeros(())
     found: Optional[Tensor] = None
     with torch.no_grad():

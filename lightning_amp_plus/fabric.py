@@ -96,7 +96,12 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale once per cycle (``fabric.clip_gradients`` calls this), fused optimizers included."""
+        """Unscale once per cycle (``fabric.clip_gradients`` calls this), fused optimizers included.
+
+        Before any backward (nothing scaled) it does nothing.
+        """
+        if not self._engine.backward_seen:
+            return
         self._engine.begin(optimizer)
         self._engine.unscale(optimizer)
 
@@ -107,11 +112,16 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
                 "`AmpPlusFabricPrecision(precision='16-mixed')` cannot step `torch.optim.LBFGS`: it re-evaluates the"
                 " closure, which loss scaling breaks. HINT: use precision='bf16-mixed' or 32-bit precision."
             )
-        self._engine.begin(optimizer)
-        self._engine.unscale(optimizer)
-        output = self._engine.step(optimizer, **kwargs)
+        engine = self._engine
+        engine.begin(optimizer)
+        try:
+            engine.unscale(optimizer)
+            output = engine.step(optimizer, **kwargs)
+        except BaseException:
+            engine.abort_cycle()  # a loop that catches it continues with a clean cycle, never a stale unscale
+            raise
         if self.update_mode == "step":
-            self._engine.end_cycle()
+            engine.end_cycle()
         return output
 
     def update(self) -> None:
@@ -124,7 +134,8 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._engine.load_state_dict(state_dict)
+        """Load our state, or stock Fabric ``MixedPrecision``'s (a plain ``GradScaler`` state)."""
+        self._engine.load_state_dict(state_dict, where=f"{type(self).__name__}.load_state_dict")
 
     @override
     def teardown(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import math
 import os
 from typing import Any
 
@@ -160,19 +161,49 @@ class ScaleHistory:
             "last_step": self._last_step,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Replace this history with a saved one."""
+    def load_state_dict(self, state_dict: Any, where: str = "ScaleHistory.load_state_dict") -> None:
+        """Replace this history with a saved one; every field is checked first (errors name ``where`` and the key)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"`{where}` is invalid: expected a dict, got {type(state_dict).__name__}.")
         if state_dict.get("version") != _STATE_VERSION:
             raise ValueError(
-                f"`ScaleHistory.load_state_dict` got a state of version {state_dict.get('version')!r};"
-                f" expected {_STATE_VERSION}."
+                f"`{where}['version']={state_dict.get('version')!r}` is invalid: expected {_STATE_VERSION}."
+            )
+        steps = _int_list(where, state_dict, "change_steps")
+        skipped = _int_list(where, state_dict, "skipped_steps")
+        scales = state_dict.get("change_scales")
+        if (
+            not isinstance(scales, list)
+            or len(scales) != len(steps)
+            or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in scales
+            )
+        ):
+            raise ValueError(
+                f"`{where}['change_scales']={scales!r:.120}` is invalid: expected a list of finite numbers > 0, one"
+                " per change step."
+            )
+        num_steps, last_step = state_dict.get("num_steps"), state_dict.get("last_step")
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < len(skipped):
+            raise ValueError(
+                f"`{where}['num_steps']={num_steps!r}` is invalid: expected an int >= the {len(skipped)} skipped steps."
+            )
+        if last_step is None and num_steps:
+            raise ValueError(f"`{where}['last_step']=None` is invalid with num_steps={num_steps}.")
+        if last_step is not None and (
+            not isinstance(last_step, int)
+            or isinstance(last_step, bool)
+            or max(steps + skipped, default=-1) > last_step
+        ):
+            raise ValueError(
+                f"`{where}['last_step']={last_step!r}` is invalid: expected an int >= every recorded step."
             )
         self._pending_steps = []
-        self._change_steps = [int(s) for s in state_dict["change_steps"]]
-        self._change_scales = [float(v) for v in state_dict["change_scales"]]
-        self._skipped = [int(s) for s in state_dict["skipped_steps"]]
-        self._num_steps = int(state_dict["num_steps"])
-        self._last_step = state_dict["last_step"]
+        self._change_steps = steps
+        self._change_scales = [float(v) for v in scales]
+        self._skipped = skipped
+        self._num_steps = num_steps
+        self._last_step = last_step
         self._last_scale = self._change_scales[-1] if self._change_scales else None
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
@@ -191,6 +222,17 @@ class ScaleHistory:
             f"{type(self).__name__}(steps={self._num_steps}, changes={len(self._change_steps)},"
             f" skipped={len(self._skipped)}, pending={len(self._pending_steps)})"
         )
+
+
+def _int_list(where: str, state: dict[str, Any], key: str) -> list[int]:
+    values = state.get(key)
+    if (
+        not isinstance(values, list)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+        or any(b <= a for a, b in zip(values, values[1:], strict=False))
+    ):
+        raise ValueError(f"`{where}[{key!r}]={values!r:.120}` is invalid: expected increasing ints >= 0.")
+    return list(values)
 
 
 def _as_tensor(value: Tensor | float, device: torch.device) -> Tensor:

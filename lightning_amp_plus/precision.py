@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision.precision import Precision
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -21,6 +22,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._validation import check_bool
+from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
 from lightning_amp_plus.islands import Fp32Islands, check_entries
 
@@ -89,6 +91,8 @@ class AmpPlusPrecision(EngineView, Precision):
         self._islands = Fp32Islands(self.fp32_modules)
         self._module: Optional[pl.LightningModule] = None
         self._wrapped_scheduler_hook = False
+        self._user_scheduler_hook: Any = _MISSING  # a user's own instance-level `lr_scheduler_step`, restored later
+        self._no_step = False  # inside the hooks of an automatic step whose `training_step` returned None
 
     @property
     def fp32_module_names(self) -> list[str]:
@@ -119,11 +123,19 @@ class AmpPlusPrecision(EngineView, Precision):
 
     @override
     def teardown(self) -> None:
-        self._engine.apply_pending_update()
+        trainer = self._module._trainer if self._module is not None else None
+        if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+            self._engine.abort_cycle()  # a failure: let its error through, close what ran
+        else:
+            self._engine.apply_pending_update()
         self.history.flush()
         self._islands.remove()
         if self._module is not None and self._wrapped_scheduler_hook:
-            self._module.__dict__.pop("lr_scheduler_step", None)
+            if self._user_scheduler_hook is _MISSING:
+                self._module.__dict__.pop("lr_scheduler_step", None)
+            else:
+                self._module.__dict__["lr_scheduler_step"] = self._user_scheduler_hook
+            self._user_scheduler_hook = _MISSING
             self._wrapped_scheduler_hook = False
 
     # ------------------------------------------------------------------ autocast
@@ -143,18 +155,29 @@ class AmpPlusPrecision(EngineView, Precision):
     @override
     @contextlib.contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
-        """Autocast the training step; in manual optimization, close the cycle after the batch's last step."""
-        with self.forward_context():
-            yield
+        """Autocast the training step; in manual optimization, close the cycle after the batch's last step.
+
+        A cycle still open when a training step starts was left by an exception: it is closed first (never a
+        stale unscale). An exception inside the step closes the cycle too, and propagates.
+        """
+        if self._engine.cycle_open:
+            self._engine.abort_cycle()
+        try:
+            with self.forward_context():
+                yield
+        except BaseException:
+            self._engine.abort_cycle()
+            raise
         module = self._module
         if module is not None and not module.automatic_optimization:
-            pending = self._engine.unscaled_not_stepped()
+            pending = self._engine.forget_unstepped()
             if pending:
                 rank_zero_warn(
                     f"`AmpPlusPrecision`: {len(pending)} optimizer(s) had their gradients unscaled (by"
                     " `clip_gradients`) in this training step but did not step. Their gradients stay unscaled, and"
                     " a further backward would add scaled gradients to them. HINT: clip only on the batches where"
-                    " you call `optimizer.step()`."
+                    " you call `optimizer.step()`.",
+                    category=AmpPlusWarning,
                 )
             self._engine.apply_pending_update()
 
@@ -176,14 +199,25 @@ class AmpPlusPrecision(EngineView, Precision):
     ) -> Any:
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
-            # `training_step` returned None: no backward ran, nothing to unscale or step (as stock Lightning)
+            # `training_step` returned None: no backward ran. The hooks run as in stock Lightning; nothing is
+            # unscaled, clipped, stepped or counted (gradients accumulated earlier stay scaled for the next step).
+            self._no_step = True
+            try:
+                self._after_closure(model, optimizer)
+            finally:
+                self._no_step = False
             return closure_result
-        self._engine.begin(optimizer, _global_step(model))
-        self._engine.unscale(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks and clipping see true gradients
-        step_output = self._engine.step(optimizer, **kwargs)
+        engine = self._engine
+        engine.begin(optimizer, _global_step(model))
+        try:
+            engine.unscale(optimizer)
+            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks and clipping see true gradients
+            step_output = engine.step(optimizer, **kwargs)
+        except BaseException:
+            engine.abort_cycle()  # never a stale unscale: the next step starts a clean cycle
+            raise
         if model.automatic_optimization:
-            self._engine.end_cycle()
+            engine.end_cycle()
         return step_output
 
     @override
@@ -193,8 +227,15 @@ class AmpPlusPrecision(EngineView, Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip true gradients: unscale first (once per cycle) when it has not happened yet (manual optimization)."""
-        if clip_val > 0:
+        """Clip true gradients: unscale first (once per cycle) when it has not happened yet (manual optimization).
+
+        ``optimizer`` may be the ``LightningOptimizer`` that ``self.optimizers()`` returns. Before any backward
+        (nothing scaled) nothing is unscaled, as in stock; in an automatic step whose ``training_step`` returned
+        None nothing is clipped (no step follows, and the gradients are still scaled).
+        """
+        if self._no_step:
+            return
+        if clip_val > 0 and self._engine.backward_seen:
             self._engine.begin(optimizer, _global_step(self._module))
             self._engine.unscale(optimizer)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
@@ -204,6 +245,7 @@ class AmpPlusPrecision(EngineView, Precision):
         if self._wrapped_scheduler_hook:
             return
         original = module.lr_scheduler_step
+        self._user_scheduler_hook = module.__dict__.get("lr_scheduler_step", _MISSING)
 
         def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
             if self._scheduler_step_was_skipped(module, scheduler):
@@ -229,7 +271,27 @@ class AmpPlusPrecision(EngineView, Precision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._engine.load_state_dict(state_dict)
+        self._engine.load_state_dict(state_dict, where=f"checkpoint[{type(self).__qualname__!r}]")
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also write the scaler under stock ``MixedPrecision``'s key, so a stock run resumes at our scale."""
+        if self.scaler is not None:
+            checkpoint.setdefault(_STOCK_KEY, self.scaler.state_dict())
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume a stock ``MixedPrecision`` run (no state of ours in the checkpoint) at its scale."""
+        if type(self).__qualname__ in checkpoint:
+            return  # ours: Lightning loads it through `load_state_dict`
+        for key in (_STOCK_KEY, "native_amp_scaling_state"):
+            if key in checkpoint:
+                self._engine.load_state_dict(checkpoint[key], where=f"checkpoint[{key!r}]")
+                return
+
+
+_MISSING = object()
+_STOCK_KEY = "MixedPrecision"  # Lightning's own plugin writes its scaler state under its class name
 
 
 def _find_lightning_module(model: torch.nn.Module) -> Optional[pl.LightningModule]:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from lightning_amp_plus._validation import check_bool, check_scaler_args
+from lightning_amp_plus._log import say
+from lightning_amp_plus._validation import FLOAT32_TINY, check_bool, check_scaler_args
 
 
 class DynamicLossScaler(torch.amp.GradScaler):
@@ -30,16 +32,23 @@ class DynamicLossScaler(torch.amp.GradScaler):
     With ``min_scale=0, max_scale=inf, hysteresis=1`` it is ``torch.amp.GradScaler`` exactly. :meth:`update` runs on
     the device (no host sync). :meth:`state_dict` carries every tracker.
 
+    A drop-in for ``torch.amp.GradScaler``: the same positional arguments (``device, init_scale, growth_factor,
+    backoff_factor, growth_interval, enabled``), ours after them as keywords. Every method that takes an optimizer
+    accepts a wrapper of it too (Lightning's ``LightningOptimizer``, Fabric's optimizer) and means the optimizer inside.
+
     Args:
         device: device type of the gradients, as for ``torch.amp.GradScaler`` (``"cuda"``, ``"cpu"``, ...).
         init_scale: initial scale.
         growth_factor: factor (> 1) applied after ``growth_interval`` clean steps in a row.
         backoff_factor: factor in (0, 1) applied on overflow.
         growth_interval: clean steps in a row before the scale grows.
-        min_scale: the scale never backs off below this.
+        min_scale: the scale never backs off below this (0: below float32's smallest normal value, 2**-126).
         max_scale: the scale never grows above this.
         hysteresis: overflows tolerated (steps skipped, scale kept) before the scale backs off; a growth resets it.
         enabled: ``False`` turns every method into a pass-through, as in torch.
+
+    Every scale, bound and factor must be one float32 can hold (see :func:`~lightning_amp_plus._validation.
+    check_scaler_args`); :meth:`load_state_dict` checks a checkpoint's values by the same rules.
 
     Example:
         >>> import torch
@@ -61,15 +70,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def __init__(
         self,
         device: str = "cuda",
-        *,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
         hysteresis: int = 1,
-        enabled: bool = True,
     ) -> None:
         owner = type(self).__name__
         check_scaler_args(
@@ -97,8 +106,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = hysteresis
         self._hysteresis_tracker: Tensor | None = None
         self._found_inf_combined: Tensor | None = None
-        # per optimizer (id): whether its last step was skipped; a bool when the host knows it (torch already
-        # synced to decide), else the device flag (fused optimizers decide on the device).
+        # per optimizer (the real one, never a wrapper): whether its last step was skipped; a bool when the host
+        # knows it (torch already synced to decide), else the device flags (fused optimizers decide on the device).
         self._last_skipped: dict[int, bool | list[Tensor]] = {}
 
     # ------------------------------------------------------------------ knobs
@@ -139,8 +148,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._last_skipped[id(optimizer)] = skipped
         return None if skipped else optimizer.step(*args, **kwargs)
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``."""
+        super().unscale_(unwrap_optimizer(optimizer))
+        self._found_inf_combined = None  # a new overflow flag joined the cycle
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan."""
+        optimizer = unwrap_optimizer(optimizer)
+        self._found_inf_combined = None
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             retval = super().step(optimizer, *args, **kwargs)
             # the fused kernel decided on the device: keep its flags, read them only if someone asks
@@ -152,9 +168,33 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`unscale_` already ran for ``optimizer`` in this cycle."""
-        if not self._enabled or id(optimizer) not in self._per_optimizer_states:
+        key = id(unwrap_optimizer(optimizer))
+        if not self._enabled or key not in self._per_optimizer_states:
             return False
-        return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+        return self._per_optimizer_states[key]["stage"] is OptState.UNSCALED
+
+    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` stepped (or skipped) in this cycle, i.e. since the last :meth:`update`."""
+        key = id(unwrap_optimizer(optimizer))
+        if not self._enabled or key not in self._per_optimizer_states:
+            return False
+        return self._per_optimizer_states[key]["stage"] is OptState.STEPPED
+
+    def reset_cycle(self, optimizers: Iterable[torch.optim.Optimizer] | None = None) -> None:
+        """Forget the unscale/step state of ``optimizers`` (default: all) in the open cycle; the scale stays.
+
+        For recovery after an exception between :meth:`unscale_` and :meth:`update`, or gradients unscaled and then
+        added to by another backward: the next :meth:`step` unscales again, and a forgotten optimizer's overflow no
+        longer counts in :meth:`update`.
+        """
+        if optimizers is None:
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        else:
+            for optimizer in optimizers:
+                key = id(unwrap_optimizer(optimizer))
+                self._per_optimizer_states.pop(key, None)
+                self._last_skipped.pop(key, None)
+        self._found_inf_combined = None
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> bool | None:
         """Whether the last step of ``optimizer`` was skipped (``None`` if it has not stepped).
@@ -162,7 +202,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         Free for non-fused optimizers (torch already read the flag). For fused optimizers the flag lives on the
         device: ``sync=True`` reads it (one host sync), ``sync=False`` returns ``None``.
         """
-        return self._skipped(id(optimizer), sync)
+        return self._skipped(id(unwrap_optimizer(optimizer)), sync)
 
     def any_step_skipped(self) -> bool:
         """Whether any optimizer's last step was skipped (reads the device flags of fused optimizers)."""
@@ -183,7 +223,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return resolved
 
     def found_inf(self) -> Tensor:
-        """The combined overflow flag of this cycle (a device tensor, > 0 on overflow), as :meth:`update` uses it."""
+        """The combined overflow flag of this cycle so far (a device tensor, > 0 on overflow), as :meth:`update` sees it.
+
+        Computed anew whenever an optimizer unscaled or stepped since the last call, so a call between two
+        optimizers' steps never hides the second one's overflow from :meth:`update`.
+        """
         if self._found_inf_combined is None:
             scale, _ = self._check_scale_growth_tracker("found_inf")
             found_infs = [
@@ -200,6 +244,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return self._found_inf_combined
 
     # ------------------------------------------------------------------ the rule
+    @property
+    def _floor(self) -> float:
+        return max(self._min_scale, FLOAT32_TINY)  # min_scale=0 still never reaches 0 (whose inverse is inf)
+
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Apply the bounded hysteresis rule for the cycle that just ended (on the device, no host sync)."""
         if not self._enabled:
@@ -211,16 +259,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         found_inf = self.found_inf()
         if self._hysteresis == 1:
-            # torch's own fused kernel, then the bounds: bit-identical to GradScaler when the bounds are (0, inf)
+            # torch's own fused kernel, then the bounds: bit-identical to GradScaler inside float32's normal range
             torch._amp_update_scale_(
                 scale, growth_tracker, found_inf, self._growth_factor, self._backoff_factor, self._growth_interval
             )
-            if self._min_scale > 0 or math.isfinite(self._max_scale):
-                scale.clamp_(min=self._min_scale, max=self._max_scale)
+            scale.clamp_(min=self._floor, max=self._max_scale)
         else:
             self._update_with_hysteresis(scale, growth_tracker, found_inf)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._found_inf_combined = None
+        self.reset_cycle()
 
     def _update_with_hysteresis(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor) -> None:
         assert self._hysteresis_tracker is not None
@@ -235,7 +281,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         backoff = found & (hysteresis <= 0)
         grown = _times(scale, self._growth_factor)
         grown = torch.where(grown.isfinite(), grown, scale).clamp_max(self._max_scale)
-        shrunk = _times(scale, self._backoff_factor).clamp_min(self._min_scale)
+        shrunk = _times(scale, self._backoff_factor).clamp_min(self._floor)
         scale.copy_(torch.where(backoff, shrunk, torch.where(grow, grown, scale)))
 
     # ------------------------------------------------------------------ state
@@ -245,7 +291,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return int(self._hysteresis_tracker.item())
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's scaler state plus the bounds and the hysteresis tracker."""
+        """Torch's scaler state (a plain ``GradScaler`` loads it) plus the bounds and the hysteresis tracker."""
         state = super().state_dict()
         if self._enabled:
             state.update(
@@ -257,16 +303,82 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` (a plain ``GradScaler`` state loads too, keeping our bounds)."""
-        super().load_state_dict(state_dict)
+        """Load a state from :meth:`state_dict`, or a plain ``GradScaler`` state (our bounds are then kept).
+
+        Every value is checked by the constructor's rules; an invalid one raises ``ValueError``/``TypeError`` naming
+        the checkpoint key and the value. The checkpoint wins, as in torch: its scale, trackers and knobs replace
+        this scaler's, and a knob that differs from the current one is logged (logger ``lightning_amp_plus``, rank
+        zero). A scale outside ``[min_scale, max_scale]`` is brought inside, and logged.
+        """
         if not self._enabled:
             return
-        self._min_scale = float(state_dict.get("min_scale", self._min_scale))
-        self._max_scale = float(state_dict.get("max_scale", self._max_scale))
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"`{where}` expected a dict (a scaler's `state_dict()`), got {type(state_dict).__name__}.")
+        missing = [key for key in _TORCH_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"`{where}`: the state lacks {', '.join(map(repr, missing))} (it has"
+                f" {', '.join(map(repr, state_dict)) or 'no keys'}); expected a `GradScaler.state_dict()`."
+            )
+        knobs: dict[str, Any] = {
+            "growth_factor": state_dict["growth_factor"],
+            "backoff_factor": state_dict["backoff_factor"],
+            "growth_interval": state_dict["growth_interval"],
+            "min_scale": state_dict.get("min_scale", self._min_scale),
+            "max_scale": state_dict.get("max_scale", self._max_scale),
+            "hysteresis": state_dict.get("hysteresis", self._hysteresis),
+        }
+        scale = state_dict["scale"]
+        if isinstance(scale, Tensor) and scale.numel() == 1:
+            scale = scale.item()
+        check_scaler_args(where, init_scale=None, **knobs)  # the knobs, as the constructor checks them
+        check_scaler_args(  # the scale: one float32 can hold (then brought inside the bounds, below)
+            where, init_scale=scale, label={"init_scale": "scale"}, **{**knobs, "min_scale": 0.0, "max_scale": math.inf}
+        )
+        growth_tracker = state_dict["_growth_tracker"]
+        if not _is_int(growth_tracker) or not 0 <= growth_tracker < knobs["growth_interval"]:
+            raise ValueError(
+                f"`{where}(_growth_tracker={growth_tracker!r})` is invalid: expected an int in"
+                f" [0, growth_interval={knobs['growth_interval']})."
+            )
+        hysteresis_tracker = state_dict.get("_hysteresis_tracker", knobs["hysteresis"])
+        if not _is_int(hysteresis_tracker) or not 0 <= hysteresis_tracker <= knobs["hysteresis"]:
+            raise ValueError(
+                f"`{where}(_hysteresis_tracker={hysteresis_tracker!r})` is invalid: expected an int in"
+                f" [0, hysteresis={knobs['hysteresis']}]."
+            )
+        bounded = min(max(float(scale), knobs["min_scale"]), knobs["max_scale"])
+        changes = [
+            f"{name} {current!r} -> {knobs[name]!r}"
+            for name, current in self._knobs().items()
+            if float(current) != float(knobs[name])
+        ]
+        if bounded != scale:
+            changes.append(
+                f"scale {scale!r} -> {bounded!r} (brought inside [min_scale, max_scale] ="
+                f" [{knobs['min_scale']!r}, {knobs['max_scale']!r}])"
+            )
+        if changes:
+            say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(changes) + ".")
+        super().load_state_dict({**state_dict, "scale": bounded})
+        self._found_inf_combined = None
+        self._min_scale = float(knobs["min_scale"])
+        self._max_scale = float(knobs["max_scale"])
+        self._hysteresis = int(knobs["hysteresis"])
+        self._init_hysteresis_tracker = int(hysteresis_tracker)
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+
+    def _knobs(self) -> dict[str, float]:
+        return {
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "hysteresis": self._hysteresis,
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -276,6 +388,38 @@ class DynamicLossScaler(torch.amp.GradScaler):
             state["_found_inf_combined"] = None
             state["_last_skipped"] = {}
         return state
+
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside any wrapper users hold (Lightning's ``LightningOptimizer``, Fabric's ``_FabricOptimizer``).
+
+    Both keep the wrapped optimizer in their own ``_optimizer`` attribute (and pass the ``isinstance`` checks of the
+    optimizer's class); a plain optimizer is returned as it is.
+
+    Example:
+        >>> import torch
+        >>> from lightning.pytorch.core.optimizer import LightningOptimizer
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> unwrap_optimizer(LightningOptimizer(opt)) is opt, unwrap_optimizer(opt) is opt
+        (True, True)
+    """
+    for _ in range(8):  # wrappers of wrappers, bounded
+        inner = getattr(optimizer, "__dict__", {}).get("_optimizer")
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
 
 
 def _times(scale: Tensor, factor: float) -> Tensor:

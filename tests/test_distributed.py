@@ -1,6 +1,7 @@
 """DDP on CPU (gloo, 2 processes): a skip on one rank is a skip on every rank; output from rank zero only."""
 
 import json
+import logging
 import pickle
 import warnings
 
@@ -21,7 +22,7 @@ class Dump(Callback):
         self.folder = str(folder)
 
     def setup(self, trainer, pl_module, stage):
-        self.warned = []
+        self.warned = []  # warnings and the package's console lines (logger "lightning_amp_plus")
         original = warnings.showwarning
 
         def record(message, *args, **kwargs):
@@ -30,6 +31,13 @@ class Dump(Callback):
 
         warnings.showwarning = record
         warnings.simplefilter("always")
+        warned = self.warned
+
+        class Lines(logging.Handler):
+            def emit(self, record):
+                warned.append(record.getMessage())
+
+        logging.getLogger("lightning_amp_plus").addHandler(Lines())
 
     def on_train_end(self, trainer, pl_module):
         plugin = trainer.precision_plugin

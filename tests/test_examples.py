@@ -19,10 +19,10 @@ def test_main_example_writes_the_scale_curve(tmp_path, capsys):
     assert json.loads((tmp_path / "skips.json").read_text())["num_steps"] == 6
 
 
-def test_accumulation_example_sees_true_gradients():
+def test_accumulation_example_sees_true_gradients(tmp_path):
     from examples.grad_accumulation import main
 
-    model = main(["--fast", "--accumulate", "2"])
+    model = main(["--fast", "--accumulate", "2", "--out", str(tmp_path)])
     assert len(model.grad_norms) == 3
     finite = [n for n in model.grad_norms if n == n and n != float("inf")]  # an overflowing step shows inf
     assert finite

@@ -221,8 +221,9 @@ def test_checkpoint_carries_scaler_and_history(tmp_path):
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=False)
     state = ckpt["AmpPlusPrecision"]
-    assert state["scaler"]["_hysteresis_tracker"] == 2  # refilled by the growth at step 4
-    assert state["scaler"]["scale"] == 128.0
+    assert state["_hysteresis_tracker"] == 2  # refilled by the growth at step 4
+    assert state["scale"] == 128.0
+    assert ckpt["MixedPrecision"]["scale"] == 128.0  # stock Lightning finds it under its own key too
     assert state["history"]["skipped_steps"] == [1]
     fresh = AmpPlusPrecision("16-mixed")
     fresh.load_state_dict(state)
@@ -314,10 +315,10 @@ def test_cuda_fp16_skip_and_clip():
     assert plugin.history.skipped_steps == [1]
 
 
-def test_gan_loop_updates_once_per_batch():
+def test_gan_loop_updates_once_per_batch(tmp_path):
     from examples.gan_manual import main
 
-    plugin = main(["--fast"])  # 4 batches, two optimizer steps and two backward calls each
+    plugin = main(["--fast", "--out", str(tmp_path)])  # 4 batches, two optimizer steps and two backward calls each
     assert plugin.history.num_steps == 4
     assert [s for s, _ in plugin.history.curve()] == [0]
 

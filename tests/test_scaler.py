@@ -211,14 +211,18 @@ def test_disabled_scaler_is_a_pass_through():
         ({"growth_factor": "2"}, TypeError, r"growth_factor='2'\)` is invalid: expected a real number, got str"),
         ({"backoff_factor": 1.0}, ValueError, r"backoff_factor=1.0\)` is invalid: expected 0 < backoff_factor < 1"),
         ({"backoff_factor": 0}, ValueError, r"backoff_factor=0.0\)` is invalid: expected 0 < backoff_factor < 1"),
-        ({"init_scale": 0.0}, ValueError, r"init_scale=0.0\)` is invalid: expected a finite number > 0"),
-        ({"init_scale": float("inf")}, ValueError, r"init_scale=inf\)` is invalid: expected a finite number > 0"),
-        ({"growth_interval": 0}, ValueError, r"growth_interval=0\)` is invalid: expected an int >= 1"),
+        ({"init_scale": 0.0}, ValueError, r"init_scale=0.0\)` is invalid: expected a finite float32 scale in"),
+        ({"init_scale": float("inf")}, ValueError, r"init_scale=inf\)` is invalid: expected a finite float32 scale in"),
+        ({"growth_interval": 0}, ValueError, r"growth_interval=0\)` is invalid: expected an int in \[1, 2147483647\]"),
         ({"growth_interval": 2.0}, TypeError, r"growth_interval=2.0\)` is invalid: expected an int, got float"),
-        ({"hysteresis": 0}, ValueError, r"hysteresis=0\)` is invalid: expected an int >= 1"),
+        ({"hysteresis": 0}, ValueError, r"hysteresis=0\)` is invalid: expected an int in \[1, 2147483647\]"),
         ({"hysteresis": True}, TypeError, r"hysteresis=True\)` is invalid: expected an int, got bool"),
-        ({"min_scale": -1.0}, ValueError, r"min_scale=-1.0\)` is invalid: expected a finite number >= 0"),
-        ({"max_scale": 0.0}, ValueError, r"max_scale=0.0\)` is invalid: expected a number > 0"),
+        (
+            {"min_scale": -1.0},
+            ValueError,
+            r"min_scale=-1.0\)` is invalid: expected 0 \(no bound but float32's\) or a finite float32",
+        ),
+        ({"max_scale": 0.0}, ValueError, r"max_scale=0.0\)` is invalid: expected inf or a finite float32 scale"),
         (
             {"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0},
             ValueError,
@@ -226,6 +230,28 @@ def test_disabled_scaler_is_a_pass_through():
         ),
         ({"init_scale": 2.0**30}, ValueError, r"expected min_scale <= init_scale <= max_scale.*HINT"),
         ({"enabled": 1}, TypeError, r"enabled=1\)` is invalid: expected a bool"),
+        # what float32 cannot hold on the device: refused, never a scale of 0 or inf at step 0
+        (
+            {"init_scale": 1e-50, "min_scale": 0},
+            ValueError,
+            r"init_scale=1e-50\)` is invalid: expected a finite float32",
+        ),
+        (
+            {"init_scale": 1e-39, "min_scale": 0},
+            ValueError,
+            r"init_scale=1e-39\)` is invalid: expected a finite float32",
+        ),
+        (
+            {"init_scale": 1e39, "max_scale": math.inf},
+            ValueError,
+            r"init_scale=1e\+39\)` is invalid: expected a finite",
+        ),
+        ({"growth_factor": 1e308}, ValueError, r"growth_factor=1e\+308\)` is invalid: .*float32 can hold"),
+        ({"backoff_factor": 1e-300}, ValueError, r"backoff_factor=1e-300\)` is invalid: expected 0 < backoff"),
+        ({"min_scale": 1e-40}, ValueError, r"min_scale=1e-40\)` is invalid: expected 0 \(no bound"),
+        ({"max_scale": 1e39}, ValueError, r"max_scale=1e\+39\)` is invalid: expected inf or a finite float32"),
+        ({"growth_interval": 2**31}, ValueError, r"growth_interval=2147483648\)` is invalid: .*int32"),
+        ({"hysteresis": 2**40}, ValueError, r"hysteresis=1099511627776\)` is invalid: .*int32"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, error, match):

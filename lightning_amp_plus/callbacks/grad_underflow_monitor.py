@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._validation import check_int
+from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
 from lightning_amp_plus.precision import AmpPlusPrecision
 from lightning_amp_plus.syncs import to_host
@@ -92,7 +93,8 @@ class GradUnderflowMonitor(Callback):
         if plugin.scaler is None:
             rank_zero_warn(
                 "`GradUnderflowMonitor` measures float16 underflow of scaled gradients; with bf16-mixed there is no"
-                " scaler and bfloat16 has float32's range, so it measures nothing."
+                " scaler and bfloat16 has float32's range, so it measures nothing.",
+                category=AmpPlusWarning,
             )
             return
         if self._measure not in plugin.before_unscale_listeners:
@@ -156,5 +158,6 @@ class GradUnderflowMonitor(Callback):
                 f"`GradUnderflowMonitor`: {100 * record['underflow_fraction']:.0f}% of gradient elements underflow"
                 f" float16 while the loss scale sits at min_scale={self._plugin.scaler.min_scale:g} (step"
                 f" {record['step']}). HINT: raise `min_scale` or `init_scale`, use precision='bf16-mixed', or keep"
-                " the layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`)."
+                " the layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`).",
+                category=AmpPlusWarning,
             )

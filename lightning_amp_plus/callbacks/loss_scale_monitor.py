@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_amp_plus._validation import check_int
+from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
 from lightning_amp_plus.precision import AmpPlusPrecision
 
@@ -64,7 +65,8 @@ class LossScaleMonitor(Callback):
         if not trainer.loggers:
             rank_zero_warn(
                 "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
-                " `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`)."
+                " `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`).",
+                category=AmpPlusWarning,
             )
 
     @override

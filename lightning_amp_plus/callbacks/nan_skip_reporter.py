@@ -10,10 +10,10 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_amp_plus._log import say
 from lightning_amp_plus._validation import check_bool, check_int
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
 from lightning_amp_plus.engine import EngineView, SkipEvent
@@ -196,10 +196,10 @@ class NaNSkipReporter(Callback):
                 record["step"],
             )
         if self._warned < self.max_warnings:
-            rank_zero_warn(_describe(record))
+            say(_describe(record))
             self._warned += 1
             if self._warned == self.max_warnings:
-                rank_zero_warn(
+                say(
                     f"`NaNSkipReporter`: {self.max_warnings} skipped steps printed; further skips are counted in"
                     " `.skips` and summarised at the end of fit."
                 )
@@ -241,9 +241,9 @@ class NaNSkipReporter(Callback):
             worst = ", ".join(f"{w['name']} ({w['skips']} skips)" for w in report["worst_offenders"][:5])
             steps = report["skipped_steps"]
             shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
-            rank_zero_warn(
-                f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} optimizer steps skipped"
-                f" (steps {shown}); worst offenders: {worst or 'unknown'}."
+            say(
+                f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} updates skipped (at global_step"
+                f" {shown}); worst offenders: {worst or 'unknown'}."
             )
         self._write_report()
 

@@ -1,4 +1,5 @@
 import json
+import re
 import warnings
 
 import pytest
@@ -11,12 +12,19 @@ from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
 
-def test_names_exactly_the_poisoned_parameter(tmp_path):
+def test_names_exactly_the_poisoned_parameter(tmp_path, caplog):
     model = TinyModel(grad_poison={3: "net.0.weight"})
     plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     reporter = NaNSkipReporter(report_path=tmp_path / "skips.json")
-    with pytest.warns(UserWarning, match=r"step 3 skipped: gradients non-finite in net.0.weight \(\d+ inf"):
-        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=6).fit(model)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=6).fit(model)
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
+    assert re.fullmatch(
+        r"step 3 skipped: gradients non-finite in net.0.weight \(\d+ inf.*, loss scale 1024 -> 512", lines[0]
+    )
+    assert (
+        lines[1]
+        == "`NaNSkipReporter`: 1 of 6 updates skipped (at global_step 3); worst offenders: net.0.weight (1 skips)."
+    )
     assert [r["step"] for r in reporter.skips] == [3]
     record = reporter.skips[0]
     assert [o["name"] for o in record["offenders"]] == ["net.0.weight"]
@@ -34,12 +42,12 @@ def test_names_exactly_the_poisoned_parameter(tmp_path):
     assert report["worst_offenders"] == [{"name": "net.0.weight", "skips": 1}]
 
 
-def test_nan_loss_names_every_parameter_and_no_loss():
+def test_nan_loss_names_every_parameter_and_no_loss(caplog):
     model = TinyModel(poison={1: "nan"})
     plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
     reporter = NaNSkipReporter()
-    with pytest.warns(UserWarning, match="step 1 skipped"):
-        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(model)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(model)
+    assert any(r.getMessage().startswith("step 1 skipped") for r in caplog.records)
     (record,) = reporter.skips
     assert {o["name"] for o in record["offenders"]} == {n for n, _ in model.named_parameters()}
     assert all(o["nan"] > 0 for o in record["offenders"])
@@ -74,17 +82,19 @@ def test_overflow_at_min_scale_is_a_collapse():
     assert [r["scale"] for r in reporter.skips] == [4.0, 2.0, 1.0]
 
 
-def test_rate_limited_warnings_then_summary():
+def test_rate_limited_lines_then_summary(caplog):
     model = TinyModel(poison={s: "inf" for s in (1, 3, 5, 7)})
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**8, min_scale=2.0**-8)
     reporter = NaNSkipReporter(max_warnings=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=9).fit(model)
-    lines = [str(w.message) for w in caught if "skip" in str(w.message)]
-    assert sum(line.startswith("step ") for line in lines) == 2
-    assert any("further skips are counted" in line for line in lines)
-    assert any("4 of 9 optimizer steps skipped (steps 1, 3, 5, 7)" in line for line in lines)
+    assert not [w for w in caught if "skip" in str(w.message)]  # information goes to logging, not warnings
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
+    assert [line.split(":")[0] for line in lines[:2]] == ["step 1 skipped", "step 3 skipped"]
+    assert "further skips are counted" in lines[2]
+    assert lines[3].startswith("`NaNSkipReporter`: 4 of 9 updates skipped (at global_step 1, 3, 5, 7)")
+    assert len(lines) == 4
 
 
 def test_fused_optimizer_skips_are_found_at_the_flush(tmp_path):
