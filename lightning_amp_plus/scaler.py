@@ -223,7 +223,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return resolved
 
     def found_inf(self) -> Tensor:
-        """The combined overflow flag of this cycle so far (a device tensor, > 0 on overflow), as :meth:`update` sees it.
+        """The combined overflow flag of this cycle so far (a device tensor, > 0 on overflow), as `update` sees it.
 
         Computed anew whenever an optimizer unscaled or stepped since the last call, so a call between two
         optimizers' steps never hides the second one's overflow from :meth:`update`.
