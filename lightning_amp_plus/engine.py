@@ -74,7 +74,8 @@ class AmpEngine:
         self._bf16_skipped: dict[int, Union[bool, Tensor]] = {}
         self._last_cycle_skipped: Union[bool, Tensor, None] = None
         self._one: Optional[Tensor] = None
-        self._backward_seen = False
+        self._backwards = 0  # backward calls so far
+        self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
 
     # ------------------------------------------------------------------ the cycle
     def scale(self, loss: Tensor) -> Tensor:
@@ -90,13 +91,12 @@ class AmpEngine:
                     AmpPlusWarning,
                     stacklevel=3,
                 )
-        self._backward_seen = True
+        self._backwards += 1
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    @property
-    def backward_seen(self) -> bool:
-        """Whether any backward has run (before it nothing is scaled, and there is nothing to unscale)."""
-        return self._backward_seen
+    def has_new_gradients(self, optimizer: Optimizer) -> bool:
+        """Whether a backward ran since ``optimizer`` last stepped (else its gradients hold nothing to unscale)."""
+        return self._backwards > self._stepped_at.get(id(unwrap_optimizer(optimizer)), 0)
 
     @property
     def cycle_open(self) -> bool:
@@ -141,6 +141,7 @@ class AmpEngine:
         """
         optimizer = unwrap_optimizer(optimizer)
         self._cycle_optimizers.append(optimizer)
+        self._stepped_at[id(optimizer)] = self._backwards
         try:
             return self._step(optimizer, **kwargs)
         except BaseException:

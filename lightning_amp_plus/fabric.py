@@ -98,9 +98,9 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale once per cycle (``fabric.clip_gradients`` calls this), fused optimizers included.
 
-        Before any backward (nothing scaled) it does nothing.
+        With no backward since the optimizer last stepped (nothing scaled) it does nothing.
         """
-        if not self._engine.backward_seen:
+        if not self._engine.has_new_gradients(optimizer):
             return
         self._engine.begin(optimizer)
         self._engine.unscale(optimizer)

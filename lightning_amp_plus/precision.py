@@ -229,13 +229,13 @@ class AmpPlusPrecision(EngineView, Precision):
     ) -> None:
         """Clip true gradients: unscale first (once per cycle) when it has not happened yet (manual optimization).
 
-        ``optimizer`` may be the ``LightningOptimizer`` that ``self.optimizers()`` returns. Before any backward
-        (nothing scaled) nothing is unscaled, as in stock; in an automatic step whose ``training_step`` returned
+        ``optimizer`` may be the ``LightningOptimizer`` that ``self.optimizers()`` returns. With no backward since
+        the optimizer last stepped (nothing scaled) nothing is unscaled, as in stock; in an automatic step whose ``training_step`` returned
         None nothing is clipped (no step follows, and the gradients are still scaled).
         """
         if self._no_step:
             return
-        if clip_val > 0 and self._engine.backward_seen:
+        if clip_val > 0 and self._engine.has_new_gradients(optimizer):
             self._engine.begin(optimizer, _global_step(self._module))
             self._engine.unscale(optimizer)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
