@@ -349,12 +349,13 @@ class AmpEngine:
                 f"`{where}` is invalid: a 16-mixed state needs the scaler's keys ('scale', 'growth_factor',"
                 f" 'backoff_factor', 'growth_interval', '_growth_tracker'); it has {sorted(state_dict)}."
             )
-        history = state_dict.get("history")
-        if history is not None:
-            self.history.load_state_dict(history, where=f"{where}['history']")  # validates before it replaces
+        if "history" in state_dict:  # checked in full before anything is replaced
+            ScaleHistory().load_state_dict(state_dict["history"], where=f"{where}['history']")
         if self.scaler is not None and has_scaler_state:
-            self.scaler.load_state_dict(scaler_state)
-        elif saved is not None and saved != self.precision:
+            self.scaler.load_state_dict(scaler_state)  # checks every value before it replaces any
+        if "history" in state_dict:
+            self.history.load_state_dict(state_dict["history"])
+        if saved is not None and saved != self.precision:
             if self.scaler is None:
                 what = f"its loss scaler's state (scale {scaler_state.get('scale')!r}) is dropped"
             else:

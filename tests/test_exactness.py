@@ -73,7 +73,13 @@ class ManualSGD(LightningModule):
         self.clip_gradients(target, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
         opt.step()  # a raw `optimizer.step()` would bypass Lightning (and the plugin) altogether
         self.records.append(
-            {"step": step, "before": before, "after": params(self), "grads": grads, "skipped": plugin.step_was_skipped(opt)}
+            {
+                "step": step,
+                "before": before,
+                "after": params(self),
+                "grads": grads,
+                "skipped": plugin.step_was_skipped(opt),
+            }
         )
 
     def configure_optimizers(self):
@@ -249,7 +255,9 @@ class AutoRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if hasattr(self, "_before"):
-            self.records.append((self._before, params(pl_module), self._grads, trainer.precision_plugin.history.last_step))
+            self.records.append(
+                (self._before, params(pl_module), self._grads, trainer.precision_plugin.history.last_step)
+            )
             del self._before
 
 

@@ -257,3 +257,126 @@ def test_disabled_scaler_is_a_pass_through():
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=r"`DynamicLossScaler\(.*" + match):
         DynamicLossScaler("cpu", **kwargs)
+
+
+def test_positional_arguments_are_torch_gradscalers():
+    ours = DynamicLossScaler("cpu", 1024.0, 3.0, 0.25, 7, True, min_scale=2.0, hysteresis=2)
+    ref = torch.amp.GradScaler("cpu", 1024.0, 3.0, 0.25, 7, True)
+    assert ours.get_scale() == ref.get_scale() == 1024.0
+    assert ours.get_growth_factor() == ref.get_growth_factor() == 3.0
+    assert ours.get_backoff_factor() == ref.get_backoff_factor() == 0.25
+    assert ours.get_growth_interval() == ref.get_growth_interval() == 7
+    assert ours.is_enabled() and (ours.min_scale, ours.hysteresis) == (2.0, 2)
+    assert not DynamicLossScaler("cpu", 1024.0, 3.0, 0.25, 7, False).is_enabled()
+
+
+def test_found_inf_between_two_steps_does_not_hide_the_second_overflow():
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", init_scale=256.0)
+    x = torch.randn(3, 4)
+    loss = a(x).sum() + b(x).sum()
+    handle = b.weight.register_hook(lambda g: g * float("inf"))
+    scaler.scale(loss).backward()
+    handle.remove()
+    scaler.step(opt_a)
+    assert scaler.found_inf().item() == 0  # a's flag only, so far
+    scaler.step(opt_b)
+    assert scaler.found_inf().item() > 0  # b's overflow joined the cycle
+    scaler.update()
+    assert scaler.get_scale() == 128.0
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_min_scale_zero_backs_off_to_float32s_smallest_normal_never_zero(hysteresis):
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**-120, min_scale=0, backoff_factor=2.0**-10, hysteresis=hysteresis)
+    model, opt = _setup()
+    for _ in range(2 * hysteresis):
+        _cycle(scaler, model, opt, torch.randn(3, 4), True)
+    assert scaler.get_scale() == 2.0**-126  # float32's smallest normal: its inverse is finite
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    _cycle(scaler, model, opt, torch.randn(3, 4), False)  # a clean step still applies a finite update
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_load_state_dict_into_a_scaler_that_already_ran():
+    src = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=5, hysteresis=3)
+    model, opt = _setup()
+    _cycle(src, model, opt, torch.randn(3, 4), False)
+    _cycle(src, model, opt, torch.randn(3, 4), True)  # growth tracker 0, hysteresis tracker 2
+    dst = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=5, hysteresis=3)
+    _cycle(dst, model, opt, torch.randn(3, 4), False)
+    _cycle(dst, model, opt, torch.randn(3, 4), False)  # its device trackers exist: 2 and 3
+    dst.load_state_dict(src.state_dict())
+    assert dst.state_dict() == src.state_dict()
+    assert int(dst._growth_tracker) == 0
+    assert int(dst._hysteresis_tracker) == 2
+    for overflow in (True, True, False):  # the loaded trackers drive the rule: back off on the 2nd overflow
+        _cycle(src, model, opt, torch.randn(3, 4), overflow)
+        _cycle(dst, model, opt, torch.randn(3, 4), overflow)
+        assert dst.get_scale() == src.get_scale()
+    assert dst.get_scale() == 32.0
+
+
+def test_loaded_scale_outside_the_bounds_is_brought_inside_and_said(caplog):
+    stock = torch.amp.GradScaler("cpu", init_scale=2.0**30)  # a stock run's scale above our max_scale
+    ours = DynamicLossScaler("cpu", max_scale=2.0**24)
+    ours.load_state_dict(stock.state_dict())
+    assert ours.get_scale() == 2.0**24
+    assert "scale 1073741824.0 -> 16777216.0 (brought inside [min_scale, max_scale]" in caplog.text
+    low = DynamicLossScaler("cpu", min_scale=4.0, init_scale=8.0)
+    low.load_state_dict(torch.amp.GradScaler("cpu", init_scale=0.5).state_dict())
+    assert low.get_scale() == 4.0
+
+
+def test_loaded_knobs_replace_the_constructors_and_are_said(caplog):
+    ours = DynamicLossScaler("cpu", growth_interval=100)
+    ours.load_state_dict(DynamicLossScaler("cpu", growth_interval=7, hysteresis=2).state_dict())
+    assert ours.get_growth_interval() == 7
+    assert ours.hysteresis == 2
+    assert "growth_interval 100 -> 7; hysteresis 1 -> 2" in caplog.text
+    caplog.clear()
+    ours.load_state_dict(ours.state_dict())
+    assert caplog.text == ""  # nothing changed, nothing said
+
+
+def _state(**changes):
+    state = DynamicLossScaler("cpu", init_scale=64.0, hysteresis=2).state_dict()
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        (_state(scale=0.0), ValueError, r"`DynamicLossScaler.load_state_dict\(scale=0.0\)` is invalid"),
+        (
+            _state(scale=float("nan")),
+            ValueError,
+            r"load_state_dict\(scale=nan\)` is invalid: expected a finite float32",
+        ),
+        (_state(scale=float("inf")), ValueError, r"load_state_dict\(scale=inf\)` is invalid"),
+        (_state(scale=1e-40), ValueError, r"load_state_dict\(scale=1e-40\)` is invalid"),
+        (_state(min_scale=8.0, max_scale=4.0), ValueError, r"min_scale=8.0, max_scale=4.0\)` is invalid"),
+        (_state(backoff_factor=3), ValueError, r"load_state_dict\(backoff_factor=3.0\)` is invalid"),
+        (_state(hysteresis=0), ValueError, r"load_state_dict\(hysteresis=0\)` is invalid"),
+        (_state(_hysteresis_tracker=-1), ValueError, r"_hysteresis_tracker=-1\)` is invalid: expected an int in"),
+        (
+            _state(_hysteresis_tracker=5),
+            ValueError,
+            r"_hysteresis_tracker=5\)` is invalid: expected an int in \[0, hyst",
+        ),
+        (_state(growth_interval=0), ValueError, r"load_state_dict\(growth_interval=0\)` is invalid"),
+        (_state(_growth_tracker=2000), ValueError, r"_growth_tracker=2000\)` is invalid"),
+        (_state(scale="big"), TypeError, r"load_state_dict\(scale='big'\)` is invalid: expected a real number"),
+        ({"scale": 2.0}, ValueError, r"the state lacks 'growth_factor', 'backoff_factor'.*expected a `GradScaler"),
+        ({}, ValueError, r"the state lacks 'scale'.*no keys"),
+        (None, TypeError, r"expected a dict"),
+    ],
+)
+def test_invalid_states_are_refused_and_nothing_is_loaded(state, error, match):
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10)
+    before = scaler.state_dict()
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
