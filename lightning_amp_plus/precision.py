@@ -230,8 +230,8 @@ class AmpPlusPrecision(EngineView, Precision):
         """Clip true gradients: unscale first (once per cycle) when it has not happened yet (manual optimization).
 
         ``optimizer`` may be the ``LightningOptimizer`` that ``self.optimizers()`` returns. With no backward since
-        the optimizer last stepped (nothing scaled) nothing is unscaled, as in stock; in an automatic step whose ``training_step`` returned
-        None nothing is clipped (no step follows, and the gradients are still scaled).
+        the optimizer last stepped (nothing scaled) nothing is unscaled, as in stock; in an automatic step whose
+        ``training_step`` returned None nothing is clipped (no step follows, and the gradients are still scaled).
         """
         if self._no_step:
             return

@@ -266,7 +266,8 @@ def test_positional_arguments_are_torch_gradscalers():
     assert ours.get_growth_factor() == ref.get_growth_factor() == 3.0
     assert ours.get_backoff_factor() == ref.get_backoff_factor() == 0.25
     assert ours.get_growth_interval() == ref.get_growth_interval() == 7
-    assert ours.is_enabled() and (ours.min_scale, ours.hysteresis) == (2.0, 2)
+    assert ours.is_enabled()
+    assert (ours.min_scale, ours.hysteresis) == (2.0, 2)
     assert not DynamicLossScaler("cpu", 1024.0, 3.0, 0.25, 7, False).is_enabled()
 
 
