@@ -81,7 +81,8 @@ class AmpEngine:
     def scale(self, loss: Tensor) -> Tensor:
         """The loss times the current scale (unchanged for bf16-mixed); called once per backward."""
         if self._unscaled:
-            stale = self.forget_unstepped()
+            # gradients unscaled but never stepped: forget the unscale; warn unless they were zeroed since
+            stale = [o for o in self.forget_unstepped() if _has_gradients(o)]
             if stale:
                 warnings.warn(
                     f"{len(stale)} optimizer(s) had their gradients unscaled (e.g. by clipping) but did not step"
@@ -364,6 +365,10 @@ class AmpEngine:
                 f"`{where}`: resuming a {saved} state under {self.precision}: {what}; the scale history continues"
                 " (its curve shows the switch)."
             )
+
+
+def _has_gradients(optimizer: Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def nonfinite_flag(optimizer: Optimizer) -> Tensor:

@@ -1,9 +1,7 @@
-import warnings
-
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_amp_plus import AmpPlusPrecision, GradUnderflowMonitor
+from lightning_amp_plus import AmpPlusPrecision, AmpPlusWarning, GradUnderflowMonitor
 from lightning_amp_plus.syncs import HostSyncCounter
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
@@ -20,14 +18,13 @@ def _measure(init_scale, **kwargs):
     model = TinyGrads()
     plugin = AmpPlusPrecision("16-mixed", init_scale=init_scale, min_scale=min(1.0, init_scale), **kwargs)
     monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=4).fit(model)
+    make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=4).fit(model)
     return monitor
 
 
 def test_underflow_high_at_scale_one_and_low_at_scale_2_16():
-    low_scale = _measure(1.0)
+    with pytest.warns(AmpPlusWarning, match="underflow float16 while the loss scale sits at min_scale=1"):
+        low_scale = _measure(1.0)
     high_scale = _measure(2.0**16)
     assert all(m["underflow_fraction"] > 0.9 for m in low_scale.measurements)
     assert all(m["underflow_fraction"] < 0.3 for m in high_scale.measurements)  # what is left: ReLU zeros
@@ -80,6 +77,43 @@ def test_one_host_transfer_per_measurement():
 
 def test_bf16_warns_and_measures_nothing():
     monitor = GradUnderflowMonitor(every_n_steps=1)
-    with pytest.warns(UserWarning, match="with bf16-mixed there is no scaler"):
+    with pytest.warns(AmpPlusWarning, match="with bf16-mixed there is no scaler"):
         make_trainer(plugins=[AmpPlusPrecision("bf16-mixed")], callbacks=[monitor], max_steps=2).fit(TinyModel())
     assert monitor.measurements == []
+
+
+def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path):
+    import math
+
+    from tests.callbacks.test_loss_scale_monitor import read_csv
+
+    model = TinyGrads()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**20, max_scale=2.0**24)
+    monitor = GradUnderflowMonitor(every_n_steps=2, per_parameter=1)
+    seen = {}
+
+    def capture(optimizer, step):  # runs right after the monitor's measurement, on the same scaled gradients
+        if step % 2 == 0:
+            seen[step] = [p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = make_trainer(plugins=[plugin], callbacks=[monitor], logger=logger, max_steps=5)
+    plugin.before_unscale_listeners.append(capture)
+    trainer.fit(model)
+    assert sorted(seen) == [m["step"] for m in monitor.measurements] == [0, 2, 4]
+    rows = read_csv(logger.experiment.metrics_file_path)
+    logged = {int(r["step"]): r for r in rows if r.get("amp/underflow_fraction")}
+    names = [n for n, _ in model.named_parameters()]
+    for m in monitor.measurements:
+        grads = seen[m["step"]]
+        small = sum(int((g.abs() < 2.0**-24).sum()) for g in grads)
+        fraction = small / sum(g.numel() for g in grads)
+        largest = max(float(g.abs().max()) for g in grads)
+        assert m["underflow_fraction"] == pytest.approx(fraction, abs=1e-12)
+        assert m["headroom_bits"] == pytest.approx(math.log2(65504.0 / largest), abs=1e-9)
+        assert float(logged[m["step"]]["amp/underflow_fraction"]) == pytest.approx(fraction, rel=1e-6)
+        assert float(logged[m["step"]]["amp/headroom_bits"]) == pytest.approx(m["headroom_bits"], rel=1e-6)
+        per = [int((g.abs() < 2.0**-24).sum()) / g.numel() for g in grads]
+        worst = max(range(len(per)), key=lambda i: (per[i], names[i]))
+        assert m["worst"] == [{"name": names[worst], "underflow_fraction": per[worst]}]
+        assert m["scale"] == 2.0**20

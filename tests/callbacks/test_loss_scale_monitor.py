@@ -165,3 +165,62 @@ def test_skip_rate_counts_cycles_with_two_optimizers(tmp_path):
     rates = [float(r["amp/skip_rate"]) for r in rows if r.get("amp/skip_rate")]
     assert plugin.history.skipped_steps == [0, 2, 4]  # one cycle per batch, recorded at every other step
     assert rates[-1] == 1.0  # every cycle skipped, not 3 of a 5-step range
+
+
+def test_counter_metrics_match_the_rule_at_every_logging_point(tmp_path):
+    overflows = {3, 4, 11, 12, 13}
+    model = TinyModel(poison={s: "inf" for s in overflows})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=3)
+    logger = CSVLogger(tmp_path, name="run")
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=4)], logger=logger, max_steps=22).fit(
+        model
+    )
+    scales = reference_scales(22, overflows, 1024.0, 3)
+    rows = {}
+    for row in read_csv(logger.experiment.metrics_file_path):
+        for key, value in row.items():
+            if value:
+                rows.setdefault(int(row["step"]), {})[key] = float(value)
+    points = sorted(s for s, r in rows.items() if "amp/growths" in r)
+    assert points == [0, 4, 8, 12, 16, 20, 21]
+    for s in points:
+        seen = scales[: s + 1]
+        growths = sum(b > a for a, b in zip(seen, seen[1:], strict=False))
+        backoffs = sum(b < a for a, b in zip(seen, seen[1:], strict=False))
+        skipped = sum(1 for o in overflows if o <= s)
+        assert rows[s]["amp/growths"] == growths, s
+        assert rows[s]["amp/backoffs"] == backoffs, s
+        assert rows[s]["amp/applied_steps"] == s + 1 - skipped, s
+        assert rows[s]["amp/skipped_steps"] == skipped, s
+        assert rows[s]["amp/loss_scale"] == scales[s], s
+    assert rows[21]["amp/growths"] >= 2
+    assert rows[21]["amp/backoffs"] == 5
+
+
+def test_consecutive_skips_metric_counts_each_streak(tmp_path):
+    from lightning_amp_plus import NaNSkipReporter
+
+    model = TinyModel(poison={s: "inf" for s in (2, 3, 4, 7)})
+    logger = CSVLogger(tmp_path, name="run")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(plugins=[plugin], callbacks=[NaNSkipReporter(max_warnings=0)], logger=logger, max_steps=9).fit(model)
+    rows = read_csv(logger.experiment.metrics_file_path)
+    streak = {int(r["step"]): float(r["amp/consecutive_skips"]) for r in rows if r.get("amp/consecutive_skips")}
+    assert streak == {2: 1.0, 3: 2.0, 4: 3.0, 7: 1.0}
+    marked = {int(r["step"]) for r in rows if r.get("amp/step_skipped") == "1.0"}
+    assert marked == {2, 3, 4, 7}
+
+
+def test_plot_marks_the_skips_from_monitor_only_logs(tmp_path):
+    from lightning_amp_plus.plot import read_run
+
+    model = TinyModel(poison={2: "inf", 5: "nan"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=3)
+    logger = CSVLogger(tmp_path, name="run")
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=4)], logger=logger, max_steps=9).fit(
+        model
+    )
+    curves = read_run(logger.log_dir)  # no NaNSkipReporter: the markers come from amp/skipped_steps
+    assert curves.skipped == plugin.history.skipped_steps == [2, 5]
+    changes = [(s, v) for i, (s, v) in enumerate(curves.scale) if i == 0 or v != curves.scale[i - 1][1]]
+    assert changes == plugin.history.curve()  # the logged samples trace the same step function

@@ -60,7 +60,6 @@ def test_collapse_stops_within_six_steps_and_writes_no_checkpoint(tmp_path):
     reporter = NaNSkipReporter(max_consecutive_skips=5, max_warnings=1)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer(plugins=[plugin], callbacks=[reporter, ckpt], max_steps=50, enable_checkpointing=True)
-    warnings.simplefilter("ignore")
     with pytest.raises(
         LossScaleCollapseError,
         match=r"5 consecutive optimizer steps were skipped \(max_consecutive_skips=5\).*HINT: lower the"

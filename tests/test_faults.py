@@ -1,0 +1,204 @@
+"""Faults: exceptions mid-step never leave a stale unscale, a failed step is not counted, teardown lets the real error
+through, and the plugin cleans up everything it installed."""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_amp_plus import (
+    AmpPlusFabricPrecision,
+    AmpPlusPrecision,
+    AmpPlusWarning,
+    GradUnderflowMonitor,
+    LossScaleMonitor,
+    NaNSkipReporter,
+    PrecisionReport,
+)
+from tests.helpers.models import TinyModel, make_loader
+from tests.helpers.trainer import make_trainer
+from tests.test_exactness import AutoRecorder, assert_sgd_update
+
+
+class RaisesOnce(TinyModel):
+    """Raises from ``on_before_optimizer_step`` (after the unscale) at one global step."""
+
+    def __init__(self, at: int, where: str = "hook", **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.where = at, where
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.where == "hook" and self.trainer.global_step == self.at:
+            raise RuntimeError("boom in the hook")
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if self.where == "clip" and self.trainer.global_step == self.at:
+            raise RuntimeError("boom in clipping")
+
+
+@pytest.mark.parametrize("where", ["hook", "clip"])
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
+def test_an_exception_after_the_unscale_leaves_no_stale_unscale_for_the_next_fit(where, optimizer):
+    model = RaisesOnce(at=1, where=where, optimizer=optimizer, lr=0.1)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**14)
+    with pytest.raises(RuntimeError, match=f"boom in {'the hook' if where == 'hook' else 'clipping'}"):
+        make_trainer(plugins=[plugin], max_steps=4, gradient_clip_val=0.05).fit(model)  # no second, misleading error
+    assert plugin.history.num_steps == 1  # step 0 ran; step 1 never stepped and is not counted
+    assert plugin.applied_steps == 1
+    assert not plugin.engine.cycle_open
+    # the same plugin trains on (a notebook retry): every step unscales what it applies
+    model.at = -1
+    recorder = AutoRecorder()
+    make_trainer(plugins=[plugin], callbacks=[recorder], max_steps=3, gradient_clip_val=0.05).fit(model)
+    assert len(recorder.records) == 3
+    for before, after, grads, _ in recorder.records:
+        assert max(float(g.abs().max()) for g in grads.values()) < 10  # true gradients, not 2**14 times them
+        assert_sgd_update(before, after, grads, 0.05)
+
+
+class FailingSGD(torch.optim.SGD):
+    def __init__(self, *args, fail_at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.fail_at = 0, fail_at
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("optimizer step failed")
+        return super().step(closure)
+
+
+def test_a_failed_optimizer_step_is_not_counted_and_teardown_does_not_mask_it(tmp_path):
+    class Model(TinyModel):
+        def configure_optimizers(self):
+            return FailingSGD(self.parameters(), lr=0.1, fail_at=4)
+
+    plugin = AmpPlusPrecision("16-mixed", init_scale=256.0)
+    reporter = NaNSkipReporter()
+    with pytest.raises(RuntimeError, match="optimizer step failed"):
+        make_trainer(
+            plugins=[plugin], callbacks=[reporter, LossScaleMonitor()], max_steps=6, logger=CSVLogger(tmp_path)
+        ).fit(Model())
+    assert plugin.applied_steps == 3  # only 3 steps ran
+    assert plugin.history.num_steps == 3
+
+
+def test_fabric_loop_that_catches_an_exception_after_clipping_continues_exactly():
+    plugin = AmpPlusFabricPrecision("16-mixed", init_scale=2.0**12)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    fmodel, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, (x, y) in enumerate(make_loader()):
+        if step == 4:
+            break
+        opt.zero_grad()
+        fabric.backward(nn.functional.mse_loss(fmodel(x), y))
+        scale = plugin.loss_scale
+        grads = {n: p.grad.double() / scale for n, p in model.named_parameters()}
+        fabric.clip_gradients(fmodel, opt, max_norm=0.05)
+        if step == 1:
+            continue  # the user's loop drops this step after clipping (say, an exception it caught)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        assert_sgd_update(before, {n: p.detach() for n, p in model.named_parameters()}, grads, 0.05)
+    assert plugin.history.num_steps == 3
+
+
+def test_a_new_backward_onto_unscaled_unstepped_gradients_warns_and_never_applies_them_scaled():
+    plugin = AmpPlusFabricPrecision("16-mixed", init_scale=2.0**12)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Linear(8, 1)
+    fmodel, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = next(iter(make_loader()))
+    fabric.backward(nn.functional.mse_loss(fmodel(x), y))
+    fabric.clip_gradients(fmodel, opt, max_norm=1e6)  # unscaled, then no step
+    with pytest.warns(AmpPlusWarning, match=r"1 optimizer\(s\) had their gradients unscaled .* did not step"):
+        fabric.backward(nn.functional.mse_loss(fmodel(x), y))
+    before = model.weight.detach().clone()
+    opt.step()
+    assert float((model.weight - before).abs().max()) < 1.0  # unscaled: a true-sized update, not 4096x
+
+
+def test_teardown_restores_the_users_own_scheduler_hook_and_removes_everything_installed():
+    model = TinyModel(scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    calls = []
+
+    def users_hook(scheduler, metric):
+        calls.append(1)
+        scheduler.step()
+
+    model.lr_scheduler_step = users_hook  # an instance-level override of the user's own
+    plugin = AmpPlusPrecision("16-mixed", init_scale=256.0, fp32_modules=["net.2"])
+    callbacks = [
+        LossScaleMonitor(),
+        NaNSkipReporter(),
+        GradUnderflowMonitor(every_n_steps=1),
+        PrecisionReport(print_table=False),
+    ]
+    with pytest.warns(AmpPlusWarning, match="has no logger"):
+        make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=3).fit(model)
+    assert calls == [1, 1, 1]  # the wrapper called it while fitting
+    assert model.__dict__["lr_scheduler_step"] is users_hook  # restored, not deleted
+    assert plugin.skip_listeners == []
+    assert plugin.before_unscale_listeners == []
+    assert plugin.fp32_module_names == []
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_optimizer_step_was_skipped_with_a_fused_optimizer():
+    flags = []
+
+    class Probe(AutoRecorder):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            flags.append(
+                (trainer.precision_plugin.skip_known_on_host, trainer.precision_plugin.optimizer_step_was_skipped)
+            )
+
+    plugin = AmpPlusPrecision("16-mixed", init_scale=256.0)
+    make_trainer(plugins=[plugin], callbacks=[Probe()], max_steps=4).fit(
+        TinyModel(optimizer="fused_adamw", lr=1e-3, poison={2: "nan"})
+    )
+    assert flags == [(False, False), (False, False), (False, True), (False, False)]  # decided on the device, read
+
+
+def test_islands_match_subclasses_of_a_named_class():
+    class MyLinear(nn.Linear):
+        pass
+
+    class Model(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.net[2] = MyLinear(16, 1)
+            self.dtypes = {}
+
+        def training_step(self, batch, batch_idx):
+            self.dtypes = {"net.0": self.net[0](batch[0]).dtype, "net.2": self.net[2](torch.randn(2, 16)).dtype}
+            return super().training_step(batch, batch_idx)
+
+    model = Model()
+    plugin = AmpPlusPrecision("16-mixed", fp32_modules=[MyLinear])
+    make_trainer(plugins=[plugin], max_steps=1).fit(model)
+    assert model.dtypes == {"net.0": torch.float16, "net.2": torch.float32}
+    both = Model()
+    plugin = AmpPlusPrecision("16-mixed", fp32_modules=[nn.Linear])  # the base class matches the subclass too
+    make_trainer(plugins=[plugin], max_steps=1).fit(both)
+    assert both.dtypes == {"net.0": torch.float32, "net.2": torch.float32}
+
+
+def test_report_flags_in_bf16():
+    from tests.callbacks.test_precision_report import Mixed
+
+    report = PrecisionReport(print_table=False)
+    make_trainer(plugins=[AmpPlusPrecision("bf16-mixed", fp32_modules=["net.2"])], callbacks=[report], max_steps=1).fit(
+        Mixed()
+    )
+    rows = {r["name"]: r for r in report.rows}
+    assert rows["net.0"]["output_dtype"] == "bfloat16"
+    assert not rows["net.0"]["flagged"]
+    assert rows["net.2"]["flagged"]
+    assert "fp32 island" in rows["net.2"]["cause"]
+    assert rows["head"]["flagged"]
+    assert "autocast disabled" in rows["head"]["cause"]
