@@ -21,7 +21,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         try:
             out = plot_run(args.path, args.output)
-        except (ImportError, FileNotFoundError, ValueError) as err:
+        except (ImportError, OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(out)

@@ -7,6 +7,7 @@ Messages name the call, the argument, the value given and what is allowed.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -142,3 +143,35 @@ def check_scaler_args(
             f" ({min_scale!r} <= init_scale <= {max_scale!r}). HINT: widen `min_scale`/`max_scale` or change"
             " `init_scale`."
         )
+
+
+def check_prefix(owner: str, prefix: Any) -> str:
+    """Return a metric-key prefix: a str (``""`` allowed); ``TypeError`` otherwise."""
+    if not isinstance(prefix, str):
+        raise TypeError(
+            f"`{owner}(prefix={prefix!r})` is invalid: expected a str such as 'amp/' (or '' for none),"
+            f" got {type(prefix).__name__}."
+        )
+    return prefix
+
+
+def check_path(owner: str, name: str, value: Any) -> Any:
+    """Return ``value`` if it is ``None`` or a non-empty file path (str or ``os.PathLike``); raise otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"`{owner}({name}={value!r})` is invalid: expected a file path (str or os.PathLike) or None,"
+            f" got {type(value).__name__}."
+        )
+    if not os.fspath(value):
+        raise ValueError(f"`{owner}({name}={value!r})` is invalid: expected a non-empty file path, or None.")
+    return value
+
+
+def check_fraction(owner: str, name: str, value: Any) -> float:
+    """Return ``value`` as a float if it is a real number with ``0 < value <= 1``; raise otherwise."""
+    value = check_real(owner, name, value)
+    if not 0 < value <= 1:
+        raise ValueError(f"`{owner}({name}={value!r})` is invalid: expected 0 < {name} <= 1.")
+    return value

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_amp_plus._log import say
-from lightning_amp_plus._validation import check_bool, check_choice, check_scaler_args
+from lightning_amp_plus._validation import check_bool, check_choice, check_int, check_scaler_args
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.scaler import DynamicLossScaler, unwrap_optimizer
@@ -48,6 +48,7 @@ class AmpEngine:
         precision: ``"16-mixed"`` (uses ``scaler``) or ``"bf16-mixed"`` (no scaler).
         scaler: the loss scaler for 16-mixed, ``None`` for bf16-mixed.
         skip_nonfinite: bf16-mixed: skip steps whose gradients hold inf/nan.
+        warn_skip_streak: warn (``AmpPlusWarning``) once this many cycles in a row were skipped; ``None``: never.
     """
 
     def __init__(
@@ -55,10 +56,15 @@ class AmpEngine:
         precision: Literal["16-mixed", "bf16-mixed"],
         scaler: Optional[DynamicLossScaler],
         skip_nonfinite: bool = True,
+        warn_skip_streak: Optional[int] = 50,
     ) -> None:
         self.precision = precision
         self.scaler = scaler
         self.skip_nonfinite = skip_nonfinite
+        #: warn once a run of this many skipped cycles in a row is seen (None: never)
+        self.warn_skip_streak = warn_skip_streak
+        self._streak = 0
+        self._streak_warned = False
         self.history = ScaleHistory()
         #: callables run on every skipped cycle whose skip the host knows (see :class:`SkipEvent`)
         self.skip_listeners: list[Callable[[SkipEvent], None]] = []
@@ -259,6 +265,26 @@ class AmpEngine:
             )
             for listener in list(self.skip_listeners):
                 listener(event)
+        self._check_streak(skipped)
+
+    def _check_streak(self, skipped: Optional[bool]) -> None:
+        """Say once when a run of skipped cycles passes ``warn_skip_streak`` (known on the host, or at a flush)."""
+        if skipped is None:  # decided on the device (fused): what the history has flushed so far
+            self._streak = self.history.trailing_skips
+        else:
+            self._streak = self._streak + 1 if skipped else 0
+        if self._streak == 0:
+            self._streak_warned = False
+        elif self.warn_skip_streak is not None and self._streak >= self.warn_skip_streak and not self._streak_warned:
+            self._streak_warned = True
+            scale = f", loss scale {self.scaler.get_scale():g}" if self.scaler is not None else ""
+            warnings.warn(
+                f"{self._streak} optimizer updates in a row were skipped (inf/nan gradients){scale}: the weights have"
+                " not changed since. HINT: check the loss and inputs for inf/nan, lower the learning rate, or add"
+                " `NaNSkipReporter` to name the parameters and stop the run (`max_consecutive_skips`).",
+                AmpPlusWarning,
+                stacklevel=2,
+            )
 
     def _cycle_skipped(self, optimizers: list[Optimizer]) -> Optional[bool]:
         """Whether some optimizer of the cycle skipped: known on the host, or None (decided on the device)."""
@@ -408,12 +434,38 @@ SCALER_DEFAULTS: dict[str, Any] = {
 }
 
 
+def check_device(owner: str, device: Any) -> Optional[str]:
+    """Return ``device`` if it is ``None`` or a device type autocast supports (``"cuda"``, ``"cpu"``, ...)."""
+    if device is None:
+        return None
+    if not isinstance(device, str):
+        raise TypeError(
+            f"`{owner}(device={device!r})` is invalid: expected a device type string such as 'cuda' or 'cpu',"
+            " or None for the trainer's accelerator."
+        )
+    try:
+        available = torch.amp.autocast_mode.is_autocast_available(device)
+    except RuntimeError:
+        available = False
+    if not available:
+        hint = {"gpu": "use 'cuda'", "auto": "leave `device=None` to follow the trainer's accelerator"}.get(
+            device.lower(), f"device types are lower case: {device.lower()!r}" if device != device.lower() else ""
+        )
+        raise ValueError(
+            f"`{owner}(device={device!r})` is invalid: expected a device type that autocast supports, such as"
+            f" 'cuda', 'cpu', 'mps', 'xpu' or 'hpu', or None for the trainer's accelerator."
+            + (f" HINT: {hint}." if hint else "")
+        )
+    return device
+
+
 def make_engine(
     owner: str,
     precision: Any,
     device: Any,
     skip_nonfinite: Any,
     knobs: dict[str, Any],
+    warn_skip_streak: Any = 50,
 ) -> AmpEngine:
     """Validate a plugin's arguments (messages name ``owner``) and build its engine."""
     check_choice(
@@ -423,12 +475,10 @@ def make_engine(
         ("16-mixed", "bf16-mixed"),
         hint="for fp32 leave the plugin out; for pure half precision use Lightning's `precision='16-true'`.",
     )
-    if device is not None and not isinstance(device, str):
-        raise TypeError(
-            f"`{owner}(device={device!r})` is invalid: expected a device type string such as 'cuda' or 'cpu',"
-            " or None for the trainer's accelerator."
-        )
+    check_device(owner, device)
     check_bool(owner, "skip_nonfinite", skip_nonfinite)
+    if warn_skip_streak is not None:
+        check_int(owner, "warn_skip_streak", warn_skip_streak, minimum=1)
     given = {k: v for k, v in knobs.items() if v is not None}
     if precision == "bf16-mixed" and given:
         names = ", ".join(f"{k}={v!r}" for k, v in given.items())
@@ -451,7 +501,7 @@ def make_engine(
                 " follow the trainer's accelerator."
             )
         scaler = DynamicLossScaler(device or "cpu", **{**SCALER_DEFAULTS, **given})
-    return AmpEngine(precision, scaler, skip_nonfinite)
+    return AmpEngine(precision, scaler, skip_nonfinite, warn_skip_streak)
 
 
 class EngineView:

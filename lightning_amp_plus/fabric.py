@@ -32,6 +32,7 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
         device: device type for autocast; ``None``: ``"cuda"`` when available, else ``"cpu"``.
+        warn_skip_streak: warn once this many updates in a row were skipped (default ``50``; ``None``: never).
         update: ``"step"`` (default) updates the scale after every ``optimizer.step()``, torch's single-optimizer
             recipe. ``"manual"``: call :meth:`update` once per iteration after all optimizers stepped, torch's
             recipe for several optimizers (the scale then backs off once, and every optimizer unscales with the
@@ -65,11 +66,12 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
         max_scale: Optional[float] = None,
         hysteresis: Optional[int] = None,
         skip_nonfinite: bool = True,
+        warn_skip_streak: Optional[int] = 50,
         update: Literal["step", "manual"] = "step",
     ) -> None:
         owner = type(self).__name__
         knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
-        self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs)
+        self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs, warn_skip_streak)
         check_choice(owner, "update", update, ("step", "manual"))
         self.precision = precision  # type: ignore[assignment]
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -55,6 +55,7 @@ class ScaleHistory:
         self._num_steps = 0
         self._last_step: int | None = None
         self._last_scale: float | None = None
+        self._trailing_skips = 0
 
     # ------------------------------------------------------------------ recording
     def record(self, step: int, scale: Tensor | float, found_inf: Tensor | float) -> None:
@@ -105,6 +106,14 @@ class ScaleHistory:
             self._last_scale = scale
         if found != 0:
             self._skipped.append(step)
+            self._trailing_skips += 1
+        else:
+            self._trailing_skips = 0
+
+    @property
+    def trailing_skips(self) -> int:
+        """How many of the last flushed steps were skipped in a row (steps still on the device not counted)."""
+        return self._trailing_skips
 
     # ------------------------------------------------------------------ queries (each flushes first)
     @property
@@ -205,6 +214,7 @@ class ScaleHistory:
         self._num_steps = num_steps
         self._last_step = last_step
         self._last_scale = self._change_scales[-1] if self._change_scales else None
+        self._trailing_skips = 0
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write one row per change point or skipped step: ``step,scale,skipped``."""

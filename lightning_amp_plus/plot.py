@@ -39,7 +39,10 @@ def _pyplot() -> Any:
 
 
 def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") -> str:
-    """Write a PNG: the scale as a step curve on a log2 axis with skipped steps marked, and the loss below."""
+    """Write a PNG: the scale as a step curve on a log2 axis with skipped steps marked, and the loss below.
+
+    Returns the path written: ``output``, with ``.png`` added when it has no extension.
+    """
     if not curves.scale:
         raise ValueError("nothing to plot: no loss-scale values were found (log them with `LossScaleMonitor`).")
     plt = _pyplot()
@@ -66,6 +69,8 @@ def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") 
     axes[-1][0].set_xlabel("optimizer step")
     fig.tight_layout()
     out = os.fspath(output)
+    if not os.path.splitext(out)[1]:
+        out += ".png"  # what matplotlib would write anyway: say the path actually written
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -142,9 +147,17 @@ def _read_csv(path: str) -> RunCurves:
     series: dict[str, list[tuple[int, float]]] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
+            if None in row:
+                raise ValueError(f"{path}: a row has more fields than the header ({row[None]!r}): not a metrics.csv?")
             if not row.get("step"):
                 continue
-            step = int(float(row["step"]))
+            try:
+                step = float(row["step"])
+            except ValueError:
+                raise ValueError(f"{path}: step {row['step']!r} is not a number.") from None
+            if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                raise ValueError(f"{path}: step {row['step']!r} is not a step index (expected an int >= 0).")
+            step = int(step)
             for key, value in row.items():
                 if key in ("step", "epoch") or value in (None, ""):
                     continue

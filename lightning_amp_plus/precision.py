@@ -44,6 +44,8 @@ class AmpPlusPrecision(EngineView, Precision):
         hysteresis: overflows tolerated before the scale backs off (default ``1``: back off on every overflow).
         skip_nonfinite: bf16-mixed only: skip optimizer steps whose gradients hold inf/nan (default ``True``).
             Costs one host sync per step with a non-fused optimizer. 16-mixed always skips.
+        warn_skip_streak: warn (``AmpPlusWarning``) once this many optimizer updates in a row were skipped, so a run
+            that trains on nothing says so even without ``NaNSkipReporter`` (default ``50``; ``None``: never).
         skip_scheduler_on_overflow: do not advance step-interval LR schedulers on skipped steps (default ``True``).
         fp32_modules: modules to run in float32 with autocast disabled ("fp32 islands"): module classes, their
             import paths (``"torch.nn.LayerNorm"``), or qualified names / glob patterns as in ``named_modules()``
@@ -76,12 +78,13 @@ class AmpPlusPrecision(EngineView, Precision):
         max_scale: Optional[float] = None,
         hysteresis: Optional[int] = None,
         skip_nonfinite: bool = True,
+        warn_skip_streak: Optional[int] = 50,
         skip_scheduler_on_overflow: bool = True,
         fp32_modules: Optional[list[Union[str, type[torch.nn.Module]]]] = None,
     ) -> None:
         owner = type(self).__name__
         knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
-        self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs)
+        self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs, warn_skip_streak)
         check_bool(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
         self.device = device
@@ -104,8 +107,16 @@ class AmpPlusPrecision(EngineView, Precision):
     def connect(self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
         module = _find_lightning_module(model)
         self._module = module
-        if module is not None and module._trainer is not None and self.device is None:
-            self.device = module.trainer.strategy.root_device.type
+        if module is not None and module._trainer is not None:
+            root = module.trainer.strategy.root_device.type
+            if self.device is None:
+                self.device = root
+            elif self.device != root:
+                raise ValueError(
+                    f"`{type(self).__name__}(device={self.device!r})` does not match the trainer's device ({root!r}):"
+                    " autocast and the scaler would act on no tensor of the model, which would train in float32"
+                    f" with no word. HINT: leave `device=None` (the trainer's), or use `accelerator={self.device!r}`."
+                )
         if self.scaler is not None:
             self.scaler.set_device_type(self.device or "cpu")
             for optimizer in optimizers:

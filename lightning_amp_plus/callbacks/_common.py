@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,3 +29,39 @@ def log_to_all(trainer: pl.Trainer, metrics: dict[str, Any], step: int) -> None:
         return
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
+
+
+def check_writable(owner: str, name: str, path: Any) -> None:
+    """Check at setup that a report can be written at ``path``: not a folder, its folder creatable and writable.
+
+    Creates the folder and a temporary file in it (removed at once): what the file system refuses now is an error
+    now, with the argument and the reason, not a failure after the last step.
+    """
+    target = os.path.abspath(os.fspath(path))
+    if os.path.isdir(target):
+        raise ValueError(f"`{owner}({name}={os.fspath(path)!r})` is invalid: it is a folder; expected a file path.")
+    folder = os.path.dirname(target)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"`{owner}({name}={os.fspath(path)!r})` is invalid: its folder is not writable ({error})."
+        ) from error
+
+
+def write_json_atomically(path: Any, data: Any) -> None:
+    """Write ``data`` as JSON to a temporary file beside ``path``, then rename it into place (never half a file)."""
+    target = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

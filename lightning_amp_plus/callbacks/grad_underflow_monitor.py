@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus._validation import check_int
+from lightning_amp_plus._validation import check_fraction, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
 from lightning_amp_plus.precision import AmpPlusPrecision
@@ -67,14 +67,12 @@ class GradUnderflowMonitor(Callback):
         check_int(owner, "per_parameter", per_parameter, minimum=0)
         check_int(owner, "patience", patience, minimum=1)
         check_int(owner, "max_warnings", max_warnings, minimum=0)
-        if not isinstance(warn_fraction, (int, float)) or isinstance(warn_fraction, bool) or not 0 < warn_fraction <= 1:
-            raise ValueError(f"`{owner}(warn_fraction={warn_fraction!r})` is invalid: expected 0 < warn_fraction <= 1.")
         self.every_n_steps = every_n_steps
         self.per_parameter = per_parameter
-        self.warn_fraction = float(warn_fraction)
+        self.warn_fraction = check_fraction(owner, "warn_fraction", warn_fraction)
         self.patience = patience
         self.max_warnings = max_warnings
-        self.prefix = prefix
+        self.prefix = check_prefix(owner, prefix)
         self.measurements: list[dict[str, Any]] = []
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_amp_plus._validation import check_int
+from lightning_amp_plus._validation import check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
 from lightning_amp_plus.precision import AmpPlusPrecision
@@ -46,10 +46,8 @@ class LossScaleMonitor(Callback):
     def __init__(self, logging_interval: Optional[int] = None, prefix: str = "amp/") -> None:
         if logging_interval is not None:
             check_int(type(self).__name__, "logging_interval", logging_interval, minimum=1)
-        if not isinstance(prefix, str):
-            raise TypeError(f"`LossScaleMonitor(prefix={prefix!r})` is invalid: expected a str.")
         self.logging_interval = logging_interval
-        self.prefix = prefix
+        self.prefix = check_prefix(type(self).__name__, prefix)
         self._plugin: Optional[AmpPlusPrecision] = None
         self._interval = 1
         self._logged_upto = -1  # last step covered by a logging point

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_amp_plus._log import say
-from lightning_amp_plus._validation import check_bool, check_int
-from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
+from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
+from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus.callbacks._common import check_writable, find_plugin, log_to_all, write_json_atomically
 from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.syncs import to_host
 
@@ -27,11 +28,15 @@ class LossScaleCollapseError(RuntimeError):
 class NaNSkipReporter(Callback):
     """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
 
-    Each skip appends a record to :attr:`skips` with ``step``, ``scale`` (the scale the step used), ``new_scale``,
-    ``loss`` (when finite) and ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held
-    non-finite values, named as in ``named_parameters()``. The first ``max_warnings`` skips are printed (rank zero),
-    e.g. ``step 412 skipped: gradients non-finite in encoder.ff.weight (12 inf), loss scale 65536 -> 32768``;
-    later ones are counted and summarised at the end of fit, and written to ``report_path`` as JSON when given.
+    Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is ``trainer.global_step``
+    when it began) gives a record with ``step``, ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when
+    finite) and ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held non-finite
+    values, named as in ``named_parameters()``. The first ``max_warnings`` skips are printed (rank zero, logger
+    ``lightning_amp_plus``), e.g. ``step 412 skipped: gradients non-finite in encoder.ff.weight (12 inf), loss scale
+    65536 -> 32768``; later ones are counted and summarised at the end of fit, and written to ``report_path`` as JSON
+    when given. :attr:`skips` keeps the first and last ``max_records // 2`` records in full; every skip is still
+    counted (:attr:`num_skips`, :attr:`skipped_steps`, the offenders' counts). The counters and records go into the
+    checkpoint, so a resumed run continues a streak of skips where it stopped.
 
     Localising the offenders costs nothing on clean steps: with a non-fused optimizer torch already reads the
     overflow flag on the host each step, and the reporter inspects gradients only on skipped steps. A fused
@@ -41,10 +46,13 @@ class NaNSkipReporter(Callback):
     Args:
         max_consecutive_skips: raise :class:`LossScaleCollapseError` after this many skipped steps in a row
             (default 25; ``None`` disables). A step that overflows while the scale sits at ``min_scale`` raises too.
-        report_path: write the skip report as JSON here at the end of fit (and on collapse).
+        report_path: write the skip report as JSON here at the end of fit (and on collapse), atomically (a temporary
+            file renamed into place). Checked at setup: its folder must be writable. A failed write never hides a
+            training error.
         max_warnings: skips printed one by one before the rest are only summarised (default 5).
         sync_fused: name the offenders of fused optimizers too, at one host sync per step (default False).
         prefix: key prefix of the logged metrics (default ``"amp/"``).
+        max_records: skip records kept in full (the first and the last half; default 100; ``None`` keeps all).
 
     Example:
         >>> from lightning_amp_plus import NaNSkipReporter
@@ -59,18 +67,28 @@ class NaNSkipReporter(Callback):
         max_warnings: int = 5,
         sync_fused: bool = False,
         prefix: str = "amp/",
+        max_records: Optional[int] = 100,
     ) -> None:
         owner = type(self).__name__
         if max_consecutive_skips is not None:
             check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)
         check_int(owner, "max_warnings", max_warnings, minimum=0)
         check_bool(owner, "sync_fused", sync_fused)
+        if max_records is not None:
+            check_int(owner, "max_records", max_records, minimum=2)
         self.max_consecutive_skips = max_consecutive_skips
-        self.report_path = report_path
+        self.report_path = check_path(owner, "report_path", report_path)
         self.max_warnings = max_warnings
         self.sync_fused = sync_fused
-        self.prefix = prefix
-        self.skips: list[dict[str, Any]] = []
+        self.prefix = check_prefix(owner, prefix)
+        self.max_records = max_records
+        self._head: list[dict[str, Any]] = []
+        self._tail: deque[dict[str, Any]] = deque(
+            maxlen=None if max_records is None else max_records - max_records // 2
+        )
+        self._num_skips = 0
+        self._skipped_steps: list[int] = []
+        self._offender_counts: Counter[str] = Counter()
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
@@ -81,9 +99,26 @@ class NaNSkipReporter(Callback):
         self._warned = 0
 
     # ------------------------------------------------------------------ wiring
+    @property
+    def skips(self) -> list[dict[str, Any]]:
+        """The skip records kept in full (all of them up to ``max_records``; then the first and the last half)."""
+        return [*self._head, *self._tail]
+
+    @property
+    def num_skips(self) -> int:
+        """Every skipped update reported so far (records dropped from :attr:`skips` included)."""
+        return self._num_skips
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The step of every skipped update reported so far."""
+        return list(self._skipped_steps)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.attach(find_plugin(trainer, type(self).__name__), pl_module, trainer)
+        if self.report_path is not None and trainer.is_global_zero:
+            check_writable(type(self).__name__, "report_path", self.report_path)
 
     def attach(self, plugin: EngineView, module: torch.nn.Module, trainer: Optional[pl.Trainer] = None) -> None:
         """Report the skips of ``plugin`` (``AmpPlusPrecision`` or ``AmpPlusFabricPrecision``) for ``module``.
@@ -164,7 +199,7 @@ class NaNSkipReporter(Callback):
     def _collect_device_skips(self) -> None:
         assert self._plugin is not None
         history = self._plugin.history
-        known = {r["step"] for r in self.skips}
+        known = set(self._skipped_steps)
         last = history.last_step if history.last_step is not None else -1
         for step in history.skipped_between(self._reported_upto + 1, last):
             if step in known:
@@ -187,7 +222,7 @@ class NaNSkipReporter(Callback):
         ) or (index is None and self.skips and record["step"] - self.skips[-1]["step"] <= 1)
         self._consecutive = self._consecutive + 1 if contiguous else 1
         self._last_skip_index = index
-        self.skips.append(record)
+        self._keep(record)
         self._reported_upto = max(self._reported_upto, record["step"])
         if self._trainer is not None:
             log_to_all(
@@ -225,7 +260,10 @@ class NaNSkipReporter(Callback):
             " HINT: lower the learning rate, check the inputs for inf/nan, keep the named layers in float32"
             " (`AmpPlusPrecision(fp32_modules=[...])`), or use precision='bf16-mixed'."
         )
-        self._write_report()
+        try:
+            self._write_report()
+        except OSError as error:  # the collapse is the error that matters
+            message += f" (The skip report could not be written to {os.fspath(self.report_path)!r}: {error}.)"
         raise LossScaleCollapseError(message)
 
     # ------------------------------------------------------------------ summary and report
@@ -236,7 +274,7 @@ class NaNSkipReporter(Callback):
     def finish(self) -> None:
         """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
         self._collect_device_skips()
-        if self.skips:
+        if self._num_skips:
             report = self.report()
             worst = ", ".join(f"{w['name']} ({w['skips']} skips)" for w in report["worst_offenders"][:5])
             steps = report["skipped_steps"]
@@ -245,40 +283,92 @@ class NaNSkipReporter(Callback):
                 f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} updates skipped (at global_step"
                 f" {shown}); worst offenders: {worst or 'unknown'}."
             )
-        self._write_report()
+        try:
+            self._write_report()
+        except OSError as error:
+            rank_zero_warn(
+                f"`NaNSkipReporter`: could not write the skip report to {os.fspath(self.report_path)!r}: {error}.",
+                category=AmpPlusWarning,
+            )
 
     def report(self) -> dict[str, Any]:
         """The report as a JSON-ready dict: counts, skipped steps, every record and the worst offenders."""
-        offenders: Counter[str] = Counter()
-        for record in self.skips:
-            for offender in record["offenders"] or []:
-                offenders[offender["name"]] += 1
         history = self._plugin.history if self._plugin is not None else None
         return {
+            "unit": "update: one loss-scale cycle (every optimizer step of one batch); steps are trainer.global_step",
             "num_steps": history.num_steps if history is not None else None,
-            "num_skipped": len(self.skips),
-            "skipped_steps": [r["step"] for r in self.skips],
-            "worst_offenders": [{"name": n, "skips": c} for n, c in offenders.most_common()],
+            "num_skipped": self._num_skips,
+            "skipped_steps": list(self._skipped_steps),
+            "worst_offenders": [{"name": n, "skips": c} for n, c in self._offender_counts.most_common()],
+            "records_dropped": self._num_skips - len(self._head) - len(self._tail),
             "skips": self.skips,
         }
 
+    def _keep(self, record: dict[str, Any]) -> None:
+        self._num_skips += 1
+        self._skipped_steps.append(record["step"])
+        for offender in record["offenders"] or []:
+            self._offender_counts[offender["name"]] += 1
+        if self.max_records is None or len(self._head) < self.max_records // 2:
+            self._head.append(record)
+        else:
+            self._tail.append(record)
+
     def _write_report(self) -> None:
+        """Write the JSON report atomically (rank zero); raises ``OSError`` when the file system refuses."""
         if self.report_path is None or (self._trainer is not None and not self._trainer.is_global_zero):
             return
-        path = os.fspath(self.report_path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(self.report(), f, indent=2)
+        write_json_atomically(self.report_path, self.report())
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"skips": self.skips, "consecutive": self._consecutive, "reported_upto": self._reported_upto}
+        return {
+            "version": 2,
+            "head": self._head,
+            "tail": list(self._tail),
+            "num_skips": self._num_skips,
+            "skipped_steps": self._skipped_steps,
+            "offender_counts": dict(self._offender_counts),
+            "consecutive": self._consecutive,
+            "last_skip_index": self._last_skip_index,
+            "reported_upto": self._reported_upto,
+            "warned": self._warned,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.skips = list(state_dict.get("skips", []))
-        self._consecutive = int(state_dict.get("consecutive", 0))
-        self._reported_upto = int(state_dict.get("reported_upto", -1))
+        if "version" not in state_dict:  # 0.1.0: the records only
+            records = list(state_dict.get("skips", []))
+            state_dict = {
+                "head": [],
+                "tail": [],
+                "num_skips": 0,
+                "skipped_steps": [],
+                "offender_counts": {},
+                "consecutive": state_dict.get("consecutive", 0),
+                "last_skip_index": None,
+                "reported_upto": state_dict.get("reported_upto", -1),
+                "warned": 0,
+            }
+            for record in records:
+                self._keep(record)
+            state_dict.update(
+                head=self._head,
+                tail=list(self._tail),
+                num_skips=self._num_skips,
+                skipped_steps=self._skipped_steps,
+                offender_counts=dict(self._offender_counts),
+            )
+        self._head = list(state_dict["head"])
+        self._tail = deque(state_dict["tail"], maxlen=self._tail.maxlen)
+        self._num_skips = int(state_dict["num_skips"])
+        self._skipped_steps = [int(s) for s in state_dict["skipped_steps"]]
+        self._offender_counts = Counter(state_dict["offender_counts"])
+        self._consecutive = int(state_dict["consecutive"])
+        index = state_dict["last_skip_index"]
+        self._last_skip_index = None if index is None else int(index)
+        self._reported_upto = int(state_dict["reported_upto"])
+        self._warned = int(state_dict["warned"])
 
 
 def _finite_or_none(loss: Optional[Tensor]) -> Optional[float]:

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_amp_plus._validation import check_bool, check_int
+from lightning_amp_plus._validation import check_bool, check_fraction, check_int
 from lightning_amp_plus.callbacks._common import find_plugin
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
@@ -78,11 +78,9 @@ class PrecisionReport(Callback):
         owner = type(self).__name__
         if every_n_batches is not None:
             check_int(owner, "every_n_batches", every_n_batches, minimum=1)
-        if not isinstance(flag_share, (int, float)) or isinstance(flag_share, bool) or not 0 < flag_share <= 1:
-            raise ValueError(f"`{owner}(flag_share={flag_share!r})` is invalid: expected 0 < flag_share <= 1.")
         check_bool(owner, "print_table", print_table)
         self.every_n_batches = every_n_batches
-        self.flag_share = float(flag_share)
+        self.flag_share = check_fraction(owner, "flag_share", flag_share)
         self.print_table = print_table
         self.rows: list[dict[str, Any]] = []
         self._handles: list[Any] = []

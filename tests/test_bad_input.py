@@ -1,0 +1,259 @@
+"""Bad input and faults (issue: never NaN in the weights, never a masked error, never a silent wrong state)."""
+
+import json
+import os
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_amp_plus import (
+    AmpPlusFabricPrecision,
+    AmpPlusPrecision,
+    AmpPlusWarning,
+    GradUnderflowMonitor,
+    LossScaleCollapseError,
+    LossScaleMonitor,
+    NaNSkipReporter,
+    PrecisionReport,
+)
+from lightning_amp_plus.__main__ import main as cli
+from tests.helpers.models import TinyModel, make_loader
+from tests.helpers.trainer import make_trainer
+
+
+# ---------------------------------------------------------------------------------------------- 4: reporter resume
+def test_reporter_continues_a_streak_across_resume(tmp_path):
+    def run(ckpt_path=None):
+        model = TinyModel(poison={s: "inf" for s in (8, 9, 10, 11)})
+        plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**16, min_scale=2.0**-10)
+        reporter = NaNSkipReporter(max_consecutive_skips=3, max_warnings=0)
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+        trainer = make_trainer(
+            plugins=[plugin],
+            callbacks=[reporter, saver],
+            max_steps=14,
+            enable_checkpointing=True,
+            logger=CSVLogger(tmp_path, name="run"),
+        )
+        with pytest.raises(LossScaleCollapseError, match="3 consecutive optimizer steps were skipped"):
+            trainer.fit(model, ckpt_path=ckpt_path)
+        return trainer, reporter
+
+    trainer, reporter = run()
+    assert trainer.global_step == 10  # stopped inside step 10, the 3rd skip in a row
+    assert reporter.skipped_steps == [8, 9, 10]
+    # resumed after step 9 (two skips in a row so far): step 10 is still the 3rd
+    resumed, again = run(ckpt_path=tmp_path / "epoch=0-step=10.ckpt")
+    assert resumed.global_step == 10
+    assert again.skipped_steps == [8, 9, 10]
+    assert again.num_skips == 3
+
+
+# ---------------------------------------------------------------------------------------------- 5: report_path
+@pytest.mark.parametrize(
+    ("path", "error", "match"),
+    [
+        ("", ValueError, r"`NaNSkipReporter\(report_path=''\)` is invalid: expected a non-empty file path"),
+        (42, TypeError, r"`NaNSkipReporter\(report_path=42\)` is invalid: expected a file path"),
+    ],
+)
+def test_report_path_type_is_checked_at_construction(path, error, match):
+    with pytest.raises(error, match=match):
+        NaNSkipReporter(report_path=path)
+
+
+def test_report_path_that_cannot_be_written_is_an_error_at_setup(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    for path, match in [(tmp_path, "it is a folder"), (tmp_path / "a_file" / "r.json", "its folder is not writable")]:
+        model = TinyModel()
+        with pytest.raises(ValueError, match=match):
+            make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[NaNSkipReporter(report_path=path)]).fit(
+                model
+            )
+        assert model.losses == []  # refused before the first step
+
+
+def test_report_is_written_atomically_and_a_failed_write_never_hides_the_collapse(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=256.0)],
+        callbacks=[NaNSkipReporter(report_path=path)],
+        max_steps=4,
+    ).fit(TinyModel(poison={1: "inf"}))
+    assert json.loads(path.read_text())["skipped_steps"] == [1]
+    assert sorted(os.listdir(tmp_path)) == ["r.json"]  # no temporary file left behind
+
+    import lightning_amp_plus.callbacks.nan_skip_reporter as module
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "write_json_atomically", refuse)
+    reporter = NaNSkipReporter(report_path=path, max_consecutive_skips=2, max_warnings=0)
+    with pytest.raises(LossScaleCollapseError, match=r"2 consecutive .*could not be written .*No space left"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[reporter], max_steps=6).fit(
+            TinyModel(poison={s: "nan" for s in range(6)})
+        )
+    assert json.loads(path.read_text())["skipped_steps"] == [1]  # the old report is intact, never half written
+    ok = NaNSkipReporter(report_path=path, max_warnings=0)
+    with pytest.warns(AmpPlusWarning, match="could not write the skip report"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[ok], max_steps=2).fit(TinyModel())
+
+
+# ---------------------------------------------------------------------------------------------- 6: real error first
+class GanFails(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.d, self.g = nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.d(x).float(), y))
+        opt_d.step()
+        opt_d.zero_grad()
+        if self.trainer.global_step >= 3:
+            raise KeyError("the user's own bug")
+        self.manual_backward(nn.functional.mse_loss(self.g(x).float(), y))
+        opt_g.step()
+        opt_g.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.g.parameters(), lr=0.1), torch.optim.SGD(self.d.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return make_loader()
+
+
+def test_an_error_mid_batch_in_manual_optimization_comes_through_alone():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=256.0)
+    with pytest.raises(KeyError, match="the user's own bug") as info:
+        make_trainer(plugins=[plugin], callbacks=[NaNSkipReporter()], max_steps=10).fit(GanFails())
+    assert info.value.__context__ is None  # nothing raised while handling it
+    assert plugin.history.num_steps == 2  # two whole batches, and the failed batch's one applied step
+    assert not plugin.engine.cycle_open
+
+
+# ---------------------------------------------------------------------------------------------- 8: the plot command
+def test_plot_command_exits_2_with_one_line_on_bad_csv(tmp_path, capsys):
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("step,amp/loss_scale\n0,1024\n1,512,7\n")
+    infinite = tmp_path / "inf.csv"
+    infinite.write_text("step,amp/loss_scale\n0,1024\ninf,512\n")
+    for path, match in [(ragged, "more fields than the header"), (infinite, "step 'inf' is not a step index")]:
+        assert cli(["plot", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        assert err[0].startswith("error: ")
+        assert match in err[0]
+
+
+def test_plot_command_prints_the_path_it_wrote(tmp_path, capsys):
+    data = tmp_path / "m.csv"
+    data.write_text("step,amp/loss_scale,amp/skipped_steps\n0,1024,0\n3,512,1\n5,512,1\n")
+    assert cli(["plot", str(data), "-o", str(tmp_path / "noext")]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == str(tmp_path / "noext.png")
+    assert os.path.getsize(printed) > 1000
+
+
+# ---------------------------------------------------------------------------------------------- 9: validation
+@pytest.mark.parametrize(
+    ("device", "match"),
+    [
+        ("gpu", r"`AmpPlusPrecision\(device='gpu'\)` is invalid: expected a device type .* HINT: use 'cuda'"),
+        ("CPU", r"device='CPU'\)` is invalid: .* HINT: device types are lower case: 'cpu'"),
+        ("nosuch", r"device='nosuch'\)` is invalid: expected a device type that autocast supports"),
+    ],
+)
+def test_device_is_checked_at_construction(device, match):
+    with pytest.raises(ValueError, match=match):
+        AmpPlusPrecision("16-mixed", device=device)
+    with pytest.raises(ValueError, match=match.replace("AmpPlusPrecision", "AmpPlusFabricPrecision")):
+        AmpPlusFabricPrecision("16-mixed", device=device)
+
+
+def test_a_device_other_than_the_trainers_is_refused_not_silently_fp32():
+    model = TinyModel()
+    with pytest.raises(ValueError, match=r"device='mps'\)` does not match the trainer's device \('cpu'\)"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", device="mps")], max_steps=1).fit(model)
+    assert model.losses == []
+
+
+@pytest.mark.parametrize("make", [LossScaleMonitor, NaNSkipReporter, GradUnderflowMonitor])
+@pytest.mark.parametrize("prefix", [None, 42])
+def test_every_callback_refuses_a_prefix_that_is_not_a_str(make, prefix):
+    with pytest.raises(TypeError, match=rf"`{make.__name__}\(prefix={prefix!r}\)` is invalid: expected a str"):
+        make(prefix=prefix)
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "name"),
+    [
+        (AmpPlusPrecision, {"init_scale": "1024"}, "init_scale"),
+        (AmpPlusPrecision, {"growth_interval": "10"}, "growth_interval"),
+        (NaNSkipReporter, {"max_warnings": "5"}, "max_warnings"),
+        (LossScaleMonitor, {"logging_interval": "10"}, "logging_interval"),
+        (GradUnderflowMonitor, {"warn_fraction": "0.5"}, "warn_fraction"),
+        (PrecisionReport, {"flag_share": "0.5"}, "flag_share"),
+    ],
+)
+def test_numeric_strings_are_a_type_error_everywhere(make, kwargs, name):
+    with pytest.raises(TypeError, match=rf"`{make.__name__}\({name}='[0-9.]+'\)` is invalid: expected"):
+        make(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init_scale": 1e-50, "min_scale": 0}, r"init_scale=1e-50\)` is invalid: expected a finite float32"),
+        ({"growth_factor": 1e308}, r"growth_factor=1e\+308\)` is invalid"),
+        ({"init_scale": 1e39, "max_scale": float("inf")}, r"init_scale=1e\+39\)` is invalid"),
+        ({"hysteresis": 2**31}, r"hysteresis=2147483648\)` is invalid: .*int32"),
+        ({"warn_skip_streak": 0}, r"warn_skip_streak=0\)` is invalid"),
+    ],
+)
+def test_knobs_float32_cannot_hold_are_refused_by_the_plugins(kwargs, match):
+    with pytest.raises(ValueError, match=r"`AmpPlusPrecision\(" + match):
+        AmpPlusPrecision("16-mixed", **kwargs)
+    with pytest.raises(ValueError, match=r"`AmpPlusFabricPrecision\(" + match):
+        AmpPlusFabricPrecision("16-mixed", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- 10: silent failure
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adamw"])
+def test_the_plugin_itself_says_when_every_step_is_skipped(optimizer, tmp_path):
+    plugin = AmpPlusPrecision("16-mixed", warn_skip_streak=10)
+    model = TinyModel(poison={s: "nan" for s in range(40)}, optimizer=optimizer, lr=1e-3)
+    monitor = [LossScaleMonitor(logging_interval=5)] if optimizer == "fused_adamw" else []  # flushes: seen there
+    with pytest.warns(AmpPlusWarning, match=r"optimizer updates in a row were skipped") as caught:
+        make_trainer(plugins=[plugin], callbacks=monitor, max_steps=30, logger=CSVLogger(tmp_path)).fit(model)
+    streak = [w for w in caught if "in a row were skipped" in str(w.message)]
+    assert len(streak) == 1  # once per streak
+    first = int(str(streak[0].message).split()[0])
+    assert first == 10 if optimizer == "sgd" else 10 <= first <= 15
+
+
+def test_skip_records_are_bounded_and_every_skip_still_counted(tmp_path):
+    model = TinyModel(poison={s: "inf" for s in range(0, 40, 3)})
+    plugin = AmpPlusPrecision("16-mixed", min_scale=2.0**-20)
+    reporter = NaNSkipReporter(max_records=4, max_warnings=0, report_path=tmp_path / "r.json")
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=40).fit(model)
+    steps = list(range(0, 40, 3))
+    assert reporter.num_skips == len(steps) == 14
+    assert reporter.skipped_steps == steps
+    assert [r["step"] for r in reporter.skips] == [0, 3, 36, 39]  # the first and the last two in full
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["num_skipped"] == 14
+    assert report["records_dropped"] == 10
+    assert report["worst_offenders"][0]["skips"] == 14  # counted over every skip
+    state = reporter.state_dict()
+    restored = NaNSkipReporter(max_records=4)
+    restored.load_state_dict(state)
+    assert restored.skips == reporter.skips
+    assert restored.report()["worst_offenders"] == reporter.report()["worst_offenders"]
