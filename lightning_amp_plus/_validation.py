@@ -138,10 +138,13 @@ def check_scaler_args(
             f" {names.get('max_scale', 'max_scale')}={max_scale!r})` is invalid: expected min_scale <= max_scale."
         )
     if init_scale is not None and not min_scale <= init_scale <= max_scale:
+        given = ", ".join(
+            f"{names.get(n, n)}={v!r}"
+            for n, v in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale))
+        )
         raise ValueError(
-            f"{call('init_scale', init_scale)}: expected min_scale <= init_scale <= max_scale"
-            f" ({min_scale!r} <= init_scale <= {max_scale!r}). HINT: widen `min_scale`/`max_scale` or change"
-            " `init_scale`."
+            f"`{owner}({given})` is invalid: expected min_scale <= init_scale <= max_scale. HINT: widen"
+            " `min_scale`/`max_scale` or change `init_scale`."
         )
 
 

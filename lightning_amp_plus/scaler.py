@@ -332,6 +332,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale = state_dict["scale"]
         if isinstance(scale, Tensor) and scale.numel() == 1:
             scale = scale.item()
+        if not _is_number(scale):
+            raise TypeError(
+                f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type(scale).__name__}."
+            )
         check_scaler_args(where, init_scale=None, **knobs)  # the knobs, as the constructor checks them
         check_scaler_args(  # the scale: one float32 can hold (then brought inside the bounds, below)
             where, init_scale=scale, label={"init_scale": "scale"}, **{**knobs, "min_scale": 0.0, "max_scale": math.inf}

@@ -6,6 +6,15 @@ import torch
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
+try:  # property tests: 60 examples each in CI (seconds); HYPOTHESIS_PROFILE=deep for 1,000
+    from hypothesis import settings
+
+    settings.register_profile("ci", max_examples=60, print_blob=True)
+    settings.register_profile("deep", max_examples=1000)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
