@@ -1,4 +1,4 @@
-"""Property tests (hypothesis): the boundaries stay closed for any knob, overflow pattern, restart point or corruption."""
+"""Property tests (hypothesis): the boundaries stay closed for any knob, overflow, restart point or corruption."""
 
 import copy
 import math
@@ -52,7 +52,7 @@ def test_any_knobs_are_refused_by_name_or_keep_the_weights_finite(kwargs, patter
     try:
         scaler = DynamicLossScaler("cpu", **kwargs)
     except (TypeError, ValueError) as error:
-        assert any(f"{name}=" in str(error) for name in kwargs), str(error)  # the message names the argument
+        assert any(f"{name}=" in str(error) for name in kwargs), str(error)  # noqa: PT017 - names the argument
         return
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
