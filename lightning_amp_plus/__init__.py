@@ -11,14 +11,16 @@ from lightning_amp_plus.callbacks import (
 )
 from lightning_amp_plus.engine import AmpEngine, SkipEvent
 from lightning_amp_plus.fabric import AmpPlusFabricPrecision
+from lightning_amp_plus.fsdp import AmpPlusFSDPPrecision
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.plot import plot_history, plot_run
 from lightning_amp_plus.precision import AmpPlusPrecision
-from lightning_amp_plus.scaler import DynamicLossScaler
+from lightning_amp_plus.scaler import DynamicLossScaler, ShardedDynamicLossScaler
 
 __all__ = [
     "AmpEngine",
     "AmpPlusWarning",
+    "AmpPlusFSDPPrecision",
     "AmpPlusFabricPrecision",
     "AmpPlusPrecision",
     "DynamicLossScaler",
@@ -28,6 +30,7 @@ __all__ = [
     "NaNSkipReporter",
     "PrecisionReport",
     "ScaleHistory",
+    "ShardedDynamicLossScaler",
     "SkipEvent",
     "__version__",
     "plot_history",

@@ -466,6 +466,7 @@ def make_engine(
     skip_nonfinite: Any,
     knobs: dict[str, Any],
     warn_skip_streak: Any = 50,
+    scaler_class: type[DynamicLossScaler] = DynamicLossScaler,
 ) -> AmpEngine:
     """Validate a plugin's arguments (messages name ``owner``) and build its engine."""
     check_choice(
@@ -500,7 +501,7 @@ def make_engine(
                 f"`{owner}(device='cuda')` is invalid: CUDA is not available here. HINT: leave `device=None` to"
                 " follow the trainer's accelerator."
             )
-        scaler = DynamicLossScaler(device or "cpu", **{**SCALER_DEFAULTS, **given})
+        scaler = scaler_class(device or "cpu", **{**SCALER_DEFAULTS, **given})
     return AmpEngine(precision, scaler, skip_nonfinite, warn_skip_streak)
 
 

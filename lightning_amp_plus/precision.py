@@ -25,6 +25,7 @@ from lightning_amp_plus._validation import check_bool
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
 from lightning_amp_plus.islands import Fp32Islands, check_entries
+from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
 
@@ -65,6 +66,11 @@ class AmpPlusPrecision(EngineView, Precision):
         '16-mixed'
     """
 
+    #: the checkpoint key of the stock plugin this one stands in for (its scaler state is written there too)
+    _stock_key = "MixedPrecision"
+    #: the scaler class the engine builds for 16-mixed
+    _scaler_class: type[DynamicLossScaler] = DynamicLossScaler
+
     def __init__(
         self,
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
@@ -84,7 +90,9 @@ class AmpPlusPrecision(EngineView, Precision):
     ) -> None:
         owner = type(self).__name__
         knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
-        self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs, warn_skip_streak)
+        self._engine: AmpEngine = make_engine(
+            owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, self._scaler_class
+        )
         check_bool(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
         self.device = device
@@ -196,7 +204,9 @@ class AmpPlusPrecision(EngineView, Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         # a cycle stays open across backward calls within one batch (a GAN's second backward uses the same scale)
-        tensor = super().pre_backward(tensor, module)  # hooks see the true (unscaled) loss
+        # hooks see the true (unscaled) loss; Lightning's base hook by name: a sharded sibling (FSDPPrecision) in
+        # the MRO would scale a second time
+        tensor = Precision.pre_backward(self, tensor, module)
         return self._engine.scale(tensor)
 
     # ------------------------------------------------------------------ optimizer step
@@ -288,21 +298,20 @@ class AmpPlusPrecision(EngineView, Precision):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Also write the scaler under stock ``MixedPrecision``'s key, so a stock run resumes at our scale."""
         if self.scaler is not None:
-            checkpoint.setdefault(_STOCK_KEY, self.scaler.state_dict())
+            checkpoint.setdefault(self._stock_key, self.scaler.state_dict())
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Resume a stock ``MixedPrecision`` run (no state of ours in the checkpoint) at its scale."""
         if type(self).__qualname__ in checkpoint:
             return  # ours: Lightning loads it through `load_state_dict`
-        for key in (_STOCK_KEY, "native_amp_scaling_state"):
+        for key in (self._stock_key, "native_amp_scaling_state"):
             if key in checkpoint:
                 self._engine.load_state_dict(checkpoint[key], where=f"checkpoint[{key!r}]")
                 return
 
 
 _MISSING = object()
-_STOCK_KEY = "MixedPrecision"  # Lightning's own plugin writes its scaler state under its class name
 
 
 def _find_lightning_module(model: torch.nn.Module) -> Optional[pl.LightningModule]:

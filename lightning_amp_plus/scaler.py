@@ -431,3 +431,41 @@ def _times(scale: Tensor, factor: float) -> Tensor:
     if scale.device.type == "mps":  # no float64 there
         return scale * factor
     return (scale.double() * factor).float()
+
+
+class ShardedDynamicLossScaler(DynamicLossScaler):
+    """:class:`DynamicLossScaler` for sharded gradients (FSDP, FSDP2): the overflow flag is reduced across ranks.
+
+    Each rank checks only its own gradient shards; :meth:`unscale_` all-reduces the flag (one small collective on
+    the device, as ``torch.distributed.fsdp.ShardedGradScaler`` does) before anything reads it, so every rank makes
+    the same skip decision and keeps the same scale, trackers and history. A rank whose shard is empty still takes
+    part. The bounds and hysteresis rule are :class:`DynamicLossScaler`'s, unchanged.
+
+    Args:
+        device: as for :class:`DynamicLossScaler`.
+        process_group: the group to reduce over (default: the whole world).
+        **kwargs: the knobs of :class:`DynamicLossScaler`.
+    """
+
+    def __init__(self, device: str = "cuda", *args: Any, process_group: Any = None, **kwargs: Any) -> None:
+        super().__init__(device, *args, **kwargs)
+        self.process_group = process_group
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not per_device:  # an empty shard: this rank still contributes a flag to the reduction
+            per_device = {found_inf.device: found_inf}
+        return per_device
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale this rank's shards, then reduce the overflow flag over the process group (no host sync)."""
+        super().unscale_(optimizer)
+        if not self._enabled or not torch.distributed.is_initialized():
+            return
+        state = self._per_optimizer_states[id(unwrap_optimizer(optimizer))]
+        flags = list(state["found_inf_per_device"].values())
+        combined = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
+        torch.distributed.all_reduce(combined, group=self.process_group)
+        state["found_inf_per_device"] = {combined.device: combined}

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
+from torch import Tensor
 
 from lightning_amp_plus.precision import AmpPlusPrecision
 
@@ -65,3 +67,51 @@ def write_json_atomically(path: Any, data: Any) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+# ---------------------------------------------------------------------------------------------- sharded gradients
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the user wrote it: without FSDP, activation-checkpointing or compile wrapper prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``module.named_parameters()`` with clean names (call it after sharding: FSDP2 replaces the parameters)."""
+    return [(clean_name(n), p) for n, p in module.named_parameters()]
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor as it is)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def distributed() -> bool:
+    """Whether a process group with more than one rank is up."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and (torch.distributed.get_world_size() > 1)
+    )
+
+
+def all_reduce_(tensor: Tensor, op: str = "sum") -> Tensor:
+    """Reduce ``tensor`` over every rank in place (a no-op in one process); every rank must call it."""
+    if distributed():
+        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(tensor, op=reduce_op)
+    return tensor
+
+
+def shards_gradients(trainer: Optional[pl.Trainer]) -> bool:
+    """Whether each rank holds only a shard of every gradient (FSDP, FSDP2): figures must be reduced over ranks."""
+    if trainer is None or not distributed():
+        return False
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))

@@ -9,12 +9,20 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._validation import check_fraction, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
-from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
+from lightning_amp_plus.callbacks._common import (
+    all_reduce_,
+    find_plugin,
+    local_tensor,
+    log_to_all,
+    named_parameters,
+    shards_gradients,
+)
 from lightning_amp_plus.precision import AmpPlusPrecision
 from lightning_amp_plus.syncs import to_host
 
@@ -77,6 +85,8 @@ class GradUnderflowMonitor(Callback):
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
+        self._params: list[tuple[str, torch.nn.Parameter]] = []
+        self._sharded = False
         self._interval = 1
         self._high = 0
         self._warned = 0
@@ -87,7 +97,8 @@ class GradUnderflowMonitor(Callback):
         self._plugin = plugin
         self._trainer = trainer
         self._interval = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", None) or 50)
-        self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._params = named_parameters(pl_module)
+        self._names = {id(p): n for n, p in self._params}
         if plugin.scaler is None:
             rank_zero_warn(
                 "`GradUnderflowMonitor` measures float16 underflow of scaled gradients; with bf16-mixed there is no"
@@ -103,43 +114,74 @@ class GradUnderflowMonitor(Callback):
         if self._plugin is not None and self._measure in self._plugin.before_unscale_listeners:
             self._plugin.before_unscale_listeners.remove(self._measure)
 
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the parameters as trained: FSDP2's `fully_shard` (in `configure_model`, after `setup`) replaces them
+        self._params = named_parameters(pl_module)
+        self._names = {id(p): n for n, p in self._params}
+        self._sharded = shards_gradients(trainer)
+
     def _measure(self, optimizer: Optimizer, step: int) -> None:
         if step % self._interval != 0:
             return
         assert self._plugin is not None
         assert self._plugin.scaler is not None
         assert self._trainer is not None
-        names, grads = [], []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None and not param.grad.is_sparse:
-                    names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
-                    grads.append(param.grad)
-        if not grads:
+        names: list[str] = []
+        grads: list[Optional[Tensor]] = []
+        if self._sharded:  # this rank's shard of every parameter (maybe empty), summed over the ranks below
+            for name, param in self._params:
+                grad = None if param.grad is None or param.grad.is_sparse else local_tensor(param.grad)
+                names.append(name)
+                grads.append(grad)
+        else:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None and not param.grad.is_sparse:
+                        names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
+                        grads.append(local_tensor(param.grad))
+        present = [g for g in grads if g is not None and g.numel() > 0]
+        if not present and not self._sharded:
             return
         scale = self._plugin.scaler.scale_tensor()
         assert scale is not None
-        device = grads[0].device
+        device = scale.device
         with torch.no_grad():
-            # max |g| per gradient in one foreach kernel; the count of zero/sub-2**-24 elements per gradient
-            maxima = torch.stack([m.float().to(device) for m in torch._foreach_norm(grads, float("inf"))])
-            small = torch.stack([(g.abs() < FP16_TINY).sum().to(device) for g in grads]).float()
-            packed = torch.cat([maxima.max().reshape(1), scale.reshape(1).to(device), small])
+            # max |g| over the gradients in one foreach kernel; per gradient, the count of zero/sub-2**-24 elements
+            # and the element count (summed over ranks when sharded: the whole model's figures on every rank)
+            largest = (
+                torch.stack([m.float().to(device) for m in torch._foreach_norm(present, float("inf"))]).max()
+                if present
+                else torch.zeros((), device=device)
+            )
+            zero = torch.zeros((), device=device)
+            small = torch.stack([zero if g is None else (g.abs() < FP16_TINY).sum().float().to(device) for g in grads])
+            sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
+            counts_and_sizes = torch.cat([small, sizes])
+            if self._sharded:
+                all_reduce_(counts_and_sizes)
+                largest = all_reduce_(largest.reshape(1).clone(), op="max").reshape(())
+            packed = torch.cat([largest.reshape(1), scale.reshape(1).to(device), counts_and_sizes])
             values = to_host(packed)  # the one host transfer of this measurement
-        largest, scale_value, counts = values[0], values[1], values[2:]
-        fraction = sum(counts) / sum(g.numel() for g in grads)
+        n = len(grads)
+        largest_value, scale_value = values[0], values[1]
+        counts, numels = values[2 : 2 + n], values[2 + n :]
+        total = sum(numels)
+        if not total:
+            return
+        fraction = sum(counts) / total
         record: dict[str, Any] = {"step": step, "scale": scale_value, "underflow_fraction": fraction}
         metrics = {f"{self.prefix}underflow_fraction": fraction}
-        if math.isfinite(largest) and largest > 0:
-            record["headroom_bits"] = math.log2(FP16_MAX / largest)
+        if math.isfinite(largest_value) and largest_value > 0:
+            record["headroom_bits"] = math.log2(FP16_MAX / largest_value)
             metrics[f"{self.prefix}headroom_bits"] = record["headroom_bits"]
         else:
             record["headroom_bits"] = None
         if self.per_parameter:
-            per = sorted(((c / g.numel(), n) for c, g, n in zip(counts, grads, names, strict=True)), reverse=True)
-            record["worst"] = [{"name": n, "underflow_fraction": f} for f, n in per[: self.per_parameter]]
-            for f, n in per[: self.per_parameter]:
-                metrics[f"{self.prefix}underflow/{n}"] = f
+            per = sorted(((c / m, nm) for c, m, nm in zip(counts, numels, names, strict=True) if m), reverse=True)
+            record["worst"] = [{"name": nm, "underflow_fraction": f} for f, nm in per[: self.per_parameter]]
+            for f, nm in per[: self.per_parameter]:
+                metrics[f"{self.prefix}underflow/{nm}"] = f
         self.measurements.append(record)
         log_to_all(self._trainer, metrics, step)
         self._check(record)

@@ -16,7 +16,17 @@ from typing_extensions import override
 from lightning_amp_plus._log import say
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
-from lightning_amp_plus.callbacks._common import check_writable, find_plugin, log_to_all, write_json_atomically
+from lightning_amp_plus.callbacks._common import (
+    all_reduce_,
+    check_writable,
+    distributed,
+    find_plugin,
+    local_tensor,
+    log_to_all,
+    named_parameters,
+    shards_gradients,
+    write_json_atomically,
+)
 from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.syncs import to_host
 
@@ -92,6 +102,8 @@ class NaNSkipReporter(Callback):
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
+        self._params: list[tuple[str, torch.nn.Parameter]] = []
+        self._sharded = False
         self._loss: Optional[Tensor] = None
         self._consecutive = 0
         self._last_skip_index: Optional[int] = None  # history.num_steps at the last skip
@@ -128,7 +140,8 @@ class NaNSkipReporter(Callback):
         """
         self._plugin = plugin
         self._trainer = trainer
-        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._params = named_parameters(module)
+        self._names = {id(p): n for n, p in self._params}
         if self._on_skip not in plugin.skip_listeners:
             plugin.skip_listeners.append(self._on_skip)
         if self.sync_fused:
@@ -147,6 +160,13 @@ class NaNSkipReporter(Callback):
         self.detach()
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the parameters as trained: FSDP2's `fully_shard` (in `configure_model`, after `setup`) replaces them
+        self._params = named_parameters(pl_module)
+        self._names = {id(p): n for n, p in self._params}
+        self._sharded = shards_gradients(trainer)
+
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._loss = loss.detach()  # the true loss (the plugin scales after this hook); read only on skips
 
@@ -157,25 +177,44 @@ class NaNSkipReporter(Callback):
             "step": event.step,
             "scale": event.scale,
             "new_scale": event.new_scale,
-            "loss": _finite_or_none(self._loss),
+            "loss": _finite_or_none(self._mean_loss()),
             "offenders": self._offenders(event),
         }
         self._add(record, self._plugin.history.num_steps)
 
+    def _mean_loss(self) -> Optional[Tensor]:
+        """The loss, averaged over ranks when several train (every rank skips the same steps, so all call this)."""
+        if self._loss is None or not distributed():
+            return self._loss
+        loss = self._loss.detach().float().mean().reshape(1).clone()
+        return all_reduce_(loss) / torch.distributed.get_world_size()
+
     def _offenders(self, event: SkipEvent) -> list[dict[str, Any]]:
         names: list[str] = []
-        grads: list[Tensor] = []
-        for optimizer in event.optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
-                        grads.append(param.grad)
-        if not grads:
+        grads: list[Optional[Tensor]] = []
+        if self._sharded:
+            # every rank holds a shard: count over this rank's part of every parameter, then sum over the ranks
+            for name, param in self._params:
+                names.append(name)
+                grads.append(None if param.grad is None else local_tensor(param.grad))
+        else:
+            for optimizer in event.optimizers:
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
+                            grads.append(local_tensor(param.grad))
+        present = [g for g in grads if g is not None]
+        if not present and not self._sharded:
             return []
-        counts = to_host(
-            torch.stack([torch.stack([g.isinf().sum(), g.isnan().sum()]).to(grads[0].device) for g in grads])
-        )  # one host transfer, on skipped steps only
+        device = present[0].device if present else torch.device("cpu")
+        zero = torch.zeros(2, dtype=torch.int64, device=device)
+        packed = torch.stack(
+            [zero if g is None else torch.stack([g.isinf().sum(), g.isnan().sum()]).to(device) for g in grads]
+        )
+        if self._sharded:
+            all_reduce_(packed)
+        counts = to_host(packed)  # one host transfer, on skipped steps only
         return [
             {"name": name, "inf": int(n_inf), "nan": int(n_nan)}
             for name, (n_inf, n_nan) in zip(names, counts, strict=False)

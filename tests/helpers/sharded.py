@@ -1,0 +1,65 @@
+"""Sharded training on CPU for the tests: FSDP1 through a test-only strategy, FSDP2 through ModelParallelStrategy.
+
+Lightning's accelerator connector refuses ``FSDPStrategy`` on CPU (an exact-type check), and FSDP1 needs
+``device_id=torch.device("cpu")`` there; a subclass provides both. Multi-process runs execute a script in a
+subprocess (Lightning re-launches it for rank 1), each rank writing what it saw to ``OUT/rank{N}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from torch.nn import Module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """``FSDPStrategy`` on CPU with gloo and sharded checkpoints (torch's full state dict path needs CUDA)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("process_group_backend", "gloo")
+        kwargs.setdefault("state_dict_type", "sharded")
+        super().__init__(**kwargs)
+
+    def _setup_model(self, model: Module) -> Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+
+def run_script(script: str, out: Any, *args: str, timeout: int = 300) -> list[dict[str, Any]]:
+    """Run ``script`` (source text) with ``out`` and ``args``; return each rank's ``rank{N}.json``."""
+    path = os.path.join(os.fspath(out), "script.py")
+    with open(path, "w") as f:
+        f.write(script)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, path, os.fspath(out), *args],
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"the script failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(os.fspath(out), f"rank{rank}.json")) as f:
+            ranks.append(json.load(f))
+    ranks[0]["_stderr"] = done.stderr
+    return ranks
