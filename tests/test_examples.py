@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
@@ -55,3 +56,24 @@ def test_cli_builds_everything_from_yaml(tmp_path, monkeypatch):
     kinds = {type(c) for c in cli.trainer.callbacks}
     assert {LossScaleMonitor, NaNSkipReporter} <= kinds
     assert (tmp_path / "runs" / "cli" / "skips.json").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_example_runs_on_two_cpu_processes(tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(EXAMPLES)
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "fsdp.py"), "--fast", "--out", str(tmp_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 of 2: updates 8, applied 6, skipped at global_step [3, 4]" in done.stdout
+    assert done.stdout.count("rank 0 of 2") == 1
+    assert json.loads((tmp_path / "skips.json").read_text())["skipped_steps"] == [3, 4]

@@ -221,3 +221,79 @@ def test_fsdp1_costs_one_host_sync_per_step(tmp_path):
     # beyond what FSDP itself costs per step: one, the skip decision torch needs (the flag's reduction is on device)
     assert zero == one
     assert zero["ours"] - zero["stock-32"] == 1.0
+
+
+FSDP2 = r"""
+import json, math, sys
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning_amp_plus import AmpPlusPrecision, GradUnderflowMonitor, LossScaleMonitor, NaNSkipReporter
+from tests.helpers.models import TinyModel
+
+out = sys.argv[1]
+POISON = {1, 4}
+
+
+class Sharded(TinyModel):
+    def __init__(self):
+        super().__init__(lr=1e-3, optimizer="adam")
+        self.local = {}
+        self.norms = []
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if list(layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def on_after_backward(self):
+        super().on_after_backward()
+        for name, p in self.named_parameters():
+            self.local[name] = 0 if p.grad is None else p.grad.to_local().numel()
+        if self.global_rank == 1 and self.trainer.global_step in POISON:
+            dict(self.named_parameters())["net.0.bias"].grad.to_local().view(-1)[0] = float("inf")
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        local = sum(float(p.grad.to_local().double().pow(2).sum()) for p in self.parameters() if p.grad is not None)
+        total = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(total)
+        self.norms.append(math.sqrt(float(total)))
+
+
+plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=3, hysteresis=2)
+reporter = NaNSkipReporter(max_warnings=5)
+underflow = GradUnderflowMonitor(every_n_steps=1)
+model = Sharded()
+strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+trainer = Trainer(
+    accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], max_steps=6, gradient_clip_val=0.05,
+    logger=False, callbacks=[reporter, underflow], enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False,
+)
+trainer.fit(model)
+with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
+    json.dump({
+        "curve": plugin.history.curve(), "skipped": plugin.history.skipped_steps, "skips": reporter.skips,
+        "underflow": underflow.measurements, "local": model.local, "norms": model.norms,
+        "scaler": plugin.scaler.state_dict(),
+    }, f)
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_fully_shard_skips_names_and_measures_across_shards(tmp_path):
+    zero, one = run_script(FSDP2, tmp_path, "fit")
+    assert zero["local"]["net.2.bias"] + one["local"]["net.2.bias"] == 1  # one rank's local shard is empty
+    for key in ("curve", "skipped", "skips", "underflow", "scaler", "norms"):
+        assert zero[key] == one[key], key
+    assert zero["skipped"] == [1, 4]
+    assert [o["name"] for o in zero["skips"][0]["offenders"]] == ["net.0.bias"]  # not "<unnamed (8,)>"
+    assert len(zero["underflow"]) == 6  # measured every step, the empty shard included
+    applied = [n for i, n in enumerate(zero["norms"]) if i not in (1, 4)]
+    assert all(n == pytest.approx(0.05, rel=1e-3) for n in applied)  # the global norm, clipped
