@@ -23,8 +23,9 @@ from lightning_amp_plus import AmpPlusFSDPPrecision, LossScaleMonitor, NaNSkipRe
 
 
 class CPUFSDPStrategy(FSDPStrategy):
-    """FSDP on CPU for demos and tests: Lightning accepts FSDPStrategy on CPU only through a subclass, and FSDP1
-    needs ``device_id=torch.device("cpu")`` there. On GPUs use ``FSDPStrategy`` itself.
+    """FSDP on CPU for demos and tests; on GPUs use ``FSDPStrategy`` itself.
+
+    Lightning accepts ``FSDPStrategy`` on CPU only through a subclass, and FSDP1 needs ``device_id=cpu`` there.
     """
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
