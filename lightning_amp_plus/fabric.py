@@ -13,6 +13,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_choice
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, make_engine
 
@@ -21,7 +22,7 @@ def _convert(tensor: Tensor, dst_type: torch.dtype) -> Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
 
 
-class AmpPlusFabricPrecision(EngineView, FabricPrecision):
+class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
     """Fabric precision plugin sharing :class:`~lightning_amp_plus.engine.AmpEngine` with ``AmpPlusPrecision``.
 
     Same arguments and defaults as ``AmpPlusPrecision`` for the scaler (``init_scale`` ... ``hysteresis``) and
@@ -69,6 +70,7 @@ class AmpPlusFabricPrecision(EngineView, FabricPrecision):
         warn_skip_streak: Optional[int] = 50,
         update: Literal["step", "manual"] = "step",
     ) -> None:
+        self._given = given_arguments(AmpPlusFabricPrecision.__init__, locals())
         owner = type(self).__name__
         knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
         self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs, warn_skip_streak)

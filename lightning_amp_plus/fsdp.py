@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.precision.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._repr import given_arguments
 from lightning_amp_plus._validation import check_choice
 from lightning_amp_plus.precision import AmpPlusPrecision
 from lightning_amp_plus.scaler import ShardedDynamicLossScaler
@@ -64,7 +65,9 @@ class AmpPlusFSDPPrecision(AmpPlusPrecision, FSDPPrecision):  # type: ignore[mis
         reduce_dtype: Optional[Literal["float32", "float16", "bfloat16"]] = None,
         **kwargs: Any,
     ) -> None:
+        given = given_arguments(AmpPlusFSDPPrecision.__init__, locals())
         super().__init__(precision, device, **kwargs)
+        self._given = {**{k: v for k, v in given.items() if k != "kwargs"}, **self._given, **kwargs}
         owner = type(self).__name__
         check_choice(owner, "param_dtype", param_dtype, tuple(_DTYPES))
         check_choice(owner, "reduce_dtype", reduce_dtype, tuple(_DTYPES))

@@ -55,6 +55,15 @@ def check_entries(owner: str, entries: Any) -> list[Fp32Entry]:
     return out
 
 
+def _is_compiled_wrapper(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
+
+
+def _uncompiled(name: str) -> str:
+    """``name`` without ``torch.compile``'s ``_orig_mod`` segments (``net._orig_mod.0`` -> ``net.0``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def _cast_inputs(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.float() if value.is_floating_point() and value.dtype != torch.float64 else value
@@ -103,14 +112,18 @@ class Fp32Islands:
 
     def match(self, model: nn.Module) -> list[str]:
         """Names of the modules the entries select; raises ``ValueError`` for an entry that matches nothing."""
-        named = [(n, m) for n, m in model.named_modules() if n]
+        # a compiled submodule (`torch.compile`) appears twice: its wrapper and `<name>._orig_mod`: keep the module
+        # itself, and match names with or without the wrapper's `_orig_mod` segment
+        named = [(n, m) for n, m in model.named_modules() if n and not _is_compiled_wrapper(m)]
         selected: dict[str, None] = {}
         for entry in self.entries:
             if isinstance(entry, type):
                 hits = [n for n, m in named if isinstance(m, entry)]
                 what = f"class {entry.__module__}.{entry.__qualname__}"
             else:
-                hits = [n for n, _ in named if fnmatch.fnmatchcase(n, entry)]
+                hits = [
+                    n for n, _ in named if fnmatch.fnmatchcase(n, entry) or fnmatch.fnmatchcase(_uncompiled(n), entry)
+                ]
                 what = f"pattern {entry!r}"
             if not hits:
                 names = [n for n, _ in named]

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_bool
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
@@ -30,7 +31,7 @@ from lightning_amp_plus.scaler import DynamicLossScaler
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
 
 
-class AmpPlusPrecision(EngineView, Precision):
+class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     """Mixed precision with a bounded dynamic loss scaler, unscale-before-clip and skip bookkeeping.
 
     Args:
@@ -88,6 +89,7 @@ class AmpPlusPrecision(EngineView, Precision):
         skip_scheduler_on_overflow: bool = True,
         fp32_modules: Optional[list[Union[str, type[torch.nn.Module]]]] = None,
     ) -> None:
+        self._given = given_arguments(AmpPlusPrecision.__init__, locals())
         owner = type(self).__name__
         knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
         self._engine: AmpEngine = make_engine(

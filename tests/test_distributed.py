@@ -94,8 +94,8 @@ def test_ddp_overflow_on_one_rank_skips_everywhere(tmp_path):
 
 
 def test_fsdp_is_refused_with_a_message_naming_the_plugin_it_needs():
-    # FSDP shards gradients, so the overflow flag must be reduced across ranks (torch's ShardedGradScaler);
-    # Lightning's FSDP strategy accepts only its own FSDPPrecision, which does that: use precision="16-mixed" there.
+    # FSDP shards gradients, so the overflow flag must be reduced across ranks: Lightning's FSDP strategy accepts
+    # only FSDPPrecision instances, and AmpPlusFSDPPrecision is one (tests/test_fsdp.py); the plain plugin is refused.
     from lightning.pytorch.strategies import FSDPStrategy
 
     with pytest.raises(TypeError, match="can only work with the `FSDPPrecision` plugin"):

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_fraction, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
@@ -30,7 +31,7 @@ FP16_TINY = 2.0**-24  # smallest positive float16 subnormal
 FP16_MAX = 65504.0
 
 
-class GradUnderflowMonitor(Callback):
+class GradUnderflowMonitor(KnobsRepr, Callback):
     """Measure the scaled gradients before they are unscaled, every ``every_n_steps`` optimizer steps (16-mixed).
 
     Logs to every logger, at the optimizer step measured:
@@ -69,6 +70,7 @@ class GradUnderflowMonitor(Callback):
         max_warnings: int = 3,
         prefix: str = "amp/",
     ) -> None:
+        self._given = given_arguments(GradUnderflowMonitor.__init__, locals())
         owner = type(self).__name__
         if every_n_steps is not None:
             check_int(owner, "every_n_steps", every_n_steps, minimum=1)

@@ -7,16 +7,19 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_amp_plus._validation import check_int, check_prefix
+from lightning_amp_plus._log import say
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._validation import check_bool, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
-class LossScaleMonitor(Callback):
+class LossScaleMonitor(KnobsRepr, Callback):
     """Log the loss scale and the skipped steps to every logger.
 
     At every logging point ``s`` (each ``logging_interval`` optimizer steps, and at the end of training) it logs,
@@ -33,9 +36,15 @@ class LossScaleMonitor(Callback):
     host sync per interval, none on the other steps). With no logger the monitor warns once and the in-memory
     ``AmpPlusPrecision.history`` still holds everything. Only rank zero logs.
 
+    With ``progress_bar=True`` the progress bar (TQDM or Rich) shows ``{prefix}scale`` and ``{prefix}skipped``,
+    refreshed at the logging points (no host sync of its own). With Lightning's own ``MixedPrecision`` or
+    ``FSDPPrecision`` (``precision="16-mixed"``) the monitor samples the scale at its logging points instead (one host
+    read each; growths and backoffs inferred between samples; skipped steps unknown) and says so once.
+
     Args:
         logging_interval: optimizer steps between logging points; ``None`` uses ``Trainer(log_every_n_steps)``.
         prefix: the key prefix (default ``"amp/"``).
+        progress_bar: show the scale and the skipped updates in the progress bar (default ``True``).
 
     Example:
         >>> from lightning_amp_plus import LossScaleMonitor
@@ -43,12 +52,17 @@ class LossScaleMonitor(Callback):
         'amp/'
     """
 
-    def __init__(self, logging_interval: Optional[int] = None, prefix: str = "amp/") -> None:
+    def __init__(self, logging_interval: Optional[int] = None, prefix: str = "amp/", progress_bar: bool = True) -> None:
+        self._given = given_arguments(LossScaleMonitor.__init__, locals())
+        owner = type(self).__name__
         if logging_interval is not None:
-            check_int(type(self).__name__, "logging_interval", logging_interval, minimum=1)
+            check_int(owner, "logging_interval", logging_interval, minimum=1)
         self.logging_interval = logging_interval
-        self.prefix = check_prefix(type(self).__name__, prefix)
+        self.prefix = check_prefix(owner, prefix)
+        self.progress_bar = check_bool(owner, "progress_bar", progress_bar)
         self._plugin: Optional[AmpPlusPrecision] = None
+        self._stock: Any = None  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
+        self._last_sample: Optional[float] = None
         self._interval = 1
         self._logged_upto = -1  # last step covered by a logging point
         self._growths = 0
@@ -58,8 +72,23 @@ class LossScaleMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._plugin = find_plugin(trainer, type(self).__name__)
         self._interval = self.logging_interval or int(getattr(trainer, "log_every_n_steps", None) or 50)
+        plugin = trainer.strategy.precision_plugin
+        if isinstance(plugin, (MixedPrecision, FSDPPrecision)) and not isinstance(plugin, AmpPlusPrecision):
+            self._stock = plugin
+            what = (
+                "`amp/loss_scale` is sampled at the logging points (one host read each); growths and backoffs are"
+                " inferred between samples, and skipped steps are not known"
+                if plugin.scaler is not None
+                else "it uses no loss scaler (bf16 or 32-bit), so there is no curve to log"
+            )
+            say(
+                f"`LossScaleMonitor`: the trainer uses Lightning's {type(plugin).__name__}: {what}. HINT: for the exact"
+                " curve and the skipped steps, use `Trainer(plugins=[AmpPlusPrecision('16-mixed')])` instead of"
+                " `precision='16-mixed'`."
+            )
+        else:
+            self._plugin = find_plugin(trainer, type(self).__name__)
         if not trainer.loggers:
             rank_zero_warn(
                 "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
@@ -71,15 +100,49 @@ class LossScaleMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._stock is not None:
+            self._sample(trainer, pl_module)
+            return
         assert self._plugin is not None
         last = self._plugin.history.last_step
         if last is None or last <= self._logged_upto:
             return
         if last // self._interval > self._logged_upto // self._interval or self._logged_upto < 0:
             self._log_until(trainer, last)
+            self._show(pl_module, self._plugin.history.scale_at(last), float(self._skipped_logged))
+
+    def _show(self, pl_module: pl.LightningModule, scale: float, skipped: Optional[float]) -> None:
+        """The scale (and skipped updates) in Lightning's progress bar, refreshed at the logging points only."""
+        if not self.progress_bar:
+            return
+        pl_module.log(f"{self.prefix}scale", scale, prog_bar=True, logger=False, batch_size=1)
+        if skipped is not None:
+            pl_module.log(f"{self.prefix}skipped", skipped, prog_bar=True, logger=False, batch_size=1)
+
+    def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Stock plugin: at each logging point, read the scale the next step will use (one host read)."""
+        step = trainer.global_step
+        scaler = self._stock.scaler
+        if scaler is None or step <= self._logged_upto or (step % self._interval and self._logged_upto >= 0):
+            return
+        scale = float(scaler.get_scale())
+        previous = self._last_sample
+        if previous is not None and scale > previous:
+            self._growths += 1  # at least one growth since the last sample
+        elif previous is not None and scale < previous:
+            self._backoffs += 1
+        self._last_sample = scale
+        metrics = self._scale_metrics(scale)
+        metrics[f"{self.prefix}growths"] = float(self._growths)
+        metrics[f"{self.prefix}backoffs"] = float(self._backoffs)
+        log_to_all(trainer, metrics, step)
+        self._logged_upto = step
+        self._show(pl_module, scale, None)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stock is not None:
+            return
         assert self._plugin is not None
         last = self._plugin.history.last_step
         if last is not None and last > self._logged_upto:

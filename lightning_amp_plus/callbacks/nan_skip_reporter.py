@@ -14,6 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_amp_plus._log import say
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
@@ -35,7 +36,7 @@ class LossScaleCollapseError(RuntimeError):
     """Training stopped: too many optimizer steps in a row were skipped, or the scale overflowed at ``min_scale``."""
 
 
-class NaNSkipReporter(Callback):
+class NaNSkipReporter(KnobsRepr, Callback):
     """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
 
     Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is ``trainer.global_step``
@@ -79,6 +80,7 @@ class NaNSkipReporter(Callback):
         prefix: str = "amp/",
         max_records: Optional[int] = 100,
     ) -> None:
+        self._given = given_arguments(NaNSkipReporter.__init__, locals())
         owner = type(self).__name__
         if max_consecutive_skips is not None:
             check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)

@@ -8,12 +8,13 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_amp_plus._log import say
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.callbacks._common import find_plugin
+from lightning_amp_plus.callbacks._common import clean_name, find_plugin
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -49,7 +50,7 @@ def _name(dtype: Optional[torch.dtype]) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "-"
 
 
-class PrecisionReport(Callback):
+class PrecisionReport(KnobsRepr, Callback):
     """Record, for each leaf module, the dtypes it ran in and its share of forward time; flag fp32 heavy work.
 
     On the first training batch (and every ``every_n_batches`` batches when given) it hooks every leaf module for
@@ -75,6 +76,7 @@ class PrecisionReport(Callback):
     """
 
     def __init__(self, every_n_batches: Optional[int] = None, flag_share: float = 0.25, print_table: bool = True):
+        self._given = given_arguments(PrecisionReport.__init__, locals())
         owner = type(self).__name__
         if every_n_batches is not None:
             check_int(owner, "every_n_batches", every_n_batches, minimum=1)
@@ -112,7 +114,7 @@ class PrecisionReport(Callback):
             self._remove()
             self.rows = self._build_rows()
             if self.print_table and trainer.is_global_zero:
-                rank_zero_info(self.format_table())
+                say(self.format_table())
         self._batches += 1
 
     @override
@@ -125,9 +127,10 @@ class PrecisionReport(Callback):
         self._order = []
         device_type = pl_module.device.type
         use_events = device_type == "cuda"
-        for name, module in pl_module.named_modules():
-            if not name or list(module.children()):
+        for raw_name, module in pl_module.named_modules():
+            if not raw_name or list(module.children()):
                 continue
+            name = clean_name(raw_name)  # as the user wrote it: no `_orig_mod.` of a compiled submodule
             stats = {"module": module, "calls": 0, "time": 0.0, "events": []}
             self._stats[name] = stats
 
@@ -170,7 +173,7 @@ class PrecisionReport(Callback):
         ran = [(n, self._stats[n]) for n in self._order if self._stats[n]["calls"]]
         total = sum(s["time"] for _, s in ran) or 1.0
         mixed = self._plugin.precision in ("16-mixed", "bf16-mixed")
-        islands = set(self._plugin.fp32_module_names)
+        islands = {clean_name(n) for n in self._plugin.fp32_module_names}
         rows = []
         for name, s in ran:
             module = s["module"]

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -224,3 +224,88 @@ def test_plot_marks_the_skips_from_monitor_only_logs(tmp_path):
     assert curves.skipped == plugin.history.skipped_steps == [2, 5]
     changes = [(s, v) for i, (s, v) in enumerate(curves.scale) if i == 0 or v != curves.scale[i - 1][1]]
     assert changes == plugin.history.curve()  # the logged samples trace the same step function
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_progress_bar_shows_the_scale_and_skips_refreshed_at_logging_points(tmp_path, bar):
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    shown = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            metrics = trainer.progress_bar_metrics
+            shown.append((trainer.global_step, metrics.get("amp/scale"), metrics.get("amp/skipped")))
+
+    model = TinyModel(poison={2: "inf", 5: "inf"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=100)
+    progress = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
+    make_trainer(
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(logging_interval=3), Probe(), progress],
+        logger=CSVLogger(tmp_path),
+        enable_progress_bar=True,
+        max_steps=8,
+    ).fit(model)
+    # after the batch of each logging point (steps 0, 3, 6) the bar shows that point's scale and skip count
+    assert shown[0] == (1, 1024.0, 0.0)
+    assert shown[3] == (4, 512.0, 1.0)  # step 2 skipped: the scale step 3 used
+    assert shown[6] == (7, 256.0, 2.0)
+    assert shown[4][1:] == shown[5][1:] == (512.0, 1.0)  # unchanged between logging points
+    assert "amp/scale" not in read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")[0]
+
+
+def test_progress_bar_can_be_turned_off(tmp_path):
+    model = TinyModel()
+    trainer = make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed")],
+        callbacks=[LossScaleMonitor(logging_interval=1, progress_bar=False)],
+        logger=CSVLogger(tmp_path),
+        max_steps=2,
+    )
+    trainer.fit(model)
+    assert "amp/scale" not in trainer.progress_bar_metrics
+
+
+def test_stock_plugin_gets_a_sampled_curve_said_once(tmp_path, caplog):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    true_scales = {}
+
+    class Truth(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            true_scales[trainer.global_step] = trainer.precision_plugin.scaler.get_scale()
+
+    model = TinyModel(poison={s: "inf" for s in (2, 3, 9)})
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=4))
+    logger = CSVLogger(tmp_path, name="stock")
+    make_trainer(
+        plugins=[stock],
+        callbacks=[Truth(), LossScaleMonitor(logging_interval=3)],
+        logger=logger,
+        max_steps=14,
+    ).fit(model)
+    rows = read_csv(logger.experiment.metrics_file_path)
+    sampled = {int(r["step"]): float(r["amp/loss_scale"]) for r in rows if r.get("amp/loss_scale")}
+    assert sorted(sampled) == [1, 3, 6, 9, 12]  # the first batch end, then every 3 global steps
+    assert sampled == {s: true_scales[s] for s in sampled}  # the stock scaler's real values at the sample points
+    backoffs = {int(r["step"]): float(r["amp/backoffs"]) for r in rows if r.get("amp/backoffs")}
+    values = [sampled[s] for s in sorted(sampled)]  # 1024, 512, 256, 512, 256: drops and rises between samples
+    assert backoffs[12] == sum(b < a for a, b in zip(values, values[1:], strict=False)) == 3
+    growths = {int(r["step"]): float(r["amp/growths"]) for r in rows if r.get("amp/growths")}
+    assert growths[12] == sum(b > a for a, b in zip(values, values[1:], strict=False)) == 1
+    assert caplog.text.count("is sampled at the logging points") == 1
+    from lightning_amp_plus.plot import read_run
+
+    assert read_run(logger.log_dir).scale[0] == (1, sampled[1])  # the plot command reads it
+
+
+def test_repr_shows_the_knobs_that_differ_from_the_defaults():
+    from lightning_amp_plus import AmpPlusFabricPrecision, AmpPlusFSDPPrecision, NaNSkipReporter
+
+    assert repr(AmpPlusPrecision("16-mixed", growth_interval=500)) == "AmpPlusPrecision(growth_interval=500)"
+    assert repr(AmpPlusPrecision("bf16-mixed")) == "AmpPlusPrecision(precision='bf16-mixed')"
+    assert repr(AmpPlusFabricPrecision(update="manual")) == "AmpPlusFabricPrecision(update='manual')"
+    assert repr(AmpPlusFSDPPrecision(init_scale=8.0)) == "AmpPlusFSDPPrecision(init_scale=8.0)"
+    assert repr(LossScaleMonitor()) == "LossScaleMonitor()"
+    assert repr(NaNSkipReporter(max_consecutive_skips=None)) == "NaNSkipReporter(max_consecutive_skips=None)"

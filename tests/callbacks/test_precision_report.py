@@ -43,13 +43,16 @@ def test_report_dtypes_with_one_island():
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-def test_bf16_dtypes_and_table(capsys):
+def test_bf16_dtypes_and_table(caplog):
     model = TinyModel()
     report = PrecisionReport()
     make_trainer(plugins=[AmpPlusPrecision("bf16-mixed")], callbacks=[report], max_steps=2).fit(model)
     assert [r["output_dtype"] for r in report.rows] == ["bfloat16", "bfloat16", "bfloat16"]
     assert not any(r["flagged"] for r in report.rows)
     table = report.format_table()
+    (logged,) = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]  # one logging record
+    assert logged.startswith("PrecisionReport (first inspected batch)\n")
+    assert logged.splitlines()[1:] == table.splitlines()[1:]
     assert "net.0" in table
     assert "Linear" in table
     assert "bfloat16" in table

@@ -1,0 +1,39 @@
+"""``__repr__`` for the plugins and callbacks: the class and the arguments that differ from the defaults."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+def given_arguments(function: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``arguments`` (a constructor's ``locals()``) that differ from ``function``'s defaults."""
+    given = {}
+    for name, parameter in inspect.signature(function).parameters.items():
+        if (
+            name == "self"
+            or name not in arguments
+            or parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+        ):
+            continue
+        value = arguments[name]
+        if parameter.default is inspect.Parameter.empty or not _same(value, parameter.default):
+            given[name] = value
+    return given
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared differ
+        return False
+
+
+class KnobsRepr:
+    """Mixin: ``ClassName(arg=value, ...)`` with the arguments given to the constructor that differ from defaults."""
+
+    _given: dict[str, Any]
+
+    def __repr__(self) -> str:
+        given = getattr(self, "_given", {})
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in given.items())})"
