@@ -77,3 +77,26 @@ def test_fsdp_example_runs_on_two_cpu_processes(tmp_path):
     assert "rank 0 of 2: updates 8, applied 6, skipped at global_step [3, 4]" in done.stdout
     assert done.stdout.count("rank 0 of 2") == 1
     assert json.loads((tmp_path / "skips.json").read_text())["skipped_steps"] == [3, 4]
+
+
+def test_readme_quick_start_runs_as_pasted(tmp_path):
+    import subprocess
+    import sys
+
+    readme = open(os.path.join(os.path.dirname(EXAMPLES), "README.md")).read()
+    start = readme.index("```python", readme.index("## Quick start")) + len("```python")
+    code = readme[start : readme.index("```", start)]
+    (tmp_path / "quick_start.py").write_text(code)
+    done = subprocess.run(
+        [sys.executable, "quick_start.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(EXAMPLES)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    curve_line = done.stdout.strip().splitlines()[-2]
+    assert curve_line.startswith("[(0, 65536.0)")
+    assert (tmp_path / "skips.json").exists()
+    assert "AmpPlusWarning" not in done.stderr
