@@ -24,12 +24,12 @@ class CLIModel(LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(512, 16, generator=g)
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+        x = torch.randn(2048, 16, generator=g)
+        return DataLoader(TensorDataset(x, 0.25 * x.sum(1, keepdim=True)), batch_size=32, shuffle=True)
 
 
 def main(args: list[str] | None = None) -> LightningCLI:

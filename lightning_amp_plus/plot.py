@@ -66,7 +66,7 @@ def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") 
         lax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green")
         lax.set_ylabel("training loss")
         lax.grid(True, alpha=0.3)
-    axes[-1][0].set_xlabel("optimizer step")
+    axes[-1][0].set_xlabel("global step")
     fig.tight_layout()
     out = os.fspath(output)
     if not os.path.splitext(out)[1]:
