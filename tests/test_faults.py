@@ -1,9 +1,12 @@
 """Faults: exceptions mid-step never leave a stale unscale, a failed step is not counted, teardown lets the real error
 through, and the plugin cleans up everything it installed."""
 
+import warnings
+
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
@@ -202,3 +205,118 @@ def test_report_flags_in_bf16():
     assert "fp32 island" in rows["net.2"]["cause"]
     assert rows["head"]["flagged"]
     assert "autocast disabled" in rows["head"]["cause"]
+
+
+class ClipBothStepOne(LightningModule):
+    """Two optimizers behind one backward; both clipped, only `a` steps on even batches (b's unscale is forgotten)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 1)
+        self.records = []
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss((self.a(x) + self.b(x)).float(), y))
+        scale = self.trainer.precision_plugin.loss_scale
+        grads_b = {n: p.grad.double() / scale for n, p in self.b.named_parameters()}
+        before_b = {n: p.detach().clone() for n, p in self.b.named_parameters()}
+        self.clip_gradients(opt_a, gradient_clip_val=10.0, gradient_clip_algorithm="norm")
+        self.clip_gradients(opt_b, gradient_clip_val=10.0, gradient_clip_algorithm="norm")
+        opt_a.step()
+        if batch_idx % 2 == 1:
+            opt_b.step()
+            self.records.append((before_b, {n: p.detach().clone() for n, p in self.b.named_parameters()}, grads_b))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return make_loader()
+
+
+def test_an_optimizer_clipped_but_not_stepped_is_warned_about_and_its_next_step_is_exact():
+    model = ClipBothStepOne()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**12)
+    with pytest.warns(AmpPlusWarning, match=r"^`AmpPlusPrecision`: 1 optimizer\(s\) had their gradients unscaled") as w:
+        make_trainer(plugins=[plugin], max_steps=6).fit(model)  # batches: 1, 2, 1 optimizer steps
+    assert len([x for x in w if "did not step" in str(x.message)]) == 2  # batches 0 and 2, b only
+    assert len(model.records) == 2  # batches 1 and 3
+    for before, after, grads in model.records:
+        assert_sgd_update(before, after, grads, 10.0)  # b's steps after a forgotten unscale: exact, not 4096x
+
+
+def test_bf16_two_optimizers_both_overflowing_is_one_skipped_update():
+    from tests.test_exactness import TwoOptimizersClipped
+
+    class BothOverflow(TwoOptimizersClipped):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 2:
+                handle = self.b.weight.register_hook(lambda g: g * float("nan"))
+                super().training_step(batch, batch_idx)
+                handle.remove()
+                return
+            super().training_step(batch, batch_idx)
+
+    model = BothOverflow(poison_step=2)
+    plugin = AmpPlusPrecision("bf16-mixed")
+    make_trainer(plugins=[plugin], max_steps=6).fit(model)
+    assert plugin.history.skipped_steps == [2]  # both flags summed, not cancelled
+    _, record, _ = model.records
+    for key in ("a", "b"):
+        before, after, _ = record[key]
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_bf16_fused_optimizer_skip_is_known_per_optimizer():
+    flags = []
+
+    class Probe(AutoRecorder):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            flags.append(trainer.precision_plugin.step_was_skipped(trainer.optimizers[0]))
+
+    plugin = AmpPlusPrecision("bf16-mixed")
+    make_trainer(plugins=[plugin], callbacks=[Probe()], max_steps=3).fit(
+        TinyModel(optimizer="fused_adamw", lr=1e-3, poison={1: "nan"})
+    )
+    assert flags == [False, True, False]
+    assert plugin.history.curve() == [(0, 1.0)]
+
+
+def test_bf16_without_the_check_records_scale_one_and_no_skips():
+    plugin = AmpPlusPrecision("bf16-mixed", skip_nonfinite=False)
+    make_trainer(plugins=[plugin], max_steps=3).fit(TinyModel())
+    assert plugin.history.curve() == [(0, 1.0)]
+    assert plugin.history.num_steps == 3
+    assert plugin.history.last_step == 2
+
+
+def test_the_streak_warning_counts_skips_in_a_row_and_comes_at_the_threshold():
+    steps_when_warned = []
+
+    class When(AutoRecorder):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            streaks = [w for w in self.caught if "in a row were skipped" in str(w.message)]
+            if len(streaks) > len(steps_when_warned):
+                steps_when_warned.append(trainer.global_step - 1)
+
+    probe = When()
+    plugin = AmpPlusPrecision("16-mixed", min_scale=2.0**-20, warn_skip_streak=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe.caught = caught
+        # streaks of 2, 3 and 1 skipped updates between clean ones
+        make_trainer(plugins=[plugin], callbacks=[probe], max_steps=12).fit(
+            TinyModel(poison={s: "inf" for s in (2, 3, 5, 6, 7, 9)})
+        )
+    streak = [w for w in caught if "in a row were skipped" in str(w.message)]
+    assert [str(w.message).split(",")[0] for w in streak] == [
+        "3 optimizer updates in a row were skipped (inf/nan gradients)"
+    ]
+    assert steps_when_warned == [7]
+    plugin = AmpPlusPrecision("16-mixed", warn_skip_streak=1)
+    make_trainer(plugins=[plugin], max_steps=4).fit(TinyModel())  # clean: no warning (AmpPlusWarning is an error)
