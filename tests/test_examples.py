@@ -83,7 +83,8 @@ def test_readme_quick_start_runs_as_pasted(tmp_path):
     import subprocess
     import sys
 
-    readme = open(os.path.join(os.path.dirname(EXAMPLES), "README.md")).read()
+    with open(os.path.join(os.path.dirname(EXAMPLES), "README.md")) as f:
+        readme = f.read()
     start = readme.index("```python", readme.index("## Quick start")) + len("```python")
     code = readme[start : readme.index("```", start)]
     (tmp_path / "quick_start.py").write_text(code)
