@@ -122,7 +122,14 @@ def configs(device: str, precision: str) -> dict[str, Callable[[], tuple[list[Pr
     def ours() -> tuple[list[Precision], list[Callback]]:
         return [AmpPlusPrecision(precision)], [LossScaleMonitor(), NaNSkipReporter()]  # type: ignore[arg-type]
 
-    return {"fp32": fp32, "stock AMP": stock, "AmpPlusPrecision + callbacks": ours}
+    def ours_unchecked() -> tuple[list[Precision], list[Callback]]:
+        plugin = AmpPlusPrecision(precision, skip_nonfinite=False)
+        return [plugin], [LossScaleMonitor(), NaNSkipReporter()]  # type: ignore[list-item]
+
+    table = {"fp32": fp32, "stock AMP": stock, "AmpPlusPrecision + callbacks": ours}
+    if precision == "bf16-mixed":  # the non-finite check is the feature's price: show the run without it too
+        table["AmpPlusPrecision(skip_nonfinite=False) + callbacks"] = ours_unchecked
+    return table
 
 
 def run_once(

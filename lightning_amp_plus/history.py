@@ -48,6 +48,7 @@ class ScaleHistory:
     def __init__(self, capacity: int = 256) -> None:
         self._capacity = check_int(type(self).__name__, "capacity", capacity, minimum=1)
         self._buffer: Tensor | None = None
+        self._rows: tuple[Tensor, ...] = ()
         self._pending_steps: list[int] = []
         self._change_steps: list[int] = []
         self._change_scales: list[float] = []
@@ -78,8 +79,9 @@ class ScaleHistory:
         if self._buffer is None or self._buffer.device != device:
             self.flush()
             self._buffer = torch.empty(self._capacity, 2, dtype=torch.float32, device=device)
+            self._rows = self._buffer.unbind(0)  # one view per slot, made once
         slot = len(self._pending_steps)
-        torch.stack([_as_tensor(scale, device), _as_tensor(found_inf, device)], out=self._buffer[slot])
+        torch.stack([_as_tensor(scale, device), _as_tensor(found_inf, device)], out=self._rows[slot])
         self._pending_steps.append(step)
         if len(self._pending_steps) == self._capacity:
             self.flush()

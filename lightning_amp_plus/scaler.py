@@ -418,11 +418,12 @@ def unwrap_optimizer(optimizer: Any) -> Any:
         >>> unwrap_optimizer(LightningOptimizer(opt)) is opt, unwrap_optimizer(opt) is opt
         (True, True)
     """
-    for _ in range(8):  # wrappers of wrappers, bounded
-        inner = getattr(optimizer, "__dict__", {}).get("_optimizer")
+    inner = optimizer.__dict__.get("_optimizer") if hasattr(optimizer, "__dict__") else None
+    for _ in range(8):  # wrappers of wrappers, bounded; a plain optimizer costs one dict lookup
         if inner is None or inner is optimizer:
             break
         optimizer = inner
+        inner = optimizer.__dict__.get("_optimizer")
     return optimizer
 
 

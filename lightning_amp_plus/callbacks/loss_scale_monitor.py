@@ -113,8 +113,8 @@ class LossScaleMonitor(KnobsRepr, Callback):
 
     def _show(self, pl_module: pl.LightningModule, scale: float, skipped: Optional[float]) -> None:
         """The scale (and skipped updates) in Lightning's progress bar, refreshed at the logging points only."""
-        if not self.progress_bar:
-            return
+        if not self.progress_bar or pl_module._trainer is None or pl_module.trainer.progress_bar_callback is None:
+            return  # no bar, no logging: Lightning's per-step metric bookkeeping stays as empty as stock
         pl_module.log(f"{self.prefix}scale", scale, prog_bar=True, logger=False, batch_size=1)
         if skipped is not None:
             pl_module.log(f"{self.prefix}skipped", skipped, prog_bar=True, logger=False, batch_size=1)

@@ -170,7 +170,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._loss = loss.detach()  # the true loss (the plugin scales after this hook); read only on skips
+        self._loss = loss  # the true loss (the plugin scales after this hook); read (detached) only on skips
 
     # ------------------------------------------------------------------ host-known skips
     def _on_skip(self, event: SkipEvent) -> None:
@@ -415,7 +415,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
 def _finite_or_none(loss: Optional[Tensor]) -> Optional[float]:
     if loss is None:
         return None
-    value = float(loss.float().mean().item())
+    value = float(loss.detach().float().mean().item())
     return value if value == value and abs(value) != float("inf") else None
 
 
