@@ -11,6 +11,7 @@ the reporter names the parameter once (from rank zero), and the scale curve is i
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
@@ -26,7 +27,13 @@ class CPUFSDPStrategy(FSDPStrategy):
     """FSDP on CPU for demos and tests; on GPUs use ``FSDPStrategy`` itself.
 
     Lightning accepts ``FSDPStrategy`` on CPU only through a subclass, and FSDP1 needs ``device_id=cpu`` there.
+    Defaults: gloo, and sharded checkpoints (torch's full-state-dict path needs CUDA).
     """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("process_group_backend", "gloo")
+        kwargs.setdefault("state_dict_type", "sharded")
+        super().__init__(**kwargs)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -75,9 +82,7 @@ def main(argv: list[str] | None = None) -> AmpPlusFSDPPrecision:
     x = torch.randn(4096, 32)
     loader = DataLoader(TensorDataset(x, x[:, :4].sum(1, keepdim=True)), batch_size=32)
     cuda = torch.cuda.is_available()
-    strategy = (FSDPStrategy if cuda else CPUFSDPStrategy)(
-        process_group_backend="nccl" if cuda else "gloo", state_dict_type="sharded"
-    )
+    strategy = FSDPStrategy(state_dict_type="sharded") if cuda else CPUFSDPStrategy()
     plugin = AmpPlusFSDPPrecision("16-mixed", init_scale=2.0**12, growth_interval=10)
     steps = 8 if args.fast else args.steps
     trainer = Trainer(

@@ -1,7 +1,8 @@
-"""Sharded training on CPU for the tests: FSDP1 through a test-only strategy, FSDP2 through ModelParallelStrategy.
+"""Sharded training on CPU for the tests: FSDP1 through ``examples/fsdp.py``'s ``CPUFSDPStrategy``, FSDP2 through
+``ModelParallelStrategy``.
 
 Lightning's accelerator connector refuses ``FSDPStrategy`` on CPU (an exact-type check), and FSDP1 needs
-``device_id=torch.device("cpu")`` there; a subclass provides both. Multi-process runs execute a script in a
+``device_id=torch.device("cpu")`` there; the example's subclass provides both. Multi-process runs execute a script in a
 subprocess (Lightning re-launches it for rank 1), each rank writing what it saw to ``OUT/rank{N}.json``.
 """
 
@@ -13,32 +14,11 @@ import subprocess
 import sys
 from typing import Any
 
-import torch
-from lightning.pytorch.strategies import FSDPStrategy
-from torch.nn import Module
+from examples.fsdp import CPUFSDPStrategy
+
+__all__ = ["CPUFSDPStrategy", "run_script"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class CPUFSDPStrategy(FSDPStrategy):
-    """``FSDPStrategy`` on CPU with gloo and sharded checkpoints (torch's full state dict path needs CUDA)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("process_group_backend", "gloo")
-        kwargs.setdefault("state_dict_type", "sharded")
-        super().__init__(**kwargs)
-
-    def _setup_model(self, model: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel(
-            module=model,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=torch.device("cpu"),
-            **self.kwargs,
-        )
 
 
 def run_script(script: str, out: Any, *args: str, timeout: int = 300) -> list[dict[str, Any]]:
