@@ -134,3 +134,14 @@ def test_a_0_1_0_state_still_loads():
     plugin.load_state_dict(nested)
     assert plugin.loss_scale == 64.0
     assert plugin.history.num_steps == 2
+
+
+def test_a_stock_state_under_bf16_is_said_and_our_own_state_says_nothing(caplog):
+    stock = torch.amp.GradScaler("cpu", init_scale=512.0).state_dict()
+    bf16 = AmpPlusPrecision("bf16-mixed")
+    bf16.load_state_dict(stock)  # no "precision" key: a scaler state is a 16-mixed state
+    assert "resuming a 16-mixed state under bf16-mixed: its loss scaler's state (scale 512.0) is dropped" in caplog.text
+    caplog.clear()
+    ours = AmpPlusPrecision("16-mixed", init_scale=64.0)
+    ours.load_state_dict(AmpPlusPrecision("16-mixed", init_scale=64.0).state_dict())
+    assert caplog.text == ""

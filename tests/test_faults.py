@@ -280,10 +280,11 @@ def test_bf16_fused_optimizer_skip_is_known_per_optimizer():
             flags.append(trainer.precision_plugin.step_was_skipped(trainer.optimizers[0]))
 
     plugin = AmpPlusPrecision("bf16-mixed")
-    make_trainer(plugins=[plugin], callbacks=[Probe()], max_steps=3).fit(
-        TinyModel(optimizer="fused_adamw", lr=1e-3, poison={1: "nan"})
-    )
+    trainer = make_trainer(plugins=[plugin], callbacks=[Probe()], max_steps=3)
+    trainer.fit(TinyModel(optimizer="fused_adamw", lr=1e-3, poison={1: "nan"}))
     assert flags == [False, True, False]
+    optimizer = trainer.optimizers[0]
+    assert plugin.step_was_skipped(optimizer) is plugin.step_was_skipped(optimizer) is False  # read once, kept
     assert plugin.history.curve() == [(0, 1.0)]
 
 
@@ -320,3 +321,25 @@ def test_the_streak_warning_counts_skips_in_a_row_and_comes_at_the_threshold():
     assert steps_when_warned == [7]
     plugin = AmpPlusPrecision("16-mixed", warn_skip_streak=1)
     make_trainer(plugins=[plugin], max_steps=4).fit(TinyModel())  # clean: no warning (AmpPlusWarning is an error)
+
+
+def test_a_failed_step_after_a_skipped_one_records_the_skip():
+    class SecondFails(ClipBothStepOne):
+        def training_step(self, batch, batch_idx):
+            opt_a, opt_b = self.optimizers()
+            x, y = batch
+            handle = self.a.weight.register_hook(lambda g: g * float("inf"))
+            self.manual_backward(nn.functional.mse_loss((self.a(x) + self.b(x)).float(), y))
+            handle.remove()
+            opt_a.step()  # skipped: a overflowed
+            opt_b.optimizer.step = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("b failed"))
+            opt_b.step()
+
+    plugin = AmpPlusPrecision("16-mixed", init_scale=256.0)
+    reporter = NaNSkipReporter(max_warnings=0)
+    with pytest.raises(RuntimeError, match="b failed"):
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=4).fit(SecondFails())
+    assert plugin.history.num_steps == 1  # a's skipped step is recorded; b's failed one is not counted
+    assert plugin.history.skipped_steps == [0]
+    assert reporter.skipped_steps == [0]
+    assert [o["name"] for o in reporter.skips[0]["offenders"]] == ["a.weight"]

@@ -68,3 +68,53 @@ def test_state_dict_round_trip_and_csv(tmp_path):
     assert path.read_text().splitlines() == ["step,scale,skipped", "0,4.0,1", "2,2.0,0"]
     with pytest.raises(ValueError, match="version"):
         clone.load_state_dict({"version": 99})
+
+
+def test_load_state_dict_restores_every_field_and_recording_continues():
+    source = ScaleHistory()
+    for step, (scale, found) in enumerate([(8.0, 0), (8.0, 1), (4.0, 1), (2.0, 0)]):
+        source.record(step, torch.tensor(scale), torch.tensor(float(found)))
+    loaded = ScaleHistory()
+    loaded.load_state_dict(source.state_dict())
+    assert loaded.last_step == source.last_step == 3
+    assert loaded.num_steps == 4
+    assert loaded.trailing_skips == 0  # the last step was clean
+    assert loaded.curve() == source.curve()
+    with pytest.raises(ValueError, match="steps must increase"):
+        loaded.record(3, torch.tensor(2.0), torch.tensor(0.0))  # the restored last step still guards order
+    loaded.record(4, torch.tensor(2.0), torch.tensor(0.0))
+    assert loaded.curve() == [(0, 8.0), (2, 4.0), (3, 2.0)]  # no spurious change point at the resume
+
+
+def _history_state(**changes):
+    history = ScaleHistory()
+    for step, found in enumerate([0, 1, 0]):
+        history.record(step, torch.tensor(4.0), torch.tensor(float(found)))
+    state = history.state_dict()
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"skipped_steps": [1, 1]}, r"\['skipped_steps'\]=\[1, 1\]` is invalid: expected increasing ints"),
+        ({"skipped_steps": [-1]}, r"\['skipped_steps'\]=\[-1\]` is invalid"),
+        ({"change_steps": [True]}, r"\['change_steps'\]=\[True\]` is invalid"),
+        ({"change_scales": [4.0, 2.0]}, r"\['change_scales'\]=\[4.0, 2.0\]` is invalid: .*one per change step"),
+        ({"num_steps": True}, r"\['num_steps'\]=True` is invalid"),
+        ({"last_step": 0}, r"\['last_step'\]=0` is invalid: expected an int >= every recorded step"),
+        ({"last_step": None}, r"\['last_step'\]=None` is invalid with num_steps=3"),
+        ({"last_step": True}, r"\['last_step'\]=True` is invalid"),
+    ],
+)
+def test_invalid_history_states_are_refused(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ScaleHistory().load_state_dict(_history_state(**changes))
+
+
+def test_an_empty_history_state_loads():
+    loaded = ScaleHistory()
+    loaded.load_state_dict(ScaleHistory().state_dict())
+    assert loaded.last_step is None
+    assert loaded.num_steps == 0

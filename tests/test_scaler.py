@@ -381,3 +381,12 @@ def test_invalid_states_are_refused_and_nothing_is_loaded(state, error, match):
     with pytest.raises(error, match=match):
         scaler.load_state_dict(state)
     assert scaler.state_dict() == before
+
+
+def test_loads_a_tracker_of_zero_and_a_tensor_scale():
+    state = DynamicLossScaler("cpu", init_scale=64.0, hysteresis=3).state_dict()
+    state.update(_hysteresis_tracker=0, scale=torch.tensor(32.0))  # mid-backoff; a scale saved as a tensor
+    scaler = DynamicLossScaler("cpu", hysteresis=3)
+    scaler.load_state_dict(state)
+    assert scaler.get_scale() == 32.0
+    assert scaler._get_hysteresis_tracker() == 0
