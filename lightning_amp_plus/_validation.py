@@ -11,9 +11,15 @@ import os
 from collections.abc import Iterable
 from typing import Any, Optional
 
+import torch
+
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_real(owner: str, name: str, value: Any) -> float:
@@ -178,3 +184,28 @@ def check_fraction(owner: str, name: str, value: Any) -> float:
     if not 0 < value <= 1:
         raise ValueError(f"`{owner}({name}={value!r})` is invalid: expected 0 < {name} <= 1.")
     return value
+
+
+def check_device(owner: str, device: Any) -> Optional[str]:
+    """Return ``device`` if it is ``None`` or a device type autocast supports (``"cuda"``, ``"cpu"``, ...)."""
+    if device is None:
+        return None
+    if not isinstance(device, str):
+        raise TypeError(
+            f"`{owner}(device={device!r})` is invalid: expected a device type string such as 'cuda' or 'cpu',"
+            " or None for the trainer's accelerator."
+        )
+    try:
+        available = torch.amp.autocast_mode.is_autocast_available(device)
+    except RuntimeError:
+        available = False
+    if not available:
+        hint = {"gpu": "use 'cuda'", "auto": "leave `device=None` to follow the trainer's accelerator"}.get(
+            device.lower(), f"device types are lower case: {device.lower()!r}" if device != device.lower() else ""
+        )
+        raise ValueError(
+            f"`{owner}(device={device!r})` is invalid: expected a device type that autocast supports, such as"
+            f" 'cuda', 'cpu', 'mps', 'xpu' or 'hpu', or None for the trainer's accelerator."
+            + (f" HINT: {hint}." if hint else "")
+        )
+    return device

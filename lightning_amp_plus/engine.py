@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_amp_plus._log import say
-from lightning_amp_plus._validation import check_bool, check_choice, check_int, check_scaler_args
+from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int, check_scaler_args
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.scaler import DynamicLossScaler, unwrap_optimizer
@@ -207,9 +207,7 @@ class AmpEngine:
                 self.end_cycle()
         except Exception:  # noqa: S110 - the exception being handled is the one that matters
             pass
-        finally:
-            for optimizer in list(self._unscaled):
-                self._forget(optimizer)
+        finally:  # forget every unscale of the cycle: the next step unscales what it applies
             if self.scaler is not None:
                 self.scaler.reset_cycle()
             self._cycle_optimizers = []
@@ -432,31 +430,6 @@ SCALER_DEFAULTS: dict[str, Any] = {
     "max_scale": 2.0**24,
     "hysteresis": 1,
 }
-
-
-def check_device(owner: str, device: Any) -> Optional[str]:
-    """Return ``device`` if it is ``None`` or a device type autocast supports (``"cuda"``, ``"cpu"``, ...)."""
-    if device is None:
-        return None
-    if not isinstance(device, str):
-        raise TypeError(
-            f"`{owner}(device={device!r})` is invalid: expected a device type string such as 'cuda' or 'cpu',"
-            " or None for the trainer's accelerator."
-        )
-    try:
-        available = torch.amp.autocast_mode.is_autocast_available(device)
-    except RuntimeError:
-        available = False
-    if not available:
-        hint = {"gpu": "use 'cuda'", "auto": "leave `device=None` to follow the trainer's accelerator"}.get(
-            device.lower(), f"device types are lower case: {device.lower()!r}" if device != device.lower() else ""
-        )
-        raise ValueError(
-            f"`{owner}(device={device!r})` is invalid: expected a device type that autocast supports, such as"
-            f" 'cuda', 'cpu', 'mps', 'xpu' or 'hpu', or None for the trainer's accelerator."
-            + (f" HINT: {hint}." if hint else "")
-        )
-    return device
 
 
 def make_engine(

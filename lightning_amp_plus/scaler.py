@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_amp_plus._log import say
-from lightning_amp_plus._validation import FLOAT32_TINY, check_bool, check_scaler_args
+from lightning_amp_plus._validation import FLOAT32_TINY, _is_int, _is_real, check_bool, check_scaler_args
 
 
 class DynamicLossScaler(torch.amp.GradScaler):
@@ -332,7 +332,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale = state_dict["scale"]
         if isinstance(scale, Tensor) and scale.numel() == 1:
             scale = scale.item()
-        if not _is_number(scale):
+        if not _is_real(scale):
             raise TypeError(
                 f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type(scale).__name__}."
             )
@@ -395,14 +395,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
