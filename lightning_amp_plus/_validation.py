@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -62,6 +63,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 2.0**-126
 #: the device-side growth and hysteresis trackers are int32
 INT32_MAX = 2**31 - 1
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32, as the device-side scale and its update see it."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _float32_scale(value: float) -> bool:
@@ -122,11 +128,21 @@ def check_scaler_args(
             f"{call('growth_factor', growth_factor)}: expected a finite number > 1 that float32 can hold"
             " (the scale is multiplied by it after `growth_interval` clean steps)."
         )
+    if as_float32(growth_factor) == 1.0:
+        raise ValueError(
+            f"{call('growth_factor', growth_factor)}: float32 rounds it to 1.0, so the scale would never grow;"
+            " expected a factor float32 tells from 1 (> 1 + 2**-24, e.g. 1.001)."
+        )
     backoff_factor = real("backoff_factor", backoff_factor)
     if not (FLOAT32_TINY <= backoff_factor < 1):
         raise ValueError(
             f"{call('backoff_factor', backoff_factor)}: expected 0 < backoff_factor < 1, at least 2**-126 so that"
             " float32 can hold it (the scale is multiplied by it when a step overflows)."
+        )
+    if as_float32(backoff_factor) == 1.0:
+        raise ValueError(
+            f"{call('backoff_factor', backoff_factor)}: float32 rounds it to 1.0, so the scale would never back"
+            " off; expected a factor float32 tells from 1 (< 1 - 2**-25, e.g. 0.999)."
         )
     integer("growth_interval", growth_interval, 1)
     integer("hysteresis", hysteresis, 1)

@@ -1,13 +1,17 @@
-"""AmpEngine: the optimizer-step cycle shared by the Lightning and Fabric plugins (torch only).
+"""AmpEngine: the update cycle and the one skip decision, shared by the Lightning and Fabric plugins (torch only).
 
-One cycle: ``begin`` -> ``unscale`` (once per optimizer) -> the caller's hooks and clipping -> ``step`` (or skip)
--> ``end_cycle`` (record in the history, update the scale once, tell the listeners). A cycle may hold several
-optimizers (one backward, two optimizers; a GAN's two steps in one batch): the scale updates once, at its end.
+One update (:class:`UpdateCycle`): ``begin`` -> ``unscale`` (once per optimizer) -> the caller's hooks and clipping
+-> ``step`` (or skip) -> ``end_cycle`` (record in the history, update the scale once, tell the listeners). A cycle
+may hold several optimizers (one backward, two optimizers; a GAN's two steps in one batch): the scale updates once,
+at its end. The cycle's state is one object, made at ``begin`` and dropped whole at its end or on abort.
 
-Every method that takes an optimizer resolves wrappers (``LightningOptimizer``, Fabric's optimizer) to the optimizer
-inside first, so a wrapper and its optimizer are one identity. An exception inside the cycle (``abort_cycle``) or a
-new backward onto gradients that were unscaled but not stepped never leaves a stale "unscaled" mark behind: the next
-step always unscales what it applies.
+The skip decision has one interface for both precisions: 16-mixed uses the :class:`DynamicLossScaler`, bf16-mixed a
+:class:`NonFiniteChecker` (a scaler whose scale is 1 and never moves), so fused optimizers, closures, ranks
+(``sharded``) and the history work alike. "Skipped updates in a row" is counted in one place,
+:meth:`ScaleHistory._take`; the plugin's streak warning, :class:`SkipEvent` and the callbacks read it.
+
+The engine sees only real optimizers: the adapters resolve what users hold (``LightningOptimizer``, Fabric's
+optimizer) where it enters (:func:`~lightning_amp_plus._identity.resolve_optimizer`).
 """
 
 from __future__ import annotations
@@ -15,30 +19,56 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_amp_plus._log import say
+from lightning_amp_plus._identity import resolve_optimizer
+from lightning_amp_plus._log import global_rank, say
 from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int, check_scaler_args
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.history import ScaleHistory
-from lightning_amp_plus.scaler import DynamicLossScaler, unwrap_optimizer
+from lightning_amp_plus.scaler import DynamicLossScaler, NonFiniteChecker, ShardedDynamicLossScaler
 
 
 @dataclass
 class SkipEvent:
-    """A skipped optimizer-step cycle, as handed to the ``skip_listeners``.
+    """A skipped update, as handed to the ``skip_listeners``.
 
-    Gradients are still in place (unscaled) when listeners run, so they can be inspected.
+    Gradients are still in place (unscaled) when listeners run, so they can be inspected. ``consecutive`` is the
+    number of updates skipped in a row ending with this one (:meth:`ScaleHistory.streak_at`).
     """
 
     step: int
     scale: float
     new_scale: float
     optimizers: list[Optimizer] = field(default_factory=list)
+    consecutive: int = 1
+
+
+@dataclass
+class UpdateCycle:
+    """One update: the optimizer steps that share one scale update (made by ``begin``, dropped whole at its end)."""
+
+    #: the step the update is recorded at (in Lightning the logger's step, in Fabric the count of updates so far)
+    step: int
+    #: optimizers whose gradients were unscaled (checked, in bf16) in this cycle
+    unscaled: list[Optimizer] = field(default_factory=list)
+    #: optimizers that stepped (or skipped) in this cycle
+    stepped: list[Optimizer] = field(default_factory=list)
+    #: optimizers unscaled in this cycle whose unscale was then forgotten (they did not step)
+    forgotten: list[Optimizer] = field(default_factory=list)
+
+    def did_step(self, optimizer: Optimizer) -> bool:
+        return any(o is optimizer for o in self.stepped)
+
+    def did_unscale(self, optimizer: Optimizer) -> bool:
+        return any(o is optimizer for o in self.unscaled)
+
+    def unscaled_not_stepped(self) -> list[Optimizer]:
+        return [o for o in self.unscaled if not self.did_step(o)]
 
 
 class AmpEngine:
@@ -48,7 +78,10 @@ class AmpEngine:
         precision: ``"16-mixed"`` (uses ``scaler``) or ``"bf16-mixed"`` (no scaler).
         scaler: the loss scaler for 16-mixed, ``None`` for bf16-mixed.
         skip_nonfinite: bf16-mixed: skip steps whose gradients hold inf/nan.
-        warn_skip_streak: warn (``AmpPlusWarning``) once this many cycles in a row were skipped; ``None``: never.
+        warn_skip_streak: warn (``AmpPlusWarning``, rank zero) once this many updates in a row were skipped;
+            ``None``: never.
+        sharded: bf16-mixed: each rank holds a shard of the gradients, so the inf/nan flag is reduced over the
+            ranks (16-mixed: pass a :class:`ShardedDynamicLossScaler`).
     """
 
     def __init__(
@@ -57,36 +90,60 @@ class AmpEngine:
         scaler: Optional[DynamicLossScaler],
         skip_nonfinite: bool = True,
         warn_skip_streak: Optional[int] = 50,
+        sharded: bool = False,
     ) -> None:
         self.precision = precision
         self.scaler = scaler
         self.skip_nonfinite = skip_nonfinite
-        #: warn once a run of this many skipped cycles in a row is seen (None: never)
+        #: what decides a skip: the scaler (16-mixed), a checker that never scales (bf16-mixed), or nothing
+        self.checker: Optional[DynamicLossScaler] = scaler
+        if scaler is None and skip_nonfinite:
+            self.checker = NonFiniteChecker(sharded=sharded)
+        #: warn once a run of this many skipped updates in a row is seen (None: never)
         self.warn_skip_streak = warn_skip_streak
-        self._streak = 0
-        self._streak_warned = False
         self.history = ScaleHistory()
-        #: callables run on every skipped cycle whose skip the host knows (see :class:`SkipEvent`)
+        #: callables run on every skipped update whose skip the host knows (see :class:`SkipEvent`)
         self.skip_listeners: list[Callable[[SkipEvent], None]] = []
         #: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)
         self.before_unscale_listeners: list[Callable[[Optimizer, int], None]] = []
         #: when True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)
         self.sync_skips = False
-        self._cycle_step: Optional[int] = None
-        self._cycle_optimizers: list[Optimizer] = []
-        self._unscaled: list[Optimizer] = []
-        self._bf16_found: dict[int, Tensor] = {}
-        self._bf16_cycle_found: Optional[Tensor] = None
-        self._bf16_skipped: dict[int, Union[bool, Tensor]] = {}
-        self._last_cycle_skipped: Union[bool, Tensor, None] = None
-        self._one: Optional[Tensor] = None
+        self._cycle: Optional[UpdateCycle] = None
+        self._last_cycle_skipped: Optional[bool] = False
+        self._streak_warned = False
+        self._optimizers: list[Optimizer] = []  # every optimizer known to this run (for pending gradients)
         self._backwards = 0  # backward calls so far
         self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
+
+    def reset(self) -> None:
+        """Start a new run: the scaler back to its constructor's state, an empty history, no cycle.
+
+        Listeners stay (callbacks attach before the run starts). A resumed run then loads its checkpoint on top.
+        """
+        if self.checker is not None:
+            self.checker.reset()
+        self.history = ScaleHistory()
+        self._cycle = None
+        self._last_cycle_skipped = False
+        self._streak_warned = False
+        self._optimizers = []
+        self._backwards = 0
+        self._stepped_at = {}
+
+    def register(self, optimizers: list[Any]) -> None:
+        """Make ``optimizers`` known, so their pending gradients follow a change of scale (see :meth:`end_cycle`)."""
+        for optimizer in optimizers:
+            self._know(resolve_optimizer(optimizer))
+
+    def _know(self, optimizer: Optimizer) -> None:
+        if not any(o is optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
 
     # ------------------------------------------------------------------ the cycle
     def scale(self, loss: Tensor) -> Tensor:
         """The loss times the current scale (unchanged for bf16-mixed); called once per backward."""
-        if self._unscaled:
+        cycle = self._cycle
+        if cycle is not None and cycle.unscaled:
             # gradients unscaled but never stepped: forget the unscale; warn unless they were zeroed since
             stale = [o for o in self.forget_unstepped() if _has_gradients(o)]
             if stale:
@@ -99,101 +156,92 @@ class AmpEngine:
                     stacklevel=3,
                 )
         self._backwards += 1
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        return self.checker.scale(loss) if self.checker is not None else loss
 
     def has_new_gradients(self, optimizer: Optimizer) -> bool:
         """Whether a backward ran since ``optimizer`` last stepped (else its gradients hold nothing to unscale)."""
-        return self._backwards > self._stepped_at.get(id(unwrap_optimizer(optimizer)), 0)
+        return self._backwards > self._stepped_at.get(id(optimizer), 0)
+
+    @property
+    def cycle(self) -> Optional[UpdateCycle]:
+        """The open update, or ``None``."""
+        return self._cycle
 
     @property
     def cycle_open(self) -> bool:
-        """Whether a cycle is open: some optimizer unscaled or stepped and the scale not yet updated."""
-        return bool(self._unscaled or self._cycle_optimizers) or self._cycle_step is not None
+        """Whether an update is open: some optimizer unscaled or stepped and the scale not yet updated."""
+        return self._cycle is not None
 
     def next_step(self) -> int:
         """The step index the next cycle gets when the caller has none: one past the last recorded."""
         last = self.history.last_step
         return 0 if last is None else last + 1
 
-    def begin(self, optimizer: Optimizer, step: Optional[int] = None) -> None:
-        """Open a cycle (or join the open one) for ``optimizer``; ``step`` is the caller's step index."""
-        optimizer = unwrap_optimizer(optimizer)
-        if any(o is optimizer for o in self._cycle_optimizers):
-            self.end_cycle()  # the same optimizer steps twice before the cycle closed: close it first
-        if self._cycle_step is None:
-            self._cycle_step = self.next_step() if step is None else max(step, self.next_step())
-            self._bf16_skipped.clear()
-            if self.scaler is not None:
-                self.scaler.forget_skips()
+    def begin(self, optimizer: Optimizer, step: Optional[int] = None) -> UpdateCycle:
+        """Open an update (or join the open one) for ``optimizer``; ``step`` is the caller's step index."""
+        cycle = self._cycle
+        if cycle is not None and cycle.did_step(optimizer):
+            self.end_cycle()  # the same optimizer steps twice before the update closed: close it first
+            cycle = None
+        if cycle is None:
+            cycle = self._cycle = UpdateCycle(self.next_step() if step is None else max(step, self.next_step()))
+            if self.checker is not None:
+                self.checker.forget_skips()
+        self._know(optimizer)
+        return cycle
 
     def unscale(self, optimizer: Optimizer) -> None:
-        """Unscale ``optimizer``'s gradients once per cycle (bf16: find non-finite gradients once)."""
-        optimizer = unwrap_optimizer(optimizer)
-        if not any(o is optimizer for o in self._unscaled):
-            self._unscaled.append(optimizer)
+        """Unscale ``optimizer``'s gradients once per update (bf16: check them for inf/nan once)."""
+        cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
+        if cycle.did_unscale(optimizer):
+            return
+        cycle.unscaled.append(optimizer)
+        if self.checker is None:
+            return
         if self.scaler is not None:
-            if not self.scaler.is_unscaled(optimizer):
-                step = self._cycle_step if self._cycle_step is not None else self.next_step()
-                for listener in list(self.before_unscale_listeners):
-                    listener(optimizer, step)
-                self.scaler.unscale_(optimizer)
-        elif self.skip_nonfinite and id(optimizer) not in self._bf16_found:
-            self._bf16_found[id(optimizer)] = nonfinite_flag(optimizer)
+            for listener in list(self.before_unscale_listeners):
+                listener(optimizer, cycle.step)
+        self.checker.unscale_(optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/nan (parameters and state then stay bit-identical).
 
+        A closure (``closure=``, LBFGS) is evaluated inside the step and checked after each evaluation (bf16-mixed).
         A step that raises is not counted: the optimizer leaves the cycle (its unscale is forgotten) and the
         exception propagates.
         """
-        optimizer = unwrap_optimizer(optimizer)
-        self._cycle_optimizers.append(optimizer)
+        cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
+        cycle.stepped.append(optimizer)
         self._stepped_at[id(optimizer)] = self._backwards
         try:
-            return self._step(optimizer, **kwargs)
+            if self.checker is None:
+                return optimizer.step(**kwargs)
+            return self.checker.step(optimizer, **kwargs)
         except BaseException:
-            self._cycle_optimizers = [o for o in self._cycle_optimizers if o is not optimizer]
+            cycle.stepped = [o for o in cycle.stepped if o is not optimizer]
             self._forget(optimizer)
             raise
-
-    def _step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        if self.scaler is not None:
-            return self.scaler.step(optimizer, **kwargs)
-        found = self._bf16_found.pop(id(optimizer), None)
-        if found is None:
-            return optimizer.step(**kwargs)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            # fused kernels skip on the device: no host sync
-            optimizer.grad_scale = None  # type: ignore[attr-defined]
-            optimizer.found_inf = found  # type: ignore[attr-defined]
-            try:
-                output = optimizer.step(**kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            self._bf16_skipped[id(optimizer)] = found  # read only if someone asks
-        else:
-            skipped = bool(found.item())
-            self._bf16_skipped[id(optimizer)] = skipped
-            output = None if skipped else optimizer.step(**kwargs)
-        self._bf16_cycle_found = found if self._bf16_cycle_found is None else self._bf16_cycle_found + found
-        return output
+        finally:
+            self._stepped_at[id(optimizer)] = self._backwards  # a closure's backward is part of this step
 
     def _forget(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s unscale (and step outcome) in the open cycle: its next step unscales again."""
-        self._unscaled = [o for o in self._unscaled if o is not optimizer]
-        self._bf16_found.pop(id(optimizer), None)
-        self._bf16_skipped.pop(id(optimizer), None)
-        if self.scaler is not None:
-            self.scaler.reset_cycle([optimizer])
+        if self._cycle is not None:
+            self._cycle.unscaled = [o for o in self._cycle.unscaled if o is not optimizer]
+        if self.checker is not None:
+            self.checker.reset_cycle([optimizer])
 
     def forget_unstepped(self) -> list[Optimizer]:
         """Forget the unscale of optimizers that did not step in the open cycle (their next step unscales again)."""
-        stale = self.unscaled_not_stepped()
+        cycle = self._cycle
+        if cycle is None:
+            return []
+        stale = cycle.unscaled_not_stepped()
         for optimizer in stale:
             self._forget(optimizer)
-        if not self._cycle_optimizers:
-            self._cycle_step = None
+        cycle.forgotten.extend(stale)
+        if not cycle.stepped:
+            self._cycle = None
         return stale
 
     def abort_cycle(self) -> None:
@@ -203,86 +251,106 @@ class AmpEngine:
         forgotten (their next step unscales again). A no-op when no cycle is open.
         """
         try:
-            if self._cycle_optimizers:
+            if self._cycle is not None and self._cycle.stepped:
                 self.end_cycle()
         except Exception:  # noqa: S110 - the exception being handled is the one that matters
             pass
         finally:  # forget every unscale of the cycle: the next step unscales what it applies
-            if self.scaler is not None:
-                self.scaler.reset_cycle()
-            self._cycle_optimizers = []
-            self._unscaled = []
-            self._cycle_step = None
-            self._bf16_found.clear()
-            self._bf16_cycle_found = None
+            if self.checker is not None:
+                self.checker.reset_cycle()
+            self._cycle = None
 
     def unscaled_not_stepped(self) -> list[Optimizer]:
         """Optimizers unscaled (e.g. clipped) in the open cycle that have not stepped."""
-        if not self._unscaled:
-            return []
-        return [o for o in self._unscaled if not any(o is s for s in self._cycle_optimizers)]
+        return self._cycle.unscaled_not_stepped() if self._cycle is not None else []
 
     def apply_pending_update(self) -> None:
-        """Close the open cycle, if any."""
-        if self._cycle_optimizers:
+        """Close the open cycle, if any optimizer stepped in it."""
+        if self._cycle is not None and self._cycle.stepped:
             self.end_cycle()
 
     def end_cycle(self) -> None:
-        """Record the cycle in the history, update the scale once, and tell the listeners about a known skip."""
-        step = self._cycle_step if self._cycle_step is not None else self.next_step()
-        optimizers = self._cycle_optimizers
+        """Record the update in the history, update the scale once, and tell the listeners about a known skip.
+
+        Gradients still pending for an optimizer that did not step in this update (it accumulates over several
+        batches while another steps) were scaled by the old scale: they are brought to the new one, so its next
+        step unscales every part of them exactly.
+        """
+        cycle, self._cycle = self._cycle, None  # dropped whole, whatever happens below
+        if cycle is None or not cycle.stepped:
+            return
+        checker = self.checker
         scale_before = 1.0
-        if self.scaler is not None:
-            scale = self.scaler.scale_tensor()
-            assert scale is not None
-            self.history.record(step, scale, self.scaler.found_inf())
-            skipped = self._cycle_skipped(optimizers)
-            if skipped is True:
-                scale_before = float(scale.item())  # only on skipped steps
-            self.scaler.update()
+        if checker is None:
+            self.history.record(cycle.step, 1.0, 0.0)
+            skipped: Optional[bool] = False
         else:
-            found, self._bf16_cycle_found = self._bf16_cycle_found, None
-            if found is None:
-                self.history.record(step, 1.0, 0.0)
-            else:
-                if self._one is None or self._one.device != found.device:
-                    self._one = torch.ones((), device=found.device)
-                self.history.record(step, self._one, found)
-            skipped = self._cycle_skipped(optimizers)
+            scale = checker.scale_tensor()
+            assert scale is not None
+            self.history.record(cycle.step, scale, checker.found_inf())
+            skipped = self._cycle_skipped(cycle.stepped)
+            if skipped is True and self.scaler is not None:
+                scale_before = float(scale.item())  # only on skipped steps
+            pending = self._pending_gradients(cycle) if self.scaler is not None else []
+            old = scale.clone() if pending else None
+            checker.update()
+            if old is not None:
+                with torch.no_grad():
+                    _multiply(pending, scale / old)
         self._last_cycle_skipped = skipped
-        self._cycle_optimizers = []
-        self._unscaled = []
-        self._cycle_step = None
+        if skipped is True:
+            self.history.flush()  # the host knows already: the streak below is exact
+        self._check_streak(skipped)
         if skipped is True and self.skip_listeners:
             new_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
             event = SkipEvent(
-                step=step,
+                step=cycle.step,
                 scale=scale_before,
                 new_scale=new_scale,
-                optimizers=[o for o in optimizers if self.step_was_skipped(o)],
+                optimizers=[o for o in cycle.stepped if self.step_was_skipped(o)],
+                consecutive=self.history.trailing_skips,
             )
             for listener in list(self.skip_listeners):
                 listener(event)
-        self._check_streak(skipped)
+
+    def _pending_gradients(self, cycle: UpdateCycle) -> list[Tensor]:
+        """Scaled gradients of known optimizers that neither stepped nor unscaled in ``cycle`` since their backward."""
+        grads: list[Tensor] = []
+        for optimizer in self._optimizers:
+            if (
+                cycle.did_step(optimizer)
+                or cycle.did_unscale(optimizer)
+                or any(o is optimizer for o in cycle.forgotten)
+                or not self.has_new_gradients(optimizer)
+            ):
+                continue
+            grads.extend(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+        return grads
 
     def _check_streak(self, skipped: Optional[bool]) -> None:
-        """Say once when a run of skipped cycles passes ``warn_skip_streak`` (known on the host, or at a flush)."""
-        if skipped is None:  # decided on the device (fused): what the history has flushed so far
-            self._streak = self.history.trailing_skips
-        else:
-            self._streak = self._streak + 1 if skipped else 0
-        if self._streak == 0:
+        """Say once (rank zero) when a run of skipped updates reaches ``warn_skip_streak``.
+
+        The count is the history's (:attr:`ScaleHistory.trailing_skips`); a skip a fused optimizer decided on the
+        device is counted once the history is flushed.
+        """
+        streak = 0 if skipped is False else self.history.trailing_skips
+        if streak == 0:
             self._streak_warned = False
-        elif self.warn_skip_streak is not None and self._streak >= self.warn_skip_streak and not self._streak_warned:
-            self._streak_warned = True
-            scale = f", loss scale {self.scaler.get_scale():g}" if self.scaler is not None else ""
-            warnings.warn(
-                f"{self._streak} optimizer updates in a row were skipped (inf/nan gradients){scale}: the weights have"
-                " not changed since. HINT: check the loss and inputs for inf/nan, lower the learning rate, or add"
-                " `NaNSkipReporter` to name the parameters and stop the run (`max_consecutive_skips`).",
-                AmpPlusWarning,
-                stacklevel=2,
-            )
+            return
+        limit = self.warn_skip_streak
+        if limit is None or streak < limit or self._streak_warned:
+            return
+        self._streak_warned = True
+        if global_rank() != 0:
+            return
+        scale = f", loss scale {self.scaler.get_scale():g}" if self.scaler is not None else ""
+        warnings.warn(
+            f"{streak} optimizer updates in a row were skipped (inf/nan gradients){scale}: the weights have"
+            " not changed since. HINT: check the loss and inputs for inf/nan, lower the learning rate, or add"
+            " `NaNSkipReporter` to name the parameters and stop the run (`max_consecutive_skips`).",
+            AmpPlusWarning,
+            stacklevel=2,
+        )
 
     def _cycle_skipped(self, optimizers: list[Optimizer]) -> Optional[bool]:
         """Whether some optimizer of the cycle skipped: known on the host, or None (decided on the device)."""
@@ -301,27 +369,16 @@ class AmpEngine:
 
         Free when the host already knows; for fused optimizers the flag is read from the device when ``sync``.
         """
-        optimizer = unwrap_optimizer(optimizer)
-        if self.scaler is not None:
-            return self.scaler.step_was_skipped(optimizer, sync=sync)
-        value = self._bf16_skipped.get(id(optimizer))
-        if value is None or isinstance(value, bool):
-            return value
-        if not sync:
-            return None
-        resolved = bool(value.item())
-        self._bf16_skipped[id(optimizer)] = resolved
-        return resolved
+        if self.checker is None:
+            return False if id(optimizer) in self._stepped_at else None
+        return self.checker.step_was_skipped(optimizer, sync=sync)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last cycle was skipped (reads the device flag for fused optimizers: one sync)."""
         if self._last_cycle_skipped is None:
-            if self.scaler is not None:
-                self._last_cycle_skipped = self.scaler.any_step_skipped()
-            else:
-                flags = [bool(f.item()) if isinstance(f, Tensor) else f for f in self._bf16_skipped.values()]
-                self._last_cycle_skipped = any(flags)
+            assert self.checker is not None
+            self._last_cycle_skipped = self.checker.any_step_skipped()
         return bool(self._last_cycle_skipped)
 
     @property
@@ -331,7 +388,7 @@ class AmpEngine:
 
     @property
     def applied_steps(self) -> int:
-        """Cycles that updated the weights (recorded cycles minus skipped ones)."""
+        """Updates that changed the weights (recorded updates minus skipped ones)."""
         return self.history.num_steps - self.history.num_skipped
 
     @property
@@ -391,34 +448,18 @@ class AmpEngine:
             )
 
 
+
 def _has_gradients(optimizer: Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
-def nonfinite_flag(optimizer: Optimizer) -> Tensor:
-    """A device flag (> 0) telling whether any gradient of ``optimizer`` holds inf/nan; no host sync.
-
-    Uses torch's fused AMP check with an inverse scale of exactly 1 (``x * 1.0 == x`` for every float, so the
-    gradients are unchanged), as ``GradScaler`` does for fused optimizers: one kernel per device and dtype, about 10x
-    faster on CPU than a foreach inf-norm.
-    """
+def _multiply(tensors: list[Tensor], factor: Tensor) -> None:
+    """``t *= factor`` for every tensor, one foreach kernel per device and dtype."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                grad = param.grad._values() if param.grad.is_sparse else param.grad
-                groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    if not groups:
-        warnings.warn("an optimizer stepped without any gradient.", AmpPlusWarning, stacklevel=3)
-        return torch.zeros(())
-    found: Optional[Tensor] = None
-    with torch.no_grad():
-        for (device, _), grads in groups.items():
-            flag = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones((), device=device))
-            found = flag if found is None else found + flag.to(found.device)
-    assert found is not None
-    return found
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device))
 
 
 SCALER_DEFAULTS: dict[str, Any] = {
@@ -439,9 +480,13 @@ def make_engine(
     skip_nonfinite: Any,
     knobs: dict[str, Any],
     warn_skip_streak: Any = 50,
-    scaler_class: type[DynamicLossScaler] = DynamicLossScaler,
+    sharded: bool = False,
 ) -> AmpEngine:
-    """Validate a plugin's arguments (messages name ``owner``) and build its engine."""
+    """Validate a plugin's arguments (messages name ``owner``) and build its engine.
+
+    ``sharded``: each rank holds a shard of the gradients (FSDP): the skip flag is reduced over the ranks, in both
+    precisions.
+    """
     check_choice(
         owner,
         "precision",
@@ -474,8 +519,9 @@ def make_engine(
                 f"`{owner}(device='cuda')` is invalid: CUDA is not available here. HINT: leave `device=None` to"
                 " follow the trainer's accelerator."
             )
+        scaler_class = ShardedDynamicLossScaler if sharded else DynamicLossScaler
         scaler = scaler_class(device or "cpu", **{**SCALER_DEFAULTS, **given})
-    return AmpEngine(precision, scaler, skip_nonfinite, warn_skip_streak)
+    return AmpEngine(precision, scaler, skip_nonfinite, warn_skip_streak, sharded=sharded)
 
 
 class EngineView:
@@ -519,7 +565,7 @@ class EngineView:
 
     def step_was_skipped(self, optimizer: Optimizer, *, sync: bool = True) -> Optional[bool]:
         """Whether ``optimizer``'s last step was skipped (``None`` if it has not stepped)."""
-        return self._engine.step_was_skipped(optimizer, sync=sync)
+        return self._engine.step_was_skipped(resolve_optimizer(optimizer), sync=sync)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:

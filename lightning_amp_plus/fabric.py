@@ -13,6 +13,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_choice
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, make_engine
@@ -104,6 +105,7 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
 
         With no backward since the optimizer last stepped (nothing scaled) it does nothing.
         """
+        optimizer = resolve_optimizer(optimizer)
         if not self._engine.has_new_gradients(optimizer):
             return
         self._engine.begin(optimizer)
@@ -111,6 +113,13 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step (or skip) and, with ``update="step"``, close the update.
+
+        A closure (``optimizer.step(closure)``, LBFGS) is evaluated inside the step, and in bf16-mixed each evaluation
+        is checked after it ran: a step that met inf/nan is undone. 16-mixed refuses closures (loss scaling breaks
+        them).
+        """
+        optimizer = resolve_optimizer(optimizer)
         if self.scaler is not None and isinstance(optimizer, LBFGS):
             raise TypeError(
                 "`AmpPlusFabricPrecision(precision='16-mixed')` cannot step `torch.optim.LBFGS`: it re-evaluates the"
@@ -119,7 +128,8 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
         engine = self._engine
         engine.begin(optimizer)
         try:
-            engine.unscale(optimizer)
+            if "closure" not in kwargs:  # a closure's gradients exist only inside the step: checked there
+                engine.unscale(optimizer)
             output = engine.step(optimizer, **kwargs)
         except BaseException:
             engine.abort_cycle()  # a loop that catches it continues with a clean cycle, never a stale unscale

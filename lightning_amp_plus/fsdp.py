@@ -1,7 +1,8 @@
 """AmpPlusFSDPPrecision: the Lightning adapter for ``FSDPStrategy`` (FSDP1), beside ``AmpPlusPrecision``.
 
 Everything is ``AmpPlusPrecision``'s (engine, history, exact clipping, skip bookkeeping, callbacks); what sharding
-changes is three things: the scaler reduces its overflow flag across ranks (``ShardedDynamicLossScaler``), clipping
+changes is three things: the skip decision reduces its flag across ranks in both precisions
+(``ShardedDynamicLossScaler`` for 16-mixed, a sharded ``NonFiniteChecker`` for bf16-mixed), clipping
 by norm clips the global norm through FSDP's own ``clip_grad_norm_``, and FSDP's ``MixedPrecision`` keeps float32
 parameters and float32 gradient reduction unless asked otherwise (autocast does the fp16/bf16 compute).
 ``FSDPStrategy`` accepts it because it is an ``FSDPPrecision``.
@@ -20,7 +21,6 @@ from typing_extensions import override
 from lightning_amp_plus._repr import given_arguments
 from lightning_amp_plus._validation import check_choice
 from lightning_amp_plus.precision import AmpPlusPrecision
-from lightning_amp_plus.scaler import ShardedDynamicLossScaler
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
@@ -54,7 +54,7 @@ class AmpPlusFSDPPrecision(AmpPlusPrecision, FSDPPrecision):  # type: ignore[mis
     """
 
     _stock_key = "FSDPPrecision"
-    _scaler_class = ShardedDynamicLossScaler
+    _sharded = True
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_amp_plus._validation import check_int
 from lightning_amp_plus.syncs import to_host
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 class ScaleHistory:
@@ -53,6 +53,7 @@ class ScaleHistory:
         self._change_steps: list[int] = []
         self._change_scales: list[float] = []
         self._skipped: list[int] = []
+        self._streaks: list[int] = []  # per skipped step: the skipped updates in a row ending at it
         self._num_steps = 0
         self._last_step: int | None = None
         self._last_scale: float | None = None
@@ -102,20 +103,34 @@ class ScaleHistory:
         return len(self._pending_steps)
 
     def _take(self, step: int, scale: float, found: float) -> None:
+        """Keep one record. Every record passes here once, in order: the one place that counts skips in a row."""
         if self._last_scale is None or scale != self._last_scale:
             self._change_steps.append(step)
             self._change_scales.append(scale)
             self._last_scale = scale
         if found != 0:
+            self._trailing_skips += 1  # consecutive = no clean update between, however the steps are numbered
             self._skipped.append(step)
-            self._trailing_skips += 1
+            self._streaks.append(self._trailing_skips)
         else:
             self._trailing_skips = 0
 
     @property
     def trailing_skips(self) -> int:
-        """How many of the last flushed steps were skipped in a row (steps still on the device not counted)."""
+        """How many of the last flushed updates were skipped in a row (updates still on the device not counted)."""
         return self._trailing_skips
+
+    def streak_at(self, step: int) -> int:
+        """For a skipped ``step``: how many updates in a row were skipped, ending with it (flushes first).
+
+        Updates are counted, not step numbers: two optimizers' steps in one batch, or steps the logger numbers
+        apart, are consecutive when no clean update came between them.
+        """
+        self.flush()
+        at = bisect.bisect_left(self._skipped, step)
+        if at == len(self._skipped) or self._skipped[at] != step:
+            raise ValueError(f"`ScaleHistory.streak_at(step={step})` is invalid: step {step} was not skipped.")
+        return self._streaks[at]
 
     # ------------------------------------------------------------------ queries (each flushes first)
     @property
@@ -168,6 +183,8 @@ class ScaleHistory:
             "change_steps": list(self._change_steps),
             "change_scales": list(self._change_scales),
             "skipped_steps": list(self._skipped),
+            "skip_streaks": list(self._streaks),
+            "trailing_skips": self._trailing_skips,
             "num_steps": self._num_steps,
             "last_step": self._last_step,
         }
@@ -176,10 +193,9 @@ class ScaleHistory:
         """Replace this history with a saved one; every field is checked first (errors name ``where`` and the key)."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"`{where}` is invalid: expected a dict, got {type(state_dict).__name__}.")
-        if state_dict.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"`{where}['version']={state_dict.get('version')!r}` is invalid: expected {_STATE_VERSION}."
-            )
+        version = state_dict.get("version")
+        if version not in (1, _STATE_VERSION):
+            raise ValueError(f"`{where}['version']={version!r}` is invalid: expected 1 or {_STATE_VERSION}.")
         steps = _int_list(where, state_dict, "change_steps")
         skipped = _int_list(where, state_dict, "skipped_steps")
         scales = state_dict.get("change_scales")
@@ -209,14 +225,32 @@ class ScaleHistory:
             raise ValueError(
                 f"`{where}['last_step']={last_step!r}` is invalid: expected an int >= every recorded step."
             )
+        if version == 1:  # 0.1.x: no streaks were kept; each skip counts as its own
+            streaks, trailing = [1] * len(skipped), 0
+        else:
+            streaks, trailing = state_dict.get("skip_streaks"), state_dict.get("trailing_skips")
+            if (
+                not isinstance(streaks, list)
+                or len(streaks) != len(skipped)
+                or not all(_is_count(v) and v >= 1 for v in streaks)
+            ):
+                raise ValueError(
+                    f"`{where}['skip_streaks']={streaks!r:.120}` is invalid: expected an int >= 1 per skipped step."
+                )
+            if not _is_count(trailing) or trailing not in (0, streaks[-1] if streaks else 0):
+                raise ValueError(
+                    f"`{where}['trailing_skips']={trailing!r}` is invalid: expected 0 or the last skip's streak"
+                    f" ({streaks[-1] if streaks else 0})."
+                )
         self._pending_steps = []
+        self._streaks = list(streaks)
         self._change_steps = steps
         self._change_scales = [float(v) for v in scales]
         self._skipped = skipped
         self._num_steps = num_steps
         self._last_step = last_step
         self._last_scale = self._change_scales[-1] if self._change_scales else None
-        self._trailing_skips = 0
+        self._trailing_skips = trailing
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write one row per change point or skipped step: ``step,scale,skipped``."""
@@ -234,6 +268,10 @@ class ScaleHistory:
             f"{type(self).__name__}(steps={self._num_steps}, changes={len(self._change_steps)},"
             f" skipped={len(self._skipped)}, pending={len(self._pending_steps)})"
         )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _int_list(where: str, state: dict[str, Any], key: str) -> list[int]:

@@ -144,6 +144,13 @@ def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
 
 
 def _read_csv(path: str) -> RunCurves:
+    try:
+        return _read_csv_rows(path)
+    except csv.Error as error:  # a field over csv's limit, a NUL byte, ...: not a metrics.csv we can read
+        raise ValueError(f"{path}: not a readable CSV file ({error}).") from None
+
+
+def _read_csv_rows(path: str) -> RunCurves:
     series: dict[str, list[tuple[int, float]]] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):

@@ -14,20 +14,19 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision.precision import Precision
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_bool
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
 from lightning_amp_plus.islands import Fp32Islands, check_entries
-from lightning_amp_plus.scaler import DynamicLossScaler
-
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
 
 
@@ -69,8 +68,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
 
     #: the checkpoint key of the stock plugin this one stands in for (its scaler state is written there too)
     _stock_key = "MixedPrecision"
-    #: the scaler class the engine builds for 16-mixed
-    _scaler_class: type[DynamicLossScaler] = DynamicLossScaler
+    #: each rank holds a shard of the gradients: the skip flag is reduced over the ranks (FSDP)
+    _sharded = False
 
     def __init__(
         self,
@@ -93,7 +92,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         owner = type(self).__name__
         knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
         self._engine: AmpEngine = make_engine(
-            owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, self._scaler_class
+            owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, sharded=self._sharded
         )
         check_bool(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
@@ -117,6 +116,11 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     def connect(self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
         module = _find_lightning_module(model)
         self._module = module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            # a new fit starts afresh (a resumed one then loads its checkpoint on top); validate/test keep the fit's
+            self._engine.reset()
+        self._engine.register(optimizers)
         if module is not None and module._trainer is not None:
             root = module.trainer.strategy.root_device.type
             if self.device is None:
@@ -150,6 +154,10 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         else:
             self._engine.apply_pending_update()
         self.history.flush()
+        # what callbacks attached is per run: a failed fit leaves no listener behind for the next one
+        self.skip_listeners.clear()
+        self.before_unscale_listeners.clear()
+        self.sync_skips = False
         self._islands.remove()
         if self._module is not None and self._wrapped_scheduler_hook:
             if self._user_scheduler_hook is _MISSING:
@@ -220,6 +228,9 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
+        real = resolve_optimizer(optimizer)
+        if isinstance(real, LBFGS):  # bf16 only (16-mixed refuses it at connect)
+            return self._closure_step(real, optimizer, model, closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             # `training_step` returned None: no backward ran. The hooks run as in stock Lightning; nothing is
@@ -231,13 +242,40 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
                 self._no_step = False
             return closure_result
         engine = self._engine
-        engine.begin(optimizer, _global_step(model))
+        engine.begin(real, logger_step(model))
         try:
-            engine.unscale(optimizer)
+            engine.unscale(real)
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks and clipping see true gradients
-            step_output = engine.step(optimizer, **kwargs)
+            step_output = engine.step(real, **kwargs)
         except BaseException:
             engine.abort_cycle()  # never a stale unscale: the next step starts a clean cycle
+            raise
+        if model.automatic_optimization:
+            engine.end_cycle()
+        return step_output
+
+    def _closure_step(
+        self,
+        real: Optimizer,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """An optimizer that evaluates the closure itself (LBFGS), as in stock: hooks and clipping after each
+        evaluation; with ``skip_nonfinite`` every evaluation is checked and a step that met inf/nan is undone."""
+
+        def closure_and_hooks() -> Any:
+            result = closure()
+            self._after_closure(model, optimizer)
+            return result
+
+        engine = self._engine
+        engine.begin(real, logger_step(model))
+        try:
+            step_output = engine.step(real, closure=closure_and_hooks, **kwargs)
+        except BaseException:
+            engine.abort_cycle()
             raise
         if model.automatic_optimization:
             engine.end_cycle()
@@ -258,9 +296,10 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         """
         if self._no_step:
             return
-        if clip_val > 0 and self._engine.has_new_gradients(optimizer):
-            self._engine.begin(optimizer, _global_step(self._module))
-            self._engine.unscale(optimizer)
+        real = resolve_optimizer(optimizer)
+        if clip_val > 0 and self._engine.has_new_gradients(real):
+            self._engine.begin(real, logger_step(self._module))
+            self._engine.unscale(real)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ schedulers
@@ -307,7 +346,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         """Resume a stock ``MixedPrecision`` run (no state of ours in the checkpoint) at its scale."""
         if type(self).__qualname__ in checkpoint:
             return  # ours: Lightning loads it through `load_state_dict`
-        for key in (self._stock_key, "native_amp_scaling_state"):
+        for key in (*_OUR_KEYS, self._stock_key, *_STOCK_KEYS, "native_amp_scaling_state"):
             if key in checkpoint:
                 self._engine.load_state_dict(checkpoint[key], where=f"checkpoint[{key!r}]")
                 return
@@ -323,5 +362,18 @@ def _find_lightning_module(model: torch.nn.Module) -> Optional[pl.LightningModul
     return None
 
 
-def _global_step(module: Optional[pl.LightningModule]) -> Optional[int]:
-    return module.trainer.global_step if module is not None and module._trainer is not None else None
+#: the checkpoint keys of our Lightning plugins (each resumes the other's state) and of the stock ones
+_OUR_KEYS = ("AmpPlusPrecision", "AmpPlusFSDPPrecision")
+_STOCK_KEYS = ("MixedPrecision", "FSDPPrecision")
+
+
+def logger_step(module: Optional[pl.LightningModule]) -> Optional[int]:
+    """The step Lightning logs ``self.log`` values at during this batch (None outside a fit).
+
+    One unit for every series of a run: an update is recorded, and the callbacks log, at this step. It counts
+    batches that stepped an optimizer (a GAN's two optimizer steps share one; with ``accumulate_grad_batches`` it
+    counts updates), not ``trainer.global_step``, which counts every optimizer's steps.
+    """
+    if module is None or module._trainer is None:
+        return None
+    return module.trainer.fit_loop.epoch_loop._batches_that_stepped

@@ -5,6 +5,7 @@ Torch only (no Lightning import): usable in a plain PyTorch loop exactly like ``
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import say
 from lightning_amp_plus._validation import FLOAT32_TINY, _is_int, _is_real, check_bool, check_scaler_args
 
@@ -100,6 +102,16 @@ class DynamicLossScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
+        #: the constructor's knobs, restored by :meth:`reset` (a checkpoint may replace the live ones)
+        self._constructed: dict[str, Any] = {
+            "init_scale": float(init_scale),
+            "growth_factor": float(growth_factor),
+            "backoff_factor": float(backoff_factor),
+            "growth_interval": growth_interval,
+            "min_scale": float(min_scale),
+            "max_scale": float(max_scale),
+            "hysteresis": hysteresis,
+        }
         self._min_scale = float(min_scale)
         self._max_scale = float(max_scale)
         self._hysteresis = hysteresis
@@ -109,6 +121,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # per optimizer (the real one, never a wrapper): whether its last step was skipped; a bool when the host
         # knows it (torch already synced to decide), else the device flags (fused optimizers decide on the device).
         self._last_skipped: dict[int, bool | list[Tensor]] = {}
+        #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
+        self._reduce_over_ranks = False
+        self.process_group: Any = None
 
     # ------------------------------------------------------------------ knobs
     @property
@@ -134,6 +149,29 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """The current scale as a device tensor (no sync), or ``None`` before the first :meth:`scale`."""
         return self._scale if self._enabled else None
 
+    def reset(self) -> None:
+        """Back to the state the constructor made (a new run): its knobs, ``init_scale``, fresh trackers, no cycle.
+
+        The object stays the same, so references to it stay valid; the device tensors are made anew at the next
+        :meth:`scale`.
+        """
+        knobs = self._constructed
+        self._init_scale = knobs["init_scale"]
+        self._growth_factor = knobs["growth_factor"]
+        self._backoff_factor = knobs["backoff_factor"]
+        self._growth_interval = knobs["growth_interval"]
+        self._min_scale = knobs["min_scale"]
+        self._max_scale = knobs["max_scale"]
+        self._hysteresis = knobs["hysteresis"]
+        self._init_hysteresis_tracker = knobs["hysteresis"]
+        self._init_growth_tracker = 0
+        self._scale = None
+        self._growth_tracker = None
+        self._hysteresis_tracker = None
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._last_skipped = {}
+        self._found_inf_combined = None
+
     # ------------------------------------------------------------------ lazy init
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
@@ -148,14 +186,32 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._last_skipped[id(optimizer)] = skipped
         return None if skipped else optimizer.step(*args, **kwargs)
 
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        """Torch's check-and-unscale, plus the two rules every check follows (``unscale_`` and a fused step's).
+
+        An optimizer whose parameters received no gradient contributes a clean flag (it then steps as a no-op, as
+        in 32-bit training). With sharded gradients the flags are summed over the ranks, so every rank decides alike.
+        """
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not per_device:
+            per_device = {found_inf.device: found_inf}
+        if self._reduce_over_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
+            flags = list(per_device.values())
+            combined = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
+            torch.distributed.all_reduce(combined, group=self.process_group)
+            per_device = {combined.device: combined}
+        return per_device
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``."""
-        super().unscale_(unwrap_optimizer(optimizer))
+        super().unscale_(resolve_optimizer(optimizer))
         self._found_inf_combined = None  # a new overflow flag joined the cycle
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan."""
-        optimizer = unwrap_optimizer(optimizer)
+        optimizer = resolve_optimizer(optimizer)
         self._found_inf_combined = None
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             retval = super().step(optimizer, *args, **kwargs)
@@ -168,14 +224,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`unscale_` already ran for ``optimizer`` in this cycle."""
-        key = id(unwrap_optimizer(optimizer))
+        key = id(resolve_optimizer(optimizer))
         if not self._enabled or key not in self._per_optimizer_states:
             return False
         return self._per_optimizer_states[key]["stage"] is OptState.UNSCALED
 
     def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` stepped (or skipped) in this cycle, i.e. since the last :meth:`update`."""
-        key = id(unwrap_optimizer(optimizer))
+        key = id(resolve_optimizer(optimizer))
         if not self._enabled or key not in self._per_optimizer_states:
             return False
         return self._per_optimizer_states[key]["stage"] is OptState.STEPPED
@@ -191,7 +247,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         else:
             for optimizer in optimizers:
-                key = id(unwrap_optimizer(optimizer))
+                key = id(resolve_optimizer(optimizer))
                 self._per_optimizer_states.pop(key, None)
                 self._last_skipped.pop(key, None)
         self._found_inf_combined = None
@@ -202,7 +258,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         Free for non-fused optimizers (torch already read the flag). For fused optimizers the flag lives on the
         device: ``sync=True`` reads it (one host sync), ``sync=False`` returns ``None``.
         """
-        return self._skipped(id(unwrap_optimizer(optimizer)), sync)
+        return self._skipped(id(resolve_optimizer(optimizer)), sync)
 
     def any_step_skipped(self) -> bool:
         """Whether any optimizer's last step was skipped (reads the device flags of fused optimizers)."""
@@ -397,28 +453,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The optimizer inside any wrapper users hold (Lightning's ``LightningOptimizer``, Fabric's ``_FabricOptimizer``).
-
-    Both keep the wrapped optimizer in their own ``_optimizer`` attribute (and pass the ``isinstance`` checks of the
-    optimizer's class); a plain optimizer is returned as it is.
-
-    Example:
-        >>> import torch
-        >>> from lightning.pytorch.core.optimizer import LightningOptimizer
-        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-        >>> unwrap_optimizer(LightningOptimizer(opt)) is opt, unwrap_optimizer(opt) is opt
-        (True, True)
-    """
-    inner = optimizer.__dict__.get("_optimizer") if hasattr(optimizer, "__dict__") else None
-    for _ in range(8):  # wrappers of wrappers, bounded; a plain optimizer costs one dict lookup
-        if inner is None or inner is optimizer:
-            break
-        optimizer = inner
-        inner = optimizer.__dict__.get("_optimizer")
-    return optimizer
-
-
 def _times(scale: Tensor, factor: float) -> Tensor:
     """``scale * factor`` rounded once to float32, as torch's update kernel computes it (in double)."""
     if scale.device.type == "mps":  # no float64 there
@@ -429,10 +463,11 @@ def _times(scale: Tensor, factor: float) -> Tensor:
 class ShardedDynamicLossScaler(DynamicLossScaler):
     """:class:`DynamicLossScaler` for sharded gradients (FSDP, FSDP2): the overflow flag is reduced across ranks.
 
-    Each rank checks only its own gradient shards; :meth:`unscale_` all-reduces the flag (one small collective on
-    the device, as ``torch.distributed.fsdp.ShardedGradScaler`` does) before anything reads it, so every rank makes
-    the same skip decision and keeps the same scale, trackers and history. A rank whose shard is empty still takes
-    part. The bounds and hysteresis rule are :class:`DynamicLossScaler`'s, unchanged.
+    Each rank checks only its own gradient shards; the flag is all-reduced (one small collective on the device, as
+    ``torch.distributed.fsdp.ShardedGradScaler`` does) wherever torch checks gradients, in :meth:`unscale_` and in
+    the check a fused optimizer's :meth:`step` makes without one, so every rank makes the same skip decision and
+    keeps the same scale, trackers and history. A rank whose shard is empty still takes part. The bounds and
+    hysteresis rule are :class:`DynamicLossScaler`'s, unchanged.
 
     Args:
         device: as for :class:`DynamicLossScaler`.
@@ -443,22 +478,98 @@ class ShardedDynamicLossScaler(DynamicLossScaler):
     def __init__(self, device: str = "cuda", *args: Any, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(device, *args, **kwargs)
         self.process_group = process_group
+        self._reduce_over_ranks = True
 
-    def _unscale_grads_(
-        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
-    ) -> dict[torch.device, Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if not per_device:  # an empty shard: this rank still contributes a flag to the reduction
-            per_device = {found_inf.device: found_inf}
-        return per_device
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale this rank's shards, then reduce the overflow flag over the process group (no host sync)."""
-        super().unscale_(optimizer)
-        if not self._enabled or not torch.distributed.is_initialized():
-            return
-        state = self._per_optimizer_states[id(unwrap_optimizer(optimizer))]
-        flags = list(state["found_inf_per_device"].values())
-        combined = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
-        torch.distributed.all_reduce(combined, group=self.process_group)
-        state["found_inf_per_device"] = {combined.device: combined}
+class NonFiniteChecker(DynamicLossScaler):
+    """bf16-mixed's skip decision: a :class:`DynamicLossScaler` whose scale is 1 and never moves.
+
+    It finds inf/nan in the gradients exactly as the scaler does (torch's fused check, multiplying by exactly 1, so
+    the gradients are unchanged), skips the step (fused optimizers on the device), and reports it through the same
+    ``found_inf()``/``step_was_skipped()``; ``sharded=True`` reduces the flag across ranks as
+    :class:`ShardedDynamicLossScaler` does. Since it never scales, a closure optimizer (``LBFGS``) can step through
+    it: every evaluation of the closure is checked after it ran, and a step that met inf/nan is undone (parameters
+    and optimizer state restored bit for bit).
+
+    Args:
+        sharded: reduce the overflow flag over ``process_group`` (FSDP: each rank holds a shard).
+        process_group: the group to reduce over (default: the whole world).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> checker = NonFiniteChecker()
+        >>> checker.scale(model(torch.ones(1, 2)).sum() * float("nan")).backward()
+        >>> _ = checker.step(opt)
+        >>> checker.step_was_skipped(opt), checker.get_scale()
+        (True, 1.0)
+    """
+
+    def __init__(self, *, sharded: bool = False, process_group: Any = None) -> None:
+        super().__init__("cpu", init_scale=1.0, min_scale=1.0, max_scale=1.0)
+        self.process_group = process_group
+        self._reduce_over_ranks = sharded
+
+    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        """``outputs`` unchanged (the scale is 1); the first call places the scale on the outputs' device."""
+        if isinstance(outputs, Tensor):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs
+        return super().scale(outputs)
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """End the cycle: forget every optimizer's check (the scale stays 1)."""
+        self.reset_cycle()
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Step unless the gradients hold inf/nan; with ``closure=`` (LBFGS) check every evaluation, undo on inf/nan."""
+        optimizer = resolve_optimizer(optimizer)
+        closure = kwargs.pop("closure", None)
+        if closure is None and args and callable(args[0]):
+            closure, args = args[0], args[1:]
+        if closure is None:
+            return super().step(optimizer, *args, **kwargs)
+        return self._step_with_closure(optimizer, closure, *args, **kwargs)
+
+    def _step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Any, *args: Any, **kwargs: Any) -> Any:
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        device = params[0].device if params else torch.device("cpu")
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        assert self._scale is not None
+        one = torch.ones((), dtype=torch.float32, device=self._scale.device)
+        flags: list[Tensor] = []
+
+        def checked() -> Any:
+            loss = closure()
+            with torch.no_grad():
+                found = torch.zeros((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
+                per_device = self._unscale_grads_(optimizer, one, found, True)
+                flag = sum(f.to(found.device) for f in per_device.values())
+                if isinstance(loss, Tensor):
+                    flag = flag + loss.detach().isfinite().logical_not().any().to(found.device)
+                flags.append(flag)
+            return loss
+
+        with torch.no_grad():
+            saved_params = [p.detach().clone() for p in params]
+            saved_state = {p: copy.deepcopy(s) for p, s in optimizer.state.items()}
+        retval = optimizer.step(checked, *args, **kwargs)
+        found = torch.stack(flags).sum() if flags else torch.zeros((), device=self._scale.device)
+        skipped = bool(found.item())  # a closure optimizer reads its loss on the host anyway
+        if skipped:
+            with torch.no_grad():
+                for param, saved in zip(params, saved_params, strict=True):
+                    param.copy_(saved)
+            optimizer.state.clear()
+            optimizer.state.update(saved_state)
+        state["found_inf_per_device"] = {found.device: found}
+        state["stage"] = OptState.STEPPED
+        self._last_skipped[id(optimizer)] = skipped
+        self._found_inf_combined = None
+        return retval

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_amp_plus._identity import resolve_module
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
@@ -81,8 +82,12 @@ def clean_name(name: str) -> str:
 
 
 def named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """``module.named_parameters()`` with clean names (call it after sharding: FSDP2 replaces the parameters)."""
-    return [(clean_name(n), p) for n, p in module.named_parameters()]
+    """The parameters with the user's names (call it after sharding: FSDP2 replaces the parameters).
+
+    The module is resolved first (Fabric's, DDP's and ``torch.compile``'s wrappers), then FSDP's and activation
+    checkpointing's prefixes inside it are dropped.
+    """
+    return [(clean_name(n), p) for n, p in resolve_module(module).named_parameters()]
 
 
 def local_tensor(tensor: Tensor) -> Tensor:

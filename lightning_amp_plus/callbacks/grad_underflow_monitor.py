@@ -97,6 +97,10 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         plugin = find_plugin(trainer, type(self).__name__)
         self._plugin = plugin
+        if stage == "fit":  # a new fit starts afresh
+            self.measurements = []
+            self._high = 0
+            self._warned = 0
         self._trainer = trainer
         self._interval = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", None) or 50)
         self._params = named_parameters(pl_module)
@@ -113,6 +117,13 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()  # Lightning skips `teardown` after an exception: a retry must not meet this monitor
+
+    def _detach(self) -> None:
         if self._plugin is not None and self._measure in self._plugin.before_unscale_listeners:
             self._plugin.before_unscale_listeners.remove(self._measure)
 

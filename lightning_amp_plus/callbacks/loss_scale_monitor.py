@@ -22,15 +22,16 @@ from lightning_amp_plus.precision import AmpPlusPrecision
 class LossScaleMonitor(KnobsRepr, Callback):
     """Log the loss scale and the skipped steps to every logger.
 
-    At every logging point ``s`` (each ``logging_interval`` optimizer steps, and at the end of training) it logs,
-    with ``step=`` the optimizer step (``trainer.global_step`` when that step ran):
+    At every logging point ``s`` (each ``logging_interval`` steps, and at the end of training) it logs, with ``step=``
+    the step the logger uses for ``self.log`` in that batch (so every series of the run shares one x axis; one
+    update per stepping batch, whatever the number of optimizers):
 
     * ``{prefix}loss_scale`` and ``{prefix}log2_loss_scale``: the scale step ``s`` used (before its update), and the
       same at every step in the interval where the scale changed, so the logged curve is the true step function;
     * ``{prefix}skipped_steps``: the cumulative count of skipped steps, also at every skipped step;
     * ``{prefix}skip_rate``: the fraction of optimizer-step cycles skipped since the previous logging point;
     * ``{prefix}growths`` and ``{prefix}backoffs``: cumulative counts of scale increases and decreases;
-    * ``{prefix}applied_steps``: optimizer steps that updated the weights.
+    * ``{prefix}applied_steps``: updates that changed the weights.
 
     The plugin records each step on the device; the record moves to the host once per logging interval (one
     host sync per interval, none on the other steps). With no logger the monitor warns once and the in-memory
@@ -42,7 +43,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
     read each; growths and backoffs inferred between samples; skipped steps unknown) and says so once.
 
     Args:
-        logging_interval: optimizer steps between logging points; ``None`` uses ``Trainer(log_every_n_steps)``.
+        logging_interval: steps between logging points; ``None`` uses ``Trainer(log_every_n_steps)``.
         prefix: the key prefix (default ``"amp/"``).
         progress_bar: show the scale and the skipped updates in the progress bar (default ``True``).
 
@@ -62,16 +63,24 @@ class LossScaleMonitor(KnobsRepr, Callback):
         self.progress_bar = check_bool(owner, "progress_bar", progress_bar)
         self._plugin: Optional[AmpPlusPrecision] = None
         self._stock: Any = None  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
-        self._last_sample: Optional[float] = None
         self._interval = 1
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was logged (a new fit calls this; a resumed fit then loads its checkpoint)."""
+        self._last_sample: Optional[float] = None
         self._logged_upto = -1  # last step covered by a logging point
         self._growths = 0
         self._backoffs = 0
         self._skipped_logged = 0
-        self._steps_logged = 0  # recorded optimizer-step cycles covered by earlier logging points
+        self._steps_logged = 0  # recorded updates covered by earlier logging points
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.reset()  # a new fit starts afresh; a resumed one loads its checkpoint after this hook
+        self._plugin = None
+        self._stock = None
         self._interval = self.logging_interval or int(getattr(trainer, "log_every_n_steps", None) or 50)
         plugin = trainer.strategy.precision_plugin
         if isinstance(plugin, (MixedPrecision, FSDPPrecision)) and not isinstance(plugin, AmpPlusPrecision):
@@ -121,7 +130,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
 
     def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stock plugin: at each logging point, read the scale the next step will use (one host read)."""
-        step = trainer.global_step
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1  # the next update's step (the logger's unit)
         scaler = self._stock.scaler
         if scaler is None or step <= self._logged_upto or (step % self._interval and self._logged_upto >= 0):
             return

@@ -39,8 +39,8 @@ class LossScaleCollapseError(RuntimeError):
 class NaNSkipReporter(KnobsRepr, Callback):
     """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
 
-    Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is ``trainer.global_step``
-    when it began) gives a record with ``step``, ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when
+    Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is the step the logger uses
+    for ``self.log`` in that batch, so the skips share the x axis of every other metric) gives a record with ``step``, ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when
     finite) and ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held non-finite
     values, named as in ``named_parameters()``. The first ``max_warnings`` skips are printed (rank zero, logger
     ``lightning_amp_plus``), e.g. ``step 412 skipped: gradients non-finite in encoder.ff.weight (12 inf), loss scale
@@ -94,21 +94,24 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self.sync_fused = sync_fused
         self.prefix = check_prefix(owner, prefix)
         self.max_records = max_records
-        self._head: list[dict[str, Any]] = []
-        self._tail: deque[dict[str, Any]] = deque(
-            maxlen=None if max_records is None else max_records - max_records // 2
-        )
-        self._num_skips = 0
-        self._skipped_steps: list[int] = []
-        self._offender_counts: Counter[str] = Counter()
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
         self._params: list[tuple[str, torch.nn.Parameter]] = []
         self._sharded = False
         self._loss: Optional[Tensor] = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every skip reported so far (a new fit calls this; a resumed fit then loads its checkpoint)."""
+        self._head: list[dict[str, Any]] = []
+        self._tail: deque[dict[str, Any]] = deque(
+            maxlen=None if self.max_records is None else self.max_records - self.max_records // 2
+        )
+        self._num_skips = 0
+        self._skipped_steps: list[int] = []
+        self._offender_counts: Counter[str] = Counter()
         self._consecutive = 0
-        self._last_skip_index: Optional[int] = None  # history.num_steps at the last skip
         self._reported_upto = -1
         self._warned = 0
 
@@ -130,6 +133,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.reset()  # a new fit starts afresh; a resumed one loads its checkpoint after this hook
         self.attach(find_plugin(trainer, type(self).__name__), pl_module, trainer)
         if self.report_path is not None and trainer.is_global_zero:
             check_writable(type(self).__name__, "report_path", self.report_path)
@@ -162,6 +167,10 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self.detach()
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.detach()  # Lightning skips `teardown` after an exception: a retry must not meet this reporter
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the parameters as trained: FSDP2's `fully_shard` (in `configure_model`, after `setup`) replaces them
         self._params = named_parameters(pl_module)
@@ -182,7 +191,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
             "loss": _finite_or_none(self._mean_loss()),
             "offenders": self._offenders(event),
         }
-        self._add(record, self._plugin.history.num_steps)
+        self._add(record, event.consecutive)
 
     def _mean_loss(self) -> Optional[Tensor]:
         """The loss, averaged over ranks when several train (every rank skips the same steps, so all call this)."""
@@ -252,17 +261,14 @@ class NaNSkipReporter(KnobsRepr, Callback):
                 "loss": None,
                 "offenders": None,  # decided on the device by a fused optimizer; sync_fused=True names them
             }
-            self._add(record, None)
+            self._add(record, history.streak_at(step))
         self._reported_upto = last
 
     # ------------------------------------------------------------------ bookkeeping
-    def _add(self, record: dict[str, Any], index: Optional[int]) -> None:
+    def _add(self, record: dict[str, Any], consecutive: int) -> None:
+        """Keep, log and print one skip; ``consecutive`` is the history's count of skipped updates in a row."""
         assert self._plugin is not None
-        contiguous = (
-            index is not None and self._last_skip_index is not None and index == self._last_skip_index + 1
-        ) or (index is None and self.skips and record["step"] - self.skips[-1]["step"] <= 1)
-        self._consecutive = self._consecutive + 1 if contiguous else 1
-        self._last_skip_index = index
+        self._consecutive = consecutive
         self._keep(record)
         self._reported_upto = max(self._reported_upto, record["step"])
         if self._trainer is not None:
@@ -317,11 +323,13 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._collect_device_skips()
         if self._num_skips:
             report = self.report()
-            worst = ", ".join(f"{w['name']} ({w['skips']} skips)" for w in report["worst_offenders"][:5])
+            worst = ", ".join(
+                f"{w['name']} ({w['skips']} skip{'' if w['skips'] == 1 else 's'})" for w in report["worst_offenders"][:5]
+            )
             steps = report["skipped_steps"]
             shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
             say(
-                f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} updates skipped (at global_step"
+                f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} updates skipped (at step"
                 f" {shown}); worst offenders: {worst or 'unknown'}."
             )
         try:
@@ -336,7 +344,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         """The report as a JSON-ready dict: counts, skipped steps, every record and the worst offenders."""
         history = self._plugin.history if self._plugin is not None else None
         return {
-            "unit": "update: one loss-scale cycle (every optimizer step of one batch); steps are trainer.global_step",
+            "unit": "update: one loss-scale cycle (every optimizer step of one batch); steps are the logger's step",
             "num_steps": history.num_steps if history is not None else None,
             "num_skipped": self._num_skips,
             "skipped_steps": list(self._skipped_steps),
@@ -364,14 +372,13 @@ class NaNSkipReporter(KnobsRepr, Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": 2,
+            "version": 3,
             "head": self._head,
             "tail": list(self._tail),
             "num_skips": self._num_skips,
             "skipped_steps": self._skipped_steps,
             "offender_counts": dict(self._offender_counts),
             "consecutive": self._consecutive,
-            "last_skip_index": self._last_skip_index,
             "reported_upto": self._reported_upto,
             "warned": self._warned,
         }
@@ -387,7 +394,6 @@ class NaNSkipReporter(KnobsRepr, Callback):
                 "skipped_steps": [],
                 "offender_counts": {},
                 "consecutive": state_dict.get("consecutive", 0),
-                "last_skip_index": None,
                 "reported_upto": state_dict.get("reported_upto", -1),
                 "warned": 0,
             }
@@ -406,8 +412,6 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._skipped_steps = [int(s) for s in state_dict["skipped_steps"]]
         self._offender_counts = Counter(state_dict["offender_counts"])
         self._consecutive = int(state_dict["consecutive"])
-        index = state_dict["last_skip_index"]
-        self._last_skip_index = None if index is None else int(index)
         self._reported_upto = int(state_dict["reported_upto"])
         self._warned = int(state_dict["warned"])
 

@@ -93,6 +93,8 @@ class PrecisionReport(KnobsRepr, Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._plugin = find_plugin(trainer, type(self).__name__)
+        if stage == "fit":
+            self._batches = 0  # a new fit inspects its first batch again
 
     def _due(self) -> bool:
         if self._batches == 0:
@@ -120,6 +122,10 @@ class PrecisionReport(KnobsRepr, Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._remove()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove()  # Lightning skips `teardown` after an exception: no hook stays on the user's model
 
     # ------------------------------------------------------------------ hooks
     def _install(self, pl_module: pl.LightningModule) -> None:

@@ -23,7 +23,7 @@ def test_names_exactly_the_poisoned_parameter(tmp_path, caplog):
     )
     assert (
         lines[1]
-        == "`NaNSkipReporter`: 1 of 6 updates skipped (at global_step 3); worst offenders: net.0.weight (1 skips)."
+        == "`NaNSkipReporter`: 1 of 6 updates skipped (at step 3); worst offenders: net.0.weight (1 skip)."
     )
     assert [r["step"] for r in reporter.skips] == [3]
     record = reporter.skips[0]
@@ -92,7 +92,7 @@ def test_rate_limited_lines_then_summary(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
     assert [line.split(":")[0] for line in lines[:2]] == ["step 1 skipped", "step 3 skipped"]
     assert "further skips are counted" in lines[2]
-    assert lines[3].startswith("`NaNSkipReporter`: 4 of 9 updates skipped (at global_step 1, 3, 5, 7)")
+    assert lines[3].startswith("`NaNSkipReporter`: 4 of 9 updates skipped (at step 1, 3, 5, 7)")
     assert len(lines) == 4
 
 
