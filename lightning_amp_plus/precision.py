@@ -105,6 +105,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         self._wrapped_scheduler_hook = False
         self._user_scheduler_hook: Any = _MISSING  # a user's own instance-level `lr_scheduler_step`, restored later
         self._no_step = False  # inside the hooks of an automatic step whose `training_step` returned None
+        self._in_closure_step = False  # inside the hooks a closure optimizer (LBFGS) runs within its step
 
     @property
     def fp32_module_names(self) -> list[str]:
@@ -189,6 +190,10 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         A cycle still open when a training step starts was left by an exception: it is closed first (never a
         stale unscale). An exception inside the step closes the cycle too, and propagates.
         """
+        if self._in_closure_step:  # evaluated by a closure optimizer inside its step: the step owns the update
+            with self.forward_context():
+                yield
+            return
         if self._engine.cycle_open:
             self._engine.abort_cycle()
         try:
@@ -272,11 +277,16 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
 
         engine = self._engine
         engine.begin(real, logger_step(model))
+        # the training step and clipping run inside the step: the update is open, nothing is scaled, and the
+        # step checks the gradients after each evaluation
+        self._in_closure_step = True
         try:
             step_output = engine.step(real, closure=closure_and_hooks, **kwargs)
         except BaseException:
             engine.abort_cycle()
             raise
+        finally:
+            self._in_closure_step = False
         if model.automatic_optimization:
             engine.end_cycle()
         return step_output
@@ -297,7 +307,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         if self._no_step:
             return
         real = resolve_optimizer(optimizer)
-        if clip_val > 0 and self._engine.has_new_gradients(real):
+        if clip_val > 0 and not self._in_closure_step and self._engine.has_new_gradients(real):
             self._engine.begin(real, logger_step(self._module))
             self._engine.unscale(real)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
