@@ -39,6 +39,19 @@ def _types(table: tuple[tuple[str, ...], ...]) -> tuple[type, ...]:
     return tuple(found)
 
 
+#: per type: whether it is one of the optimizer wrappers. Exact and never stale: a wrapper's instance exists only
+#: once its module is imported, and a type's bases never change.
+_IS_OPTIMIZER_WRAPPER: dict[type, bool] = {}
+
+
+def _is_optimizer_wrapper(cls: type) -> bool:
+    known = _IS_OPTIMIZER_WRAPPER.get(cls)
+    if known is None:
+        wrappers = _types(_OPTIMIZER_WRAPPERS)
+        known = _IS_OPTIMIZER_WRAPPER[cls] = bool(wrappers) and issubclass(cls, wrappers)
+    return known
+
+
 def resolve_optimizer(optimizer: Any) -> Any:
     """The optimizer inside Lightning's ``LightningOptimizer`` or Fabric's ``_FabricOptimizer`` (nested too).
 
@@ -57,9 +70,8 @@ def resolve_optimizer(optimizer: Any) -> Any:
         >>> resolve_optimizer(wrapper) is wrapper
         True
     """
-    wrappers = _types(_OPTIMIZER_WRAPPERS)
-    for _ in range(8):  # wrappers of wrappers, bounded
-        if not wrappers or not isinstance(optimizer, wrappers):
+    for _ in range(8):  # wrappers of wrappers, bounded; a plain optimizer costs one dict lookup
+        if not _is_optimizer_wrapper(type(optimizer)):
             return optimizer
         optimizer = optimizer._optimizer
     return optimizer

@@ -114,6 +114,7 @@ class AmpEngine:
         self._optimizers: list[Optimizer] = []  # every optimizer known to this run (for pending gradients)
         self._backwards = 0  # backward calls so far
         self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
+        self._recorded_since_load = False  # the history's last scale is this scaler's (not a checkpoint's)
 
     def reset(self) -> None:
         """Start a new run: the scaler back to its constructor's state, an empty history, no cycle.
@@ -129,6 +130,7 @@ class AmpEngine:
         self._optimizers = []
         self._backwards = 0
         self._stepped_at = {}
+        self._recorded_since_load = False
 
     def register(self, optimizers: list[Any]) -> None:
         """Make ``optimizers`` known, so their pending gradients follow a change of scale (see :meth:`end_cycle`)."""
@@ -287,7 +289,14 @@ class AmpEngine:
         else:
             scale = checker.scale_tensor()
             assert scale is not None
-            self.history.record(cycle.step, scale, checker.found_inf())
+            # what the host knows costs no device op: an unchanged scale, a skip torch already read
+            overflowed = checker.known_outcome()
+            self.history.record(
+                cycle.step,
+                None if checker.scale_kept and self._recorded_since_load else scale,
+                checker.found_inf() if overflowed is None else float(overflowed),
+            )
+            self._recorded_since_load = True
             skipped = self._cycle_skipped(cycle.stepped)
             if skipped is True and self.scaler is not None:
                 scale_before = float(scale.item())  # only on skipped steps
@@ -437,6 +446,7 @@ class AmpEngine:
             self.scaler.load_state_dict(scaler_state)  # checks every value before it replaces any
         if "history" in state_dict:
             self.history.load_state_dict(state_dict["history"])
+        self._recorded_since_load = False  # the next record writes the scale itself
         if saved is not None and saved != self.precision:
             if self.scaler is None:
                 what = f"its loss scaler's state (scale {scaler_state.get('scale')!r}) is dropped"

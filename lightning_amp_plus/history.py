@@ -47,9 +47,7 @@ class ScaleHistory:
 
     def __init__(self, capacity: int = 256) -> None:
         self._capacity = check_int(type(self).__name__, "capacity", capacity, minimum=1)
-        self._buffer: Tensor | None = None
-        self._rows: tuple[Tensor, ...] = ()
-        self._pending_steps: list[int] = []
+        self._pending: list[tuple[int, Tensor | float | None, Tensor | float]] = []
         self._change_steps: list[int] = []
         self._change_scales: list[float] = []
         self._skipped: list[int] = []
@@ -60,47 +58,52 @@ class ScaleHistory:
         self._trailing_skips = 0
 
     # ------------------------------------------------------------------ recording
-    def record(self, step: int, scale: Tensor | float, found_inf: Tensor | float) -> None:
-        """Record one optimizer-step cycle: the scale its backward used and its overflow flag (> 0: skipped).
+    def record(self, step: int, scale: Tensor | float | None, found_inf: Tensor | float) -> None:
+        """Record one update: the scale its backward used and its overflow flag (> 0: skipped).
 
-        Tensors stay on their device (no sync); plain numbers are taken as they are.
+        Tensors stay on their device (no sync): the scale is copied (it changes in place at the update), the flag is
+        kept as it is. ``scale=None`` means the scale of the previous record, for a caller that knows it did not
+        change. Plain numbers are taken at once when nothing is pending: a run whose outcomes the host knows costs
+        no device op here.
         """
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
                 f"`ScaleHistory.record(step={step})` is invalid: steps must increase"
                 f" (last recorded: {self._last_step})."
             )
+        if scale is None and self._last_scale is None and not self._pending:
+            raise ValueError(f"`ScaleHistory.record(step={step}, scale=None)` is invalid: no scale recorded before.")
         self._last_step = step
         self._num_steps += 1
-        if not isinstance(scale, Tensor) and not isinstance(found_inf, Tensor):
-            self.flush()
-            self._take(step, float(scale), float(found_inf))
+        if isinstance(scale, Tensor):
+            scale = scale.detach().clone()
+        elif not self._pending and not isinstance(found_inf, Tensor):
+            self._take(step, self._last_scale if scale is None else float(scale), float(found_inf))  # type: ignore[arg-type]
             return
-        device = scale.device if isinstance(scale, Tensor) else found_inf.device  # type: ignore[union-attr]
-        if self._buffer is None or self._buffer.device != device:
-            self.flush()
-            self._buffer = torch.empty(self._capacity, 2, dtype=torch.float32, device=device)
-            self._rows = self._buffer.unbind(0)  # one view per slot, made once
-        slot = len(self._pending_steps)
-        torch.stack([_as_tensor(scale, device), _as_tensor(found_inf, device)], out=self._rows[slot])
-        self._pending_steps.append(step)
-        if len(self._pending_steps) == self._capacity:
+        self._pending.append((step, scale, found_inf))
+        if len(self._pending) >= self._capacity:
             self.flush()
 
     def flush(self) -> None:
-        """Move the buffered steps to the host (one transfer) and compress them. A no-op when nothing is pending."""
-        if not self._pending_steps:
+        """Move the pending records' tensors to the host (one transfer) and keep them. A no-op when none is pending."""
+        if not self._pending:
             return
-        assert self._buffer is not None
-        rows = to_host(self._buffer[: len(self._pending_steps)])  # the one transfer
-        for step, (scale, found) in zip(self._pending_steps, rows, strict=False):
-            self._take(step, scale, found)
-        self._pending_steps = []
+        tensors = [v for _, scale, found in self._pending for v in (scale, found) if isinstance(v, Tensor)]
+        values = iter([])
+        if tensors:
+            device = tensors[0].device
+            packed = torch.stack([t.to(device=device, dtype=torch.float32).reshape(()) for t in tensors])
+            values = iter(to_host(packed))  # the one transfer
+        for step, scale, found in self._pending:
+            scale_value = next(values) if isinstance(scale, Tensor) else scale
+            found_value = next(values) if isinstance(found, Tensor) else found
+            self._take(step, self._last_scale if scale_value is None else float(scale_value), float(found_value))
+        self._pending = []
 
     @property
     def pending(self) -> int:
-        """Steps recorded on the device and not yet flushed to the host."""
-        return len(self._pending_steps)
+        """Records whose values are still on the device (not yet flushed to the host)."""
+        return len(self._pending)
 
     def _take(self, step: int, scale: float, found: float) -> None:
         """Keep one record. Every record passes here once, in order: the one place that counts skips in a row."""
@@ -242,7 +245,7 @@ class ScaleHistory:
                     f"`{where}['trailing_skips']={trailing!r}` is invalid: expected 0 or the last skip's streak"
                     f" ({streaks[-1] if streaks else 0})."
                 )
-        self._pending_steps = []
+        self._pending = []
         self._streaks = list(streaks)
         self._change_steps = steps
         self._change_scales = [float(v) for v in scales]
@@ -266,7 +269,7 @@ class ScaleHistory:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(steps={self._num_steps}, changes={len(self._change_steps)},"
-            f" skipped={len(self._skipped)}, pending={len(self._pending_steps)})"
+            f" skipped={len(self._skipped)}, pending={len(self._pending)})"
         )
 
 
@@ -283,11 +286,3 @@ def _int_list(where: str, state: dict[str, Any], key: str) -> list[int]:
     ):
         raise ValueError(f"`{where}[{key!r}]={values!r:.120}` is invalid: expected increasing ints >= 0.")
     return list(values)
-
-
-def _as_tensor(value: Tensor | float, device: torch.device) -> Tensor:
-    if isinstance(value, Tensor):
-        if value.dtype == torch.float32 and value.dim() == 0 and value.device == device:
-            return value  # the usual case (the scale, the overflow flag): no op at all
-        return value.to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(value), dtype=torch.float32, device=device)

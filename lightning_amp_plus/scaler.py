@@ -121,6 +121,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # per optimizer (the real one, never a wrapper): whether its last step was skipped; a bool when the host
         # knows it (torch already synced to decide), else the device flags (fused optimizers decide on the device).
         self._last_skipped: dict[int, bool | list[Tensor]] = {}
+        # the device growth tracker, mirrored on the host while every cycle's outcome is known there (None: not)
+        self._host_growth: int | None = 0
+        # whether the last update() is known on the host to have left the scale as it was
+        self._scale_kept = False
         #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
         self._reduce_over_ranks = False
         self.process_group: Any = None
@@ -171,6 +175,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._last_skipped = {}
         self._found_inf_combined = None
+        self._host_growth = 0
+        self._scale_kept = False
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -286,6 +292,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if self._found_inf_combined is None:
             scale, _ = self._check_scale_growth_tracker("found_inf")
+            states = list(self._per_optimizer_states.values())
+            if len(states) == 1 and len(states[0]["found_inf_per_device"]) == 1:  # the usual case: no op at all
+                (flag,) = states[0]["found_inf_per_device"].values()
+                if flag.device == scale.device:
+                    self._found_inf_combined = flag
+                    return flag
             found_infs = [
                 found_inf.to(device=scale.device, non_blocking=True)
                 for state in self._per_optimizer_states.values()
@@ -304,15 +316,51 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _floor(self) -> float:
         return max(self._min_scale, FLOAT32_TINY)  # min_scale=0 still never reaches 0 (whose inverse is inf)
 
+    def known_outcome(self) -> bool | None:
+        """Whether this cycle overflowed, as the host already knows it: True/False, or None (a fused optimizer
+        decided on the device, or an optimizer was checked without stepping). Free: no host sync."""
+        states = self._per_optimizer_states
+        if not states:
+            return None
+        overflowed = False
+        for key in states:
+            skipped = self._last_skipped.get(key)
+            if not isinstance(skipped, bool):
+                return None
+            overflowed = overflowed or skipped
+        return overflowed
+
+    @property
+    def scale_kept(self) -> bool:
+        """Whether the last :meth:`update` is known on the host to have left the scale unchanged (no sync)."""
+        return self._scale_kept
+
     def update(self, new_scale: float | Tensor | None = None) -> None:
-        """Apply the bounded hysteresis rule for the cycle that just ended (on the device, no host sync)."""
+        """Apply the bounded hysteresis rule for the cycle that just ended (on the device, no host sync).
+
+        When the host already knows the cycle was clean and the growth tracker does not reach ``growth_interval``,
+        the rule's outcome is "the growth tracker counts one more": that one op is all it runs.
+        """
         if not self._enabled:
             return
-        if new_scale is not None:
+        self._scale_kept = False
+        if new_scale is not None:  # the caller's scale, inside the bounds at once
             super().update(new_scale)
+            assert self._scale is not None
+            self._scale.clamp_(min=self._floor, max=self._max_scale)
             self._found_inf_combined = None
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
+        overflowed = self.known_outcome()
+        if overflowed is False and self._host_growth is not None and self._host_growth + 1 < self._growth_interval:
+            growth_tracker.add_(1)
+            self._host_growth += 1
+            self._scale_kept = True
+            self.reset_cycle()
+            return
+        # a skip or a growth resets the tracker (both known to the host here); an outcome decided on the device
+        # leaves the host without it until the next known skip
+        self._host_growth = None if overflowed is None else 0
         found_inf = self.found_inf()
         if self._hysteresis == 1:
             # torch's own fused kernel, then the bounds: bit-identical to GradScaler inside float32's normal range
@@ -423,6 +471,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
             say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(changes) + ".")
         super().load_state_dict({**state_dict, "scale": bounded})
         self._found_inf_combined = None
+        self._host_growth = int(growth_tracker)
+        self._scale_kept = False
         self._min_scale = float(knobs["min_scale"])
         self._max_scale = float(knobs["max_scale"])
         self._hysteresis = int(knobs["hysteresis"])
@@ -447,6 +497,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
             state["_hysteresis_tracker"] = None
             state["_found_inf_combined"] = None
             state["_last_skipped"] = {}
+            state["_host_growth"] = state["_init_growth_tracker"]
+            state["_scale_kept"] = False
         return state
 
 
@@ -521,6 +573,7 @@ class NonFiniteChecker(DynamicLossScaler):
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """End the cycle: forget every optimizer's check (the scale stays 1)."""
+        self._scale_kept = True
         self.reset_cycle()
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
