@@ -15,6 +15,7 @@ configuration's microseconds per step over stock.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import resource
@@ -173,6 +174,7 @@ def run_once(
         gradient_clip_val=clip,
     )
     model = MLP(sizes)
+    gc.collect()  # the previous rounds' garbage is not this configuration's cost
     _reset_peak(device)
     trainer.fit(model, train_dataloaders=Batches(x, y, steps + warmup))
     measured = max(1, trainer.global_step - warmup)

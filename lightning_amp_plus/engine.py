@@ -48,27 +48,36 @@ class SkipEvent:
     consecutive: int = 1
 
 
-@dataclass
 class UpdateCycle:
-    """One update: the optimizer steps that share one scale update (made by ``begin``, dropped whole at its end)."""
+    """One update: the optimizer steps that share one scale update (made by ``begin``, dropped whole at its end).
 
-    #: the step the update is recorded at (in Lightning the logger's step, in Fabric the count of updates so far)
-    step: int
-    #: optimizers whose gradients were unscaled (checked, in bf16) in this cycle
-    unscaled: list[Optimizer] = field(default_factory=list)
-    #: optimizers that stepped (or skipped) in this cycle
-    stepped: list[Optimizer] = field(default_factory=list)
-    #: optimizers unscaled in this cycle whose unscale was then forgotten (they did not step)
-    forgotten: list[Optimizer] = field(default_factory=list)
+    Attributes:
+        step: the step the update is recorded at (in Lightning the logger's step, in Fabric the count of updates).
+        unscaled: optimizers whose gradients were unscaled (checked, in bf16) in this cycle.
+        stepped: optimizers that stepped (or skipped) in this cycle.
+        forgotten: optimizers unscaled in this cycle whose unscale was then forgotten (they did not step).
+    """
 
+    __slots__ = ("forgotten", "step", "stepped", "unscaled")
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.unscaled: list[Optimizer] = []
+        self.stepped: list[Optimizer] = []
+        self.forgotten: list[Optimizer] = []
+
+    # optimizers define no __eq__: `in` is identity, in C
     def did_step(self, optimizer: Optimizer) -> bool:
-        return any(o is optimizer for o in self.stepped)
+        return optimizer in self.stepped
 
     def did_unscale(self, optimizer: Optimizer) -> bool:
-        return any(o is optimizer for o in self.unscaled)
+        return optimizer in self.unscaled
 
     def unscaled_not_stepped(self) -> list[Optimizer]:
-        return [o for o in self.unscaled if not self.did_step(o)]
+        return [o for o in self.unscaled if o not in self.stepped]
+
+    def __repr__(self) -> str:
+        return f"UpdateCycle(step={self.step}, unscaled={len(self.unscaled)}, stepped={len(self.stepped)})"
 
 
 class AmpEngine:
@@ -138,7 +147,7 @@ class AmpEngine:
             self._know(resolve_optimizer(optimizer))
 
     def _know(self, optimizer: Optimizer) -> None:
-        if not any(o is optimizer for o in self._optimizers):
+        if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
 
     # ------------------------------------------------------------------ the cycle
@@ -220,7 +229,7 @@ class AmpEngine:
                 return optimizer.step(**kwargs)
             return self.checker.step(optimizer, **kwargs)
         except BaseException:
-            cycle.stepped = [o for o in cycle.stepped if o is not optimizer]
+            cycle.stepped.remove(optimizer)
             self._forget(optimizer)
             raise
         finally:
@@ -229,7 +238,8 @@ class AmpEngine:
     def _forget(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s unscale (and step outcome) in the open cycle: its next step unscales again."""
         if self._cycle is not None:
-            self._cycle.unscaled = [o for o in self._cycle.unscaled if o is not optimizer]
+            if optimizer in self._cycle.unscaled:
+                self._cycle.unscaled.remove(optimizer)
         if self.checker is not None:
             self.checker.reset_cycle([optimizer])
 
@@ -297,10 +307,14 @@ class AmpEngine:
                 checker.found_inf() if overflowed is None else float(overflowed),
             )
             self._recorded_since_load = True
-            skipped = self._cycle_skipped(cycle.stepped)
+            skipped = overflowed if overflowed is not None else self._cycle_skipped(cycle.stepped)
             if skipped is True and self.scaler is not None:
                 scale_before = float(scale.item())  # only on skipped steps
-            pending = self._pending_gradients(cycle) if self.scaler is not None else []
+            pending = (
+                self._pending_gradients(cycle)
+                if self.scaler is not None and len(self._optimizers) > len(cycle.stepped)
+                else []
+            )
             old = scale.clone() if pending else None
             checker.update()
             if old is not None:
@@ -329,7 +343,7 @@ class AmpEngine:
             if (
                 cycle.did_step(optimizer)
                 or cycle.did_unscale(optimizer)
-                or any(o is optimizer for o in cycle.forgotten)
+                or optimizer in cycle.forgotten
                 or not self.has_new_gradients(optimizer)
             ):
                 continue

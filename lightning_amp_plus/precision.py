@@ -191,13 +191,13 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         stale unscale). An exception inside the step closes the cycle too, and propagates.
         """
         if self._in_closure_step:  # evaluated by a closure optimizer inside its step: the step owns the update
-            with self.forward_context():
+            with self.autocast_context_manager():
                 yield
             return
         if self._engine.cycle_open:
             self._engine.abort_cycle()
         try:
-            with self.forward_context():
+            with self.autocast_context_manager():
                 yield
         except BaseException:
             self._engine.abort_cycle()
@@ -307,9 +307,12 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         if self._no_step:
             return
         real = resolve_optimizer(optimizer)
-        if clip_val > 0 and not self._in_closure_step and self._engine.has_new_gradients(real):
-            self._engine.begin(real, logger_step(self._module))
-            self._engine.unscale(real)
+        engine = self._engine
+        cycle = engine.cycle
+        already = cycle is not None and cycle.did_unscale(real)  # the automatic step unscaled before its hooks
+        if clip_val > 0 and not already and not self._in_closure_step and engine.has_new_gradients(real):
+            engine.begin(real, logger_step(self._module))
+            engine.unscale(real)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ schedulers
