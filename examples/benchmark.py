@@ -216,9 +216,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     syncs = {}
     for name, make in table.items():
         sync_steps = max(4, min(args.steps, 20))
-        _, _, count = run_once(
-            args.device, sizes, batch, sync_steps, make, args.warmup, count_syncs=True, clip=clip
-        )
+        _, _, count = run_once(args.device, sizes, batch, sync_steps, make, args.warmup, count_syncs=True, clip=clip)
         syncs[name] = count / sync_steps
     medians = {name: statistics.median(t) for name, t in times.items()}
     rows = []

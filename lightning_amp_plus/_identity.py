@@ -1,6 +1,6 @@
-"""What users hold, resolved to what we act on: the optimizer inside Lightning's and Fabric's wrappers, the module
-inside Fabric's, DDP's and ``torch.compile``'s (torch only).
+"""What users hold, resolved to what we act on, by type (torch only).
 
+The optimizer inside Lightning's and Fabric's wrappers; the module inside Fabric's, DDP's and ``torch.compile``'s.
 Resolution is by type, and only for the wrappers we know: a user's own wrapper (a Lookahead-style optimizer that
 keeps its inner optimizer in ``_optimizer``, say) is an optimizer in its own right, and its ``step()`` is the one
 that runs. The wrapper types are looked up in ``sys.modules`` instead of imported: a wrapper of a module that was

@@ -237,9 +237,8 @@ class AmpEngine:
 
     def _forget(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s unscale (and step outcome) in the open cycle: its next step unscales again."""
-        if self._cycle is not None:
-            if optimizer in self._cycle.unscaled:
-                self._cycle.unscaled.remove(optimizer)
+        if self._cycle is not None and optimizer in self._cycle.unscaled:
+            self._cycle.unscaled.remove(optimizer)
         if self.checker is not None:
             self.checker.reset_cycle([optimizer])
 
@@ -470,7 +469,6 @@ class AmpEngine:
                 f"`{where}`: resuming a {saved} state under {self.precision}: {what}; the scale history continues"
                 " (its curve shows the switch)."
             )
-
 
 
 def _has_gradients(optimizer: Optimizer) -> bool:

@@ -12,6 +12,7 @@ import bisect
 import csv
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -78,7 +79,9 @@ class ScaleHistory:
         if isinstance(scale, Tensor):
             scale = scale.detach().clone()
         elif not self._pending and not isinstance(found_inf, Tensor):
-            self._take(step, self._last_scale if scale is None else float(scale), float(found_inf))  # type: ignore[arg-type]
+            previous = self._last_scale
+            assert scale is not None or previous is not None  # checked above
+            self._take(step, float(scale if scale is not None else previous), float(found_inf))  # type: ignore[arg-type]
             return
         self._pending.append((step, scale, found_inf))
         if len(self._pending) >= self._capacity:
@@ -89,7 +92,7 @@ class ScaleHistory:
         if not self._pending:
             return
         tensors = [v for _, scale, found in self._pending for v in (scale, found) if isinstance(v, Tensor)]
-        values = iter([])
+        values: Iterator[float] = iter(())
         if tensors:
             device = tensors[0].device
             packed = torch.stack([t.to(device=device, dtype=torch.float32).reshape(()) for t in tensors])
@@ -97,7 +100,10 @@ class ScaleHistory:
         for step, scale, found in self._pending:
             scale_value = next(values) if isinstance(scale, Tensor) else scale
             found_value = next(values) if isinstance(found, Tensor) else found
-            self._take(step, self._last_scale if scale_value is None else float(scale_value), float(found_value))
+            if scale_value is None:  # the previous record's scale (checked at `record`)
+                assert self._last_scale is not None
+                scale_value = self._last_scale
+            self._take(step, float(scale_value), float(found_value))
         self._pending = []
 
     @property
@@ -229,9 +235,11 @@ class ScaleHistory:
                 f"`{where}['last_step']={last_step!r}` is invalid: expected an int >= every recorded step."
             )
         if version == 1:  # 0.1.x: no streaks were kept; each skip counts as its own
-            streaks, trailing = [1] * len(skipped), 0
+            streaks: Any = [1] * len(skipped)
+            trailing: Any = 0
         else:
-            streaks, trailing = state_dict.get("skip_streaks"), state_dict.get("trailing_skips")
+            streaks = state_dict.get("skip_streaks")
+            trailing = state_dict.get("trailing_skips")
             if (
                 not isinstance(streaks, list)
                 or len(streaks) != len(skipped)

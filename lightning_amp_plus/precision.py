@@ -27,6 +27,7 @@ from lightning_amp_plus._validation import check_bool
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
 from lightning_amp_plus.islands import Fp32Islands, check_entries
+
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
 
 
@@ -267,8 +268,11 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """An optimizer that evaluates the closure itself (LBFGS), as in stock: hooks and clipping after each
-        evaluation; with ``skip_nonfinite`` every evaluation is checked and a step that met inf/nan is undone."""
+        """Step an optimizer that evaluates the closure itself (LBFGS), as stock does.
+
+        Hooks and clipping run after each evaluation; with ``skip_nonfinite`` every evaluation is checked and a step
+        that met inf/nan is undone.
+        """
 
         def closure_and_hooks() -> Any:
             result = closure()

@@ -317,8 +317,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return max(self._min_scale, FLOAT32_TINY)  # min_scale=0 still never reaches 0 (whose inverse is inf)
 
     def known_outcome(self) -> bool | None:
-        """Whether this cycle overflowed, as the host already knows it: True/False, or None (a fused optimizer
-        decided on the device, or an optimizer was checked without stepping). Free: no host sync."""
+        """Whether this cycle overflowed, as the host already knows it (free: no host sync).
+
+        ``True``/``False``, or ``None`` when a fused optimizer decided on the device or an optimizer was checked
+        without stepping.
+        """
         states = self._per_optimizer_states
         if not states:
             return None
@@ -603,7 +606,7 @@ class NonFiniteChecker(DynamicLossScaler):
             with torch.no_grad():
                 found = torch.zeros((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
                 per_device = self._unscale_grads_(optimizer, one, found, True)
-                flag = sum(f.to(found.device) for f in per_device.values())
+                flag = torch.stack([f.to(found.device) for f in per_device.values()]).sum()
                 if isinstance(loss, Tensor):
                     flag = flag + loss.detach().isfinite().logical_not().any().to(found.device)
                 flags.append(flag)

@@ -39,7 +39,7 @@ def _rows(path: Any) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-# ---------------------------------------------------------------------------------- 3: a user's optimizer wrapper
+# ------------------------------------------------------------------------------------ 3: a user's optimizer wrapper
 class Lookahead(torch.optim.Optimizer):
     """A user's wrapper that keeps its inner optimizer in `_optimizer`, as Lookahead implementations do."""
 
@@ -106,7 +106,7 @@ def test_the_scaler_steps_a_users_wrapper_and_resolves_lightnings():
     assert scaler.is_unscaled(inner)  # Lightning's wrapper and its optimizer are one identity
 
 
-# ---------------------------------------------------------------------------------- 4 and 6: closure optimizers (bf16)
+# ------------------------------------------------------------------------------- 4 and 6: closure optimizers (bf16)
 def _lbfgs_fabric(poison_at: set[int]):
     plugin = AmpPlusFabricPrecision("bf16-mixed")
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -195,7 +195,7 @@ class _DeepProbe(Callback):
             self.unchanged.append(batch_idx)
 
 
-# ---------------------------------------------------------------------------------- 5: accumulation across a scale change
+# ---------------------------------------------------------------------------- 5: accumulation across a scale change
 class AccumulatingB(LightningModule):
     """opt_a steps every batch; opt_b accumulates over 2 batches. The scale grows after every clean update."""
 
@@ -243,7 +243,7 @@ def test_gradients_accumulated_across_a_scale_change_apply_exactly():
         torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-8)
 
 
-# ---------------------------------------------------------------------------------- 7: consecutive means consecutive updates
+# ------------------------------------------------------------------------- 7: consecutive means consecutive updates
 class FusedGAN(LightningModule):
     """Two fused optimizers stepping in every batch; every loss (or the chosen batches') overflows."""
 
@@ -299,7 +299,7 @@ def test_fused_skips_with_a_clean_update_between_are_not_consecutive():
     assert reporter.num_skips == 6
 
 
-# ---------------------------------------------------------------------------------- 8: a fit that raises leaves nothing behind
+# ----------------------------------------------------------------------- 8: a fit that raises leaves nothing behind
 class Boom(TinyModel):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.trainer.global_step == self.raise_at:
@@ -315,7 +315,8 @@ def test_a_failed_fit_detaches_callbacks_and_removes_hooks_then_a_retry_trains(t
     with pytest.raises(RuntimeError, match="boom"):
         make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=4, logger=CSVLogger(tmp_path)).fit(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    assert plugin.skip_listeners == [] and plugin.before_unscale_listeners == []
+    assert plugin.skip_listeners == []
+    assert plugin.before_unscale_listeners == []
     # the same plugin, no callbacks: skips in a row are only skips (the old reporter would raise on the first)
     model.raise_at = -1
     model.poison = {0: "inf", 1: "inf", 2: "inf"}
@@ -324,7 +325,7 @@ def test_a_failed_fit_detaches_callbacks_and_removes_hooks_then_a_retry_trains(t
     assert plugin.history.num_steps == 6
 
 
-# ---------------------------------------------------------------------------------- 9: our two Lightning plugins' checkpoints
+# ------------------------------------------------------------------------ 9: our two Lightning plugins' checkpoints
 def _drive(plugin: AmpPlusPrecision, steps: int, poison: set[int]) -> None:
     """Run the plugin's update cycle by hand (as its optimizer_step does) on a tiny model."""
     model = nn.Linear(4, 1)
@@ -340,7 +341,9 @@ def _drive(plugin: AmpPlusPrecision, steps: int, poison: set[int]) -> None:
         opt.zero_grad()
 
 
-@pytest.mark.parametrize(("saver", "loader"), [(AmpPlusPrecision, AmpPlusFSDPPrecision), (AmpPlusFSDPPrecision, AmpPlusPrecision)])
+@pytest.mark.parametrize(
+    ("saver", "loader"), [(AmpPlusPrecision, AmpPlusFSDPPrecision), (AmpPlusFSDPPrecision, AmpPlusPrecision)]
+)
 def test_each_plugin_resumes_the_others_checkpoint(saver, loader):
     old = saver("16-mixed", init_scale=1024.0)
     _drive(old, 5, poison={1, 3})
@@ -371,7 +374,7 @@ def test_a_gans_amp_series_share_the_steps_of_its_own_logged_metrics(tmp_path):
     assert min(skipped) == 3
 
 
-# ---------------------------------------------------------------------------------- 11: a new fit starts afresh
+# -------------------------------------------------------------------------------------- 11: a new fit starts afresh
 def test_reused_plugin_and_callbacks_start_afresh_for_a_new_trainer(tmp_path, caplog):
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
     monitor = LossScaleMonitor(logging_interval=2, progress_bar=False)
@@ -405,7 +408,7 @@ def test_validate_after_fit_keeps_the_fits_history():
     assert plugin.history.num_steps == 4
 
 
-# ---------------------------------------------------------------------------------- 12: the user's names under Fabric
+# -------------------------------------------------------------------------------- 12: the user's names under Fabric
 def test_fabric_offenders_carry_the_users_names():
     plugin = AmpPlusFabricPrecision("16-mixed", init_scale=1024.0)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -421,7 +424,7 @@ def test_fabric_offenders_carry_the_users_names():
     assert [o["name"] for o in reporter.skips[0]["offenders"]] == ["2.weight"]
 
 
-# ---------------------------------------------------------------------------------- 13: an optimizer with no gradient
+# -------------------------------------------------------------------------------- 13: an optimizer with no gradient
 class UnusedModule(LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -453,10 +456,11 @@ def test_an_optimizer_without_gradients_steps_as_a_no_op(precision):
     make_trainer(plugins=[plugin], max_steps=8).fit(model)
     assert all(torch.equal(a, b) for a, b in zip(unused_before, model.unused.parameters(), strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(used_before, model.used.parameters(), strict=True))
-    assert plugin.history.num_steps == 4 and plugin.history.skipped_steps == []
+    assert plugin.history.num_steps == 4
+    assert plugin.history.skipped_steps == []
 
 
-# ---------------------------------------------------------------------------------- 14: factors float32 cannot tell from 1
+# --------------------------------------------------------------------------- 14: factors float32 cannot tell from 1
 @pytest.mark.parametrize(
     ("knob", "value", "match"),
     [
@@ -481,7 +485,7 @@ def test_the_smallest_factors_float32_tells_from_one_move_the_scale():
     assert scaler.get_scale() > 2.0**16
 
 
-# ---------------------------------------------------------------------------------- 15: the streak warning, rank zero only
+# --------------------------------------------------------------------------- 15: the streak warning, rank zero only
 @pytest.mark.parametrize(("rank", "warns"), [(0, True), (1, False)])
 def test_the_skip_streak_warning_comes_from_rank_zero_only(monkeypatch, rank, warns):
     monkeypatch.setattr("lightning_amp_plus.engine.global_rank", lambda: rank)
@@ -496,16 +500,18 @@ def test_the_skip_streak_warning_comes_from_rank_zero_only(monkeypatch, rank, wa
         assert str(streaks[0].message).startswith("3 optimizer updates in a row were skipped")
 
 
-# ---------------------------------------------------------------------------------- 16: the plot command on a huge field
+# ----------------------------------------------------------------------------- 16: the plot command on a huge field
 def test_plot_command_says_one_error_line_for_a_field_over_csvs_limit(tmp_path, capsys):
     path = tmp_path / "metrics.csv"
     path.write_text("step,amp/loss_scale,note\n0,1024," + "x" * 200_000 + "\n")
     assert cli(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "field larger than field limit" in err[0]
+    assert len(err) == 1
+    assert err[0].startswith("error: ")
+    assert "field larger than field limit" in err[0]
 
 
-# ---------------------------------------------------------------------------------- the rule, read in one place
+# -------------------------------------------------------------------------------------- the rule, read in one place
 def test_the_history_counts_streaks_over_updates_and_keeps_them_across_a_checkpoint():
     history = ScaleHistory(capacity=4)
     flags = [0, 1, 1, 0, 1, 1, 1]

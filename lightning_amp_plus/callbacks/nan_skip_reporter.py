@@ -40,7 +40,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
     """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
 
     Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is the step the logger uses
-    for ``self.log`` in that batch, so the skips share the x axis of every other metric) gives a record with ``step``, ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when
+    for ``self.log`` in that batch, so the skips share the x axis of every other metric) gives a record with
+    ``step``, ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when
     finite) and ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held non-finite
     values, named as in ``named_parameters()``. The first ``max_warnings`` skips are printed (rank zero, logger
     ``lightning_amp_plus``), e.g. ``step 412 skipped: gradients non-finite in encoder.ff.weight (12 inf), loss scale
@@ -324,7 +325,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         if self._num_skips:
             report = self.report()
             worst = ", ".join(
-                f"{w['name']} ({w['skips']} skip{'' if w['skips'] == 1 else 's'})" for w in report["worst_offenders"][:5]
+                f"{w['name']} ({w['skips']} skip{'' if w['skips'] == 1 else 's'})"
+                for w in report["worst_offenders"][:5]
             )
             steps = report["skipped_steps"]
             shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")

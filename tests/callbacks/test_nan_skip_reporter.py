@@ -21,10 +21,7 @@ def test_names_exactly_the_poisoned_parameter(tmp_path, caplog):
     assert re.fullmatch(
         r"step 3 skipped: gradients non-finite in net.0.weight \(\d+ inf.*, loss scale 1024 -> 512", lines[0]
     )
-    assert (
-        lines[1]
-        == "`NaNSkipReporter`: 1 of 6 updates skipped (at step 3); worst offenders: net.0.weight (1 skip)."
-    )
+    assert lines[1] == "`NaNSkipReporter`: 1 of 6 updates skipped (at step 3); worst offenders: net.0.weight (1 skip)."
     assert [r["step"] for r in reporter.skips] == [3]
     record = reporter.skips[0]
     assert [o["name"] for o in record["offenders"]] == ["net.0.weight"]
