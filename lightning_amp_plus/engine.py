@@ -55,16 +55,14 @@ class UpdateCycle:
         step: the step the update is recorded at (in Lightning the logger's step, in Fabric the count of updates).
         unscaled: optimizers whose gradients were unscaled (checked, in bf16) in this cycle.
         stepped: optimizers that stepped (or skipped) in this cycle.
-        forgotten: optimizers unscaled in this cycle whose unscale was then forgotten (they did not step).
     """
 
-    __slots__ = ("forgotten", "step", "stepped", "unscaled")
+    __slots__ = ("step", "stepped", "unscaled")
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.unscaled: list[Optimizer] = []
         self.stepped: list[Optimizer] = []
-        self.forgotten: list[Optimizer] = []
 
     # optimizers define no __eq__: `in` is identity, in C
     def did_step(self, optimizer: Optimizer) -> bool:
@@ -123,6 +121,7 @@ class AmpEngine:
         self._optimizers: list[Optimizer] = []  # every optimizer known to this run (for pending gradients)
         self._backwards = 0  # backward calls so far
         self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
+        self._unscaled_at: dict[int, int] = {}  # per optimizer: `_backwards` when its gradients were last unscaled
         self._recorded_since_load = False  # the history's last scale is this scaler's (not a checkpoint's)
 
     def reset(self) -> None:
@@ -139,6 +138,7 @@ class AmpEngine:
         self._optimizers = []
         self._backwards = 0
         self._stepped_at = {}
+        self._unscaled_at = {}
         self._recorded_since_load = False
 
     def register(self, optimizers: list[Any]) -> None:
@@ -207,6 +207,7 @@ class AmpEngine:
         if cycle.did_unscale(optimizer):
             return
         cycle.unscaled.append(optimizer)
+        self._unscaled_at[id(optimizer)] = self._backwards
         if self.checker is None:
             return
         if self.scaler is not None:
@@ -250,7 +251,6 @@ class AmpEngine:
         stale = cycle.unscaled_not_stepped()
         for optimizer in stale:
             self._forget(optimizer)
-        cycle.forgotten.extend(stale)
         if not cycle.stepped:
             self._cycle = None
         return stale
@@ -309,11 +309,7 @@ class AmpEngine:
             skipped = overflowed if overflowed is not None else self._cycle_skipped(cycle.stepped)
             if skipped is True and self.scaler is not None:
                 scale_before = float(scale.item())  # only on skipped steps
-            pending = (
-                self._pending_gradients(cycle)
-                if self.scaler is not None and len(self._optimizers) > len(cycle.stepped)
-                else []
-            )
+            pending = self._pending_gradients() if self.scaler is not None else []
             old = scale.clone() if pending else None
             checker.update()
             if old is not None:
@@ -335,16 +331,17 @@ class AmpEngine:
             for listener in list(self.skip_listeners):
                 listener(event)
 
-    def _pending_gradients(self, cycle: UpdateCycle) -> list[Tensor]:
-        """Scaled gradients of known optimizers that neither stepped nor unscaled in ``cycle`` since their backward."""
+    def _pending_gradients(self) -> list[Tensor]:
+        """Gradients still scaled by the current scale: a backward ran after their optimizer last stepped or unscaled.
+
+        That is an optimizer accumulating while another steps, or one that steps twice in a batch (its second
+        backward ran before this update closed).
+        """
         grads: list[Tensor] = []
+        backwards = self._backwards
         for optimizer in self._optimizers:
-            if (
-                cycle.did_step(optimizer)
-                or cycle.did_unscale(optimizer)
-                or optimizer in cycle.forgotten
-                or not self.has_new_gradients(optimizer)
-            ):
+            key = id(optimizer)
+            if max(self._stepped_at.get(key, 0), self._unscaled_at.get(key, 0)) >= backwards:
                 continue
             grads.extend(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
         return grads

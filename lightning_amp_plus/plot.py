@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from lightning_amp_plus._validation import FLOAT32_MAX, FLOAT32_TINY
 from lightning_amp_plus.history import ScaleHistory
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -118,6 +119,12 @@ def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
     if scale_key is None:
         raise ValueError(f"no loss-scale series found (keys: {sorted(series)[:10]}); log it with `LossScaleMonitor`.")
     prefix = scale_key[: -len(_SCALE_KEY)]
+    for step, value in series[scale_key]:
+        if not FLOAT32_TINY <= value <= FLOAT32_MAX:  # what a device-side float32 scale can be
+            raise ValueError(
+                f"{scale_key} at step {step} is {value!r}: not a loss scale (expected a float32 scale in"
+                f" [{FLOAT32_TINY!r}, {FLOAT32_MAX!r}])."
+            )
     curves = RunCurves()
     previous = None
     for step, value in sorted(series[scale_key]):

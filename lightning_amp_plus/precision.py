@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
@@ -105,6 +106,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         self._module: Optional[pl.LightningModule] = None
         self._wrapped_scheduler_hook = False
         self._user_scheduler_hook: Any = _MISSING  # a user's own instance-level `lr_scheduler_step`, restored later
+        self._fit_scope = FitScope()
         self._no_step = False  # inside the hooks of an automatic step whose `training_step` returned None
         self._in_closure_step = False  # inside the hooks a closure optimizer (LBFGS) runs within its step
 
@@ -119,8 +121,9 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         module = _find_lightning_module(model)
         self._module = module
         trainer = module._trainer if module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            # a new fit starts afresh (a resumed one then loads its checkpoint on top); validate/test keep the fit's
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._fit_scope.starts_afresh(trainer):
+            # a new Trainer's fit starts afresh (a resumed one then loads its checkpoint on top); another fit of the
+            # same Trainer continues, as Lightning's step counters do; validate/test keep the fit's state
             self._engine.reset()
         self._engine.register(optimizers)
         if module is not None and module._trainer is not None:

@@ -17,7 +17,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import say
-from lightning_amp_plus._validation import FLOAT32_TINY, _is_int, _is_real, check_bool, check_scaler_args
+from lightning_amp_plus._validation import FLOAT32_TINY, INT32_MAX, _is_int, _is_real, check_bool, check_scaler_args
 
 
 class DynamicLossScaler(torch.amp.GradScaler):
@@ -145,6 +145,33 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Overflows tolerated before backing off."""
         return self._hysteresis
 
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set ``growth_factor``, checked as the constructor checks it."""
+        check_scaler_args(
+            f"{type(self).__name__}.set_growth_factor",
+            init_scale=None,
+            **{**self._knobs(), "growth_factor": new_factor},
+        )
+        super().set_growth_factor(float(new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set ``backoff_factor``, checked as the constructor checks it."""
+        check_scaler_args(
+            f"{type(self).__name__}.set_backoff_factor",
+            init_scale=None,
+            **{**self._knobs(), "backoff_factor": new_factor},
+        )
+        super().set_backoff_factor(float(new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set ``growth_interval``, checked as the constructor checks it."""
+        check_scaler_args(
+            f"{type(self).__name__}.set_growth_interval",
+            init_scale=None,
+            **{**self._knobs(), "growth_interval": new_interval},
+        )
+        super().set_growth_interval(new_interval)
+
     def set_device_type(self, device: str) -> None:
         """Set the device type once it is known (a plugin built with ``device=None`` learns it from the trainer)."""
         self._device = device
@@ -220,11 +247,20 @@ class DynamicLossScaler(torch.amp.GradScaler):
         optimizer = resolve_optimizer(optimizer)
         self._found_inf_combined = None
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
+            created_from = len(optimizer.state)
             retval = super().step(optimizer, *args, **kwargs)
-            # the fused kernel decided on the device: keep its flags, read them only if someone asks
-            self._last_skipped[id(optimizer)] = list(
-                self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-            )
+            flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+            if len(optimizer.state) > created_from:
+                # a first step made state: fused kernels that skip on the device still create it, and fused SGD's
+                # momentum buffers are then uninitialised memory. Read the flag (once per parameter's lifetime) and,
+                # if the step was skipped, take the new state back out: a skipped step changes nothing.
+                skipped = bool(sum(f.item() for f in flags))
+                if skipped:
+                    for param in list(optimizer.state)[created_from:]:
+                        del optimizer.state[param]
+                self._last_skipped[id(optimizer)] = skipped
+            else:  # the fused kernel decided on the device: keep its flags, read them only if someone asks
+                self._last_skipped[id(optimizer)] = flags
             return retval
         return super().step(optimizer, *args, **kwargs)
 
@@ -326,8 +362,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not states:
             return None
         overflowed = False
-        for key in states:
-            skipped = self._last_skipped.get(key)
+        for key, state in states.items():
+            if state["stage"] is not OptState.STEPPED:  # checked (clipped) without a step: not decided here
+                return None
+            skipped = self._last_skipped.get(key)  # set by this cycle's step
             if not isinstance(skipped, bool):
                 return None
             overflowed = overflowed or skipped
@@ -355,14 +393,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         overflowed = self.known_outcome()
-        if overflowed is False and self._host_growth is not None and self._host_growth + 1 < self._growth_interval:
+        if overflowed is False and self._host_growth is None:
+            # the host knows this cycle (torch read its flag) but lost the tracker to an earlier cycle it could not
+            # decide: read it back once, so the fast path below serves the rest of the run
+            self._host_growth = int(growth_tracker.item())
+        if overflowed is False and self._host_growth is not None and not self._grows(self._host_growth):
             growth_tracker.add_(1)
             self._host_growth += 1
             self._scale_kept = True
             self.reset_cycle()
             return
-        # a skip or a growth resets the tracker (both known to the host here); an outcome decided on the device
-        # leaves the host without it until the next known skip
+        # the mirror follows the rule's own tracker: a skip or a growth resets it; an outcome decided on the device
+        # leaves the host without it
         self._host_growth = None if overflowed is None else 0
         found_inf = self.found_inf()
         if self._hysteresis == 1:
@@ -374,6 +416,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
         else:
             self._update_with_hysteresis(scale, growth_tracker, found_inf)
         self.reset_cycle()
+
+    def _grows(self, tracker: int) -> bool:
+        """Whether a clean cycle with the growth tracker at ``tracker`` grows the scale, as the device rule decides.
+
+        torch's kernel (``hysteresis=1``) grows when ``tracker + 1 == growth_interval`` exactly (a tracker left above
+        a lowered interval by ``set_growth_interval`` never grows again, as in torch); the hysteresis rule uses
+        ``>=``.
+        """
+        if self._hysteresis == 1:
+            return tracker + 1 == self._growth_interval
+        return tracker + 1 >= self._growth_interval
 
     def _update_with_hysteresis(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor) -> None:
         assert self._hysteresis_tracker is not None
@@ -448,10 +501,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             where, init_scale=scale, label={"init_scale": "scale"}, **{**knobs, "min_scale": 0.0, "max_scale": math.inf}
         )
         growth_tracker = state_dict["_growth_tracker"]
-        if not _is_int(growth_tracker) or not 0 <= growth_tracker < knobs["growth_interval"]:
+        if not _is_int(growth_tracker) or not 0 <= growth_tracker <= INT32_MAX:
+            # above growth_interval is a state torch itself writes after `set_growth_interval` lowered it
             raise ValueError(
-                f"`{where}(_growth_tracker={growth_tracker!r})` is invalid: expected an int in"
-                f" [0, growth_interval={knobs['growth_interval']})."
+                f"`{where}(_growth_tracker={growth_tracker!r})` is invalid: expected an int in [0, {INT32_MAX}] (the"
+                " count of clean steps since the last growth or skip)."
             )
         hysteresis_tracker = state_dict.get("_hysteresis_tracker", knobs["hysteresis"])
         if not _is_int(hysteresis_tracker) or not 0 <= hysteresis_tracker <= knobs["hysteresis"]:
@@ -483,7 +537,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
 
-    def _knobs(self) -> dict[str, float]:
+    def _knobs(self) -> dict[str, Any]:
         return {
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,

@@ -368,7 +368,12 @@ def _state(**changes):
             r"_hysteresis_tracker=5\)` is invalid: expected an int in \[0, hyst",
         ),
         (_state(growth_interval=0), ValueError, r"load_state_dict\(growth_interval=0\)` is invalid"),
-        (_state(_growth_tracker=2000), ValueError, r"_growth_tracker=2000\)` is invalid"),
+        (
+            _state(_growth_tracker=-1),
+            ValueError,
+            r"_growth_tracker=-1\)` is invalid: expected an int in \[0, 2147483647\]",
+        ),
+        (_state(_growth_tracker=2**31), ValueError, r"_growth_tracker=2147483648\)` is invalid"),
         (_state(scale="big"), TypeError, r"load_state_dict\(scale='big'\)` is invalid: expected a real number"),
         ({"scale": 2.0}, ValueError, r"the state lacks 'growth_factor', 'backoff_factor'.*expected a `GradScaler"),
         ({}, ValueError, r"the state lacks 'scale'.*no keys"),

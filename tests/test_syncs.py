@@ -90,7 +90,9 @@ def test_non_fused_sgd_with_clipping():
 def test_fused_adamw_with_clipping_is_sync_free_per_step():
     baseline = count_syncs(stock(), optimizer="fused_adamw")  # stock refuses clipping with a fused optimizer
     assert baseline == 0
-    assert count_syncs(ours(), callbacks(), optimizer="fused_adamw", gradient_clip_val=1.0) <= LOG_POINTS
+    # + 1: the first step creates the optimizer's state, and its flag is read once (a skipped first step must take
+    # that state back out: fused kernels create it even when they skip)
+    assert count_syncs(ours(), callbacks(), optimizer="fused_adamw", gradient_clip_val=1.0) <= LOG_POINTS + 1
 
 
 def test_gradient_accumulation():
@@ -107,7 +109,7 @@ def test_bf16_skip_detection_costs_one_sync_per_step_only_when_on(skip, per_step
 
 def test_bf16_fused_skip_detection_is_sync_free():
     count = count_syncs(AmpPlusPrecision("bf16-mixed"), callbacks(), optimizer="fused_adamw")
-    assert count <= LOG_POINTS
+    assert count <= LOG_POINTS + 1  # + 1: the first step's state (see above)
 
 
 def test_skip_aware_scheduler_with_fused_optimizer_costs_at_most_one_per_step():

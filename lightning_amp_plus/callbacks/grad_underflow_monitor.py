@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_fraction, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
@@ -71,6 +72,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         prefix: str = "amp/",
     ) -> None:
         self._given = given_arguments(GradUnderflowMonitor.__init__, locals())
+        self._fit_scope = FitScope()
         owner = type(self).__name__
         if every_n_steps is not None:
             check_int(owner, "every_n_steps", every_n_steps, minimum=1)
@@ -97,7 +99,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         plugin = find_plugin(trainer, type(self).__name__)
         self._plugin = plugin
-        if stage == "fit":  # a new fit starts afresh
+        if stage == "fit" and self._fit_scope.starts_afresh(trainer):  # a new Trainer's fit starts afresh
             self.measurements = []
             self._high = 0
             self._warned = 0

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
@@ -55,6 +56,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
 
     def __init__(self, logging_interval: Optional[int] = None, prefix: str = "amp/", progress_bar: bool = True) -> None:
         self._given = given_arguments(LossScaleMonitor.__init__, locals())
+        self._fit_scope = FitScope()
         owner = type(self).__name__
         if logging_interval is not None:
             check_int(owner, "logging_interval", logging_interval, minimum=1)
@@ -77,8 +79,8 @@ class LossScaleMonitor(KnobsRepr, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.reset()  # a new fit starts afresh; a resumed one loads its checkpoint after this hook
+        if stage == "fit" and self._fit_scope.starts_afresh(trainer):
+            self.reset()  # a new Trainer's fit starts afresh; a resumed one loads its checkpoint after this hook
         self._plugin = None
         self._stock = None
         self._interval = self.logging_interval or int(getattr(trainer, "log_every_n_steps", None) or 50)
@@ -130,7 +132,9 @@ class LossScaleMonitor(KnobsRepr, Callback):
 
     def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stock plugin: at each logging point, read the scale the next step will use (one host read)."""
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1  # the next update's step (the logger's unit)
+        loop = trainer.fit_loop.epoch_loop
+        # the next update's step, in the logger's unit: the counter moves after this hook when this batch stepped
+        step = loop._batches_that_stepped + (0 if loop._should_accumulate() else 1)
         scaler = self._stock.scaler
         if scaler is None or step <= self._logged_upto or (step % self._interval and self._logged_upto >= 0):
             return

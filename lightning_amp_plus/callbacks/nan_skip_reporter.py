@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections import Counter, deque
 from typing import Any, Optional, Union
@@ -15,6 +16,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
@@ -82,6 +84,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         max_records: Optional[int] = 100,
     ) -> None:
         self._given = given_arguments(NaNSkipReporter.__init__, locals())
+        self._fit_scope = FitScope()
         owner = type(self).__name__
         if max_consecutive_skips is not None:
             check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)
@@ -134,8 +137,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.reset()  # a new fit starts afresh; a resumed one loads its checkpoint after this hook
+        if stage == "fit" and self._fit_scope.starts_afresh(trainer):
+            self.reset()  # a new Trainer's fit starts afresh; a resumed one loads its checkpoint after this hook
         self.attach(find_plugin(trainer, type(self).__name__), pl_module, trainer)
         if self.report_path is not None and trainer.is_global_zero:
             check_writable(type(self).__name__, "report_path", self.report_path)
@@ -185,6 +188,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
     # ------------------------------------------------------------------ host-known skips
     def _on_skip(self, event: SkipEvent) -> None:
         assert self._plugin is not None
+        # skips a fused optimizer decided before this one come first (the history is on the host already)
+        self._collect_device_skips(upto=event.step - 1)
         record = {
             "step": event.step,
             "scale": event.scale,
@@ -247,11 +252,16 @@ class NaNSkipReporter(KnobsRepr, Callback):
         ):
             self._collect_device_skips()
 
-    def _collect_device_skips(self) -> None:
+    def _collect_device_skips(self, upto: Optional[int] = None) -> None:
+        """Report the skips in the history not reported yet (decided on the device), up to ``upto`` (default: all)."""
         assert self._plugin is not None
         history = self._plugin.history
         known = set(self._skipped_steps)
         last = history.last_step if history.last_step is not None else -1
+        if upto is not None:
+            last = min(last, upto)
+        if last <= self._reported_upto:
+            return
         for step in history.skipped_between(self._reported_upto + 1, last):
             if step in known:
                 continue
@@ -271,7 +281,6 @@ class NaNSkipReporter(KnobsRepr, Callback):
         assert self._plugin is not None
         self._consecutive = consecutive
         self._keep(record)
-        self._reported_upto = max(self._reported_upto, record["step"])
         if self._trainer is not None:
             log_to_all(
                 self._trainer,
@@ -357,7 +366,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
 
     def _keep(self, record: dict[str, Any]) -> None:
         self._num_skips += 1
-        self._skipped_steps.append(record["step"])
+        bisect.insort(self._skipped_steps, record["step"])
         for offender in record["offenders"] or []:
             self._offender_counts[offender["name"]] += 1
         if self.max_records is None or len(self._head) < self.max_records // 2:

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
 from lightning_amp_plus.callbacks._common import clean_name, find_plugin
 
@@ -77,6 +78,7 @@ class PrecisionReport(KnobsRepr, Callback):
 
     def __init__(self, every_n_batches: Optional[int] = None, flag_share: float = 0.25, print_table: bool = True):
         self._given = given_arguments(PrecisionReport.__init__, locals())
+        self._fit_scope = FitScope()
         owner = type(self).__name__
         if every_n_batches is not None:
             check_int(owner, "every_n_batches", every_n_batches, minimum=1)
@@ -93,8 +95,8 @@ class PrecisionReport(KnobsRepr, Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._plugin = find_plugin(trainer, type(self).__name__)
-        if stage == "fit":
-            self._batches = 0  # a new fit inspects its first batch again
+        if stage == "fit" and self._fit_scope.starts_afresh(trainer):
+            self._batches = 0  # a new Trainer's fit inspects its first batch again
 
     def _due(self) -> bool:
         if self._batches == 0:

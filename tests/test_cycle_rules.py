@@ -1,0 +1,489 @@
+"""The update cycle's rules against a reference and by their cost: the host-side fast path never changes an outcome."""
+
+from __future__ import annotations
+
+import csv
+import pickle
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_amp_plus import (
+    AmpEngine,
+    AmpPlusPrecision,
+    AmpPlusWarning,
+    DynamicLossScaler,
+    LossScaleMonitor,
+    NaNSkipReporter,
+    SkipEvent,
+)
+from lightning_amp_plus.__main__ import main as cli
+from lightning_amp_plus.scaler import NonFiniteChecker
+from lightning_amp_plus.syncs import HostSyncCounter
+from tests.helpers.models import TinyModel, make_loader
+from tests.helpers.trainer import make_trainer
+
+LR = 0.1
+
+
+class OpCounter(TorchDispatchMode):
+    """Every aten op dispatched in the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------------------ the scaler against torch's rule
+def _fuzz(seed: int, make: Any) -> list[tuple[float, int]]:
+    """Random cycles: plain, fused and unscaled-only optimizers, overflows, set_growth_interval, load, pickle."""
+    rng = random.Random(seed)
+    torch.manual_seed(0)
+    models = [nn.Linear(2, 1) for _ in range(3)]
+    opts = [
+        torch.optim.SGD(models[0].parameters(), lr=0.0),
+        torch.optim.SGD(models[1].parameters(), lr=0.0, fused=True),
+        torch.optim.SGD(models[2].parameters(), lr=0.0),
+    ]
+    scaler = make()
+    log = []
+    for _ in range(40):
+        op = rng.random()
+        if op < 0.05:
+            scaler.set_growth_interval(rng.randint(1, 5))
+        elif op < 0.08:
+            state = scaler.state_dict()
+            keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+            scaler.load_state_dict({k: state[k] for k in keys})
+        elif op < 0.11:
+            scaler = pickle.loads(pickle.dumps(scaler))
+        used = rng.sample(range(3), rng.randint(1, 3))
+        loss = sum(models[i](torch.ones(1, 2)).sum() * (float("inf") if rng.random() < 0.2 else 1.0) for i in used)
+        scaler.scale(loss).backward()
+        unscale_only = rng.random() < 0.1 and len(used) > 1
+        for j, i in enumerate(used):
+            if unscale_only and j == 0:
+                scaler.unscale_(opts[i])  # clipped, not stepped
+            else:
+                scaler.step(opts[i])
+        if rng.random() < 0.05:
+            scaler.update(new_scale=float(2 ** rng.randint(0, 20)))
+        else:
+            scaler.update()
+        for o in opts:
+            o.zero_grad()
+        log.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return log
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_scalers_fast_path_follows_torchs_rule_exactly(seed):
+    reference = _fuzz(seed, lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    ours = _fuzz(
+        seed, lambda: DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3, min_scale=0.0, max_scale=1e38)
+    )
+    assert ours == reference
+
+
+def _plain_cycle(scaler: DynamicLossScaler, model: nn.Module, opt: torch.optim.Optimizer, bad: bool = False) -> None:
+    scaler.scale(model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)).backward()
+    scaler.step(opt)
+
+
+def test_a_known_clean_update_below_the_interval_is_one_op_and_a_growth_runs_the_rule():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=3)
+    counts = []
+    for _ in range(6):
+        _plain_cycle(scaler, model, opt)
+        assert scaler.known_outcome() is False
+        with OpCounter() as counter:
+            scaler.update()
+        counts.append((dict(counter.ops), scaler.scale_kept))
+        opt.zero_grad()
+    fast = ({"add_": 1}, True)
+    grow = counts[2]
+    assert counts == [fast, fast, grow, fast, fast, grow]
+    assert grow[0].get("_amp_update_scale_") == 1
+    assert grow[1] is False  # the scale changed: the history must copy it
+    assert scaler.get_scale() == 32.0
+
+
+def test_after_a_cycle_the_host_could_not_decide_the_tracker_is_read_back_once():
+    model = nn.Linear(2, 1)
+    plain = torch.optim.SGD(model.parameters(), lr=0.0)
+    fused = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.0, fused=True)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=4)
+    for opt in (fused, fused):  # the first fused step made state (read once); the second is decided on the device
+        scaler.scale(sum(p.sum() for p in opt.param_groups[0]["params"]) * 1.0).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.known_outcome() is None
+    reads = []
+    for _ in range(3):
+        _plain_cycle(scaler, model, plain)
+        with HostSyncCounter() as counter:
+            scaler.update()
+        reads.append(counter.count)
+        plain.zero_grad()
+    assert reads == [1, 0, 0]  # one read of the tracker, then the host follows it again
+    assert scaler.get_scale() == 16.0  # grew after 4 clean updates (2 fused + 2 plain), as torch's rule says
+
+
+def test_a_tracker_above_a_lowered_interval_is_a_state_torch_writes_and_loads():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=10)
+    for _ in range(5):
+        _plain_cycle(scaler, model, opt)
+        scaler.update()
+    scaler.set_growth_interval(3)
+    state = scaler.state_dict()
+    assert state["_growth_tracker"] == 5
+    fresh = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=3)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["_growth_tracker"] == 5
+    reference = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=10)
+    reference.load_state_dict(state)
+    assert fresh.state_dict()["scale"] == reference.state_dict()["scale"]
+
+
+@pytest.mark.parametrize("setter", ["set_growth_factor", "set_backoff_factor"])
+def test_the_setters_refuse_what_the_constructor_refuses(setter):
+    scaler = DynamicLossScaler("cpu")
+    value = 1 + 1e-12 if setter == "set_growth_factor" else 1 - 1e-12
+    knob = setter[len("set_") :]
+    with pytest.raises(ValueError, match=rf"`DynamicLossScaler.{setter}\({knob}=.*float32 rounds it to 1.0"):
+        getattr(scaler, setter)(value)
+    with pytest.raises(ValueError, match=r"set_growth_interval\(growth_interval=0\)` is invalid"):
+        scaler.set_growth_interval(0)
+
+
+def test_reset_gives_the_constructors_state_back():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=2, hysteresis=2)
+    for bad in (True, True, False, False):
+        _plain_cycle(scaler, model, opt, bad)
+        scaler.update()
+        opt.zero_grad()
+    scaler.load_state_dict({**scaler.state_dict(), "growth_interval": 7})
+    scaler.reset()
+    assert scaler.scale_kept is False
+    assert scaler.get_growth_interval() == 2
+    _plain_cycle(scaler, model, opt)
+    assert scaler.get_scale() == 8.0
+    assert scaler.state_dict()["_hysteresis_tracker"] == 2
+
+
+# ------------------------------------------------------------------------------ fused state on a skipped first step
+@pytest.mark.parametrize("checker", ["scaler", "bf16"])
+def test_a_skipped_first_fused_step_leaves_no_optimizer_state(checker):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, fused=True)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0) if checker == "scaler" else NonFiniteChecker()
+    scaler.scale(model(torch.ones(1, 3)).sum() * float("inf")).backward()
+    scaler.step(opt)
+    assert scaler.step_was_skipped(opt) is True
+    assert len(opt.state) == 0  # fused SGD made momentum buffers of uninitialised memory; they are taken out
+    scaler.update()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    grads = [p.grad.detach() / scaler.get_scale() for p in model.parameters()]
+    scaler.step(opt)
+    for b, p, g in zip(before, model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.detach(), b - LR * g)  # a first step from a clean state
+
+
+def test_a_trainer_with_fused_momentum_sgd_matches_the_non_fused_one_after_a_skipped_first_step():
+    def run(fused: bool) -> list[torch.Tensor]:
+        class Momentum(TinyModel):
+            def configure_optimizers(self) -> Any:
+                return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9, fused=fused)
+
+        torch.manual_seed(0)
+        model = Momentum(poison={0: "inf"})
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**10)], max_steps=6).fit(model)
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------------------ the engine's cycle
+def _engine_cycle(engine: AmpEngine, model: nn.Module, opt: torch.optim.Optimizer, step: Any, bad: bool = False):
+    engine.scale(model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)).backward()
+    engine.begin(opt, step)
+    engine.unscale(opt)
+    engine.step(opt)
+
+
+def test_a_known_clean_update_records_with_no_device_op_of_its_own():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0, growth_interval=100))
+    counts = []
+    for step in range(5):
+        _engine_cycle(engine, model, opt, step, bad=step == 2)
+        with OpCounter() as counter:
+            engine.end_cycle()
+        counts.append(dict(counter.ops))
+        opt.zero_grad()
+    assert counts[1] == counts[4] == {"add_": 1}  # the tracker's increment; the history took no copy
+    assert counts[0].get("clone") == counts[3].get("clone") == 1  # the first record, and the one after a backoff
+    assert engine.history.curve() == [(0, 8.0), (3, 4.0)]
+    assert engine.history.skipped_steps == [2]
+    assert engine.skip_known_on_host
+
+
+def test_the_engine_opens_an_update_itself_when_the_caller_did_not():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    for _ in range(2):
+        engine.scale(model(torch.ones(1, 2)).sum()).backward()
+        engine.unscale(opt)  # no begin
+        engine.step(opt)
+        engine.end_cycle()
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.step(opt)  # no begin, no unscale
+    engine.end_cycle()
+    assert engine.history.num_steps == 3
+    assert engine.history.last_step == 2
+
+
+def test_new_gradients_are_those_of_a_backward_after_the_optimizers_last_step():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    other = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    assert not engine.has_new_gradients(opt)
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    assert engine.has_new_gradients(opt)
+    assert engine.has_new_gradients(other)
+    engine.begin(opt, 0)
+    engine.step(opt)
+    assert not engine.has_new_gradients(opt)
+    assert engine.has_new_gradients(other)
+
+
+def test_bf16_abort_without_the_check_and_skip_events_at_scale_one():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    unchecked = AmpEngine("bf16-mixed", None, skip_nonfinite=False)
+    unchecked.scale(model(torch.ones(1, 2)).sum()).backward()
+    unchecked.begin(opt, 0)
+    unchecked.step(opt)
+    unchecked.abort_cycle()  # records what stepped, never raises
+    assert unchecked.history.num_steps == 1
+    assert unchecked.step_was_skipped(opt) is False
+
+    events: list[SkipEvent] = []
+    engine = AmpEngine("bf16-mixed", None)
+    engine.skip_listeners.append(events.append)
+    for step in range(3):
+        _engine_cycle(engine, model, opt, step, bad=step > 0)
+        engine.end_cycle()
+        opt.zero_grad()
+    assert [(e.step, e.scale, e.new_scale, e.consecutive) for e in events] == [(1, 1.0, 1.0, 1), (2, 1.0, 1.0, 2)]
+    assert engine.optimizer_step_was_skipped
+
+
+def test_the_streak_warning_is_re_armed_by_a_clean_update_and_says_no_scale_in_bf16():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("bf16-mixed", None, warn_skip_streak=2)
+    pattern = [True, True, True, False, True, True]
+
+    def run() -> None:
+        for step, bad in enumerate(pattern):
+            _engine_cycle(engine, model, opt, step, bad=bad)
+            engine.end_cycle()
+            opt.zero_grad()
+
+    with pytest.warns(AmpPlusWarning) as caught:
+        run()
+    messages = [str(w.message) for w in caught if "in a row" in str(w.message)]
+    assert len(messages) == 2  # once per streak, not at every skip past the threshold
+    assert messages[0].startswith("2 optimizer updates in a row were skipped (inf/nan gradients): the weights")
+
+
+# ------------------------------------------------------------------------------ one optimizer stepping twice in a batch
+class TwoStepsPerBatch(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.lin = nn.Linear(8, 1)
+        self.ratios: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        plugin = self.trainer.precision_plugin
+        for _ in range(2):
+            opt.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(self.lin(x).float(), y))
+            true = self.lin.weight.grad.detach() / plugin.loss_scale  # the scale this backward used
+            before = self.lin.weight.detach().clone()
+            opt.step()
+            self.ratios.append(float((self.lin.weight.detach() - before).norm() / (LR * true).norm()))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self) -> Any:
+        return make_loader()
+
+
+def test_one_optimizer_stepping_twice_in_a_batch_applies_exact_updates_across_a_scale_change():
+    model = TwoStepsPerBatch()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    make_trainer(plugins=[plugin], max_steps=6).fit(model)
+    assert plugin.history.curve()[:3] == [(0, 256.0), (1, 512.0), (2, 1024.0)]  # a new scale every update
+    assert model.ratios == pytest.approx([1.0] * 6, rel=1e-5)  # 0.1.x: every second update was half its size
+
+
+# ------------------------------------------------------------------------------ reporter, monitor, plot, reuse
+class MixedGAN(LightningModule):
+    """A fused and a plain optimizer; `bad` maps a batch to the one whose loss overflows."""
+
+    def __init__(self, bad: dict[int, str]) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.g = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 1)
+        self.bad = bad
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_d, opt_g = self.optimizers()
+        x = batch[0]
+        which = self.bad.get(batch_idx)
+        loss_d = self.d(x).float().sum() * (float("inf") if which == "d" else 1.0)
+        loss_g = self.g(x).float().sum() * (float("inf") if which == "g" else 1.0)
+        self.manual_backward(loss_d)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.SGD(self.d.parameters(), lr=1e-3, fused=True),
+            torch.optim.SGD(self.g.parameters(), lr=1e-3),
+        )
+
+    def train_dataloader(self) -> Any:
+        return make_loader()
+
+
+def test_a_device_decided_skip_right_before_a_host_known_one_is_reported_first():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=12).fit(MixedGAN({3: "d", 4: "g"}))
+    assert plugin.history.skipped_steps == [3, 4]
+    assert reporter.skipped_steps == [3, 4]
+    assert [r["step"] for r in reporter.skips] == [3, 4]
+    assert reporter.state_dict()["consecutive"] == 2
+
+
+def test_the_stock_plugins_sampled_scale_lands_on_the_update_it_belongs_to_with_accumulation(tmp_path):
+    class Logged(TinyModel):
+        used: dict[int, float] = {}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+            self.used[step] = self.trainer.precision_plugin.scaler.get_scale()
+
+    model = Logged()
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1))
+    logger = CSVLogger(tmp_path)
+    make_trainer(
+        plugins=[stock],
+        callbacks=[LossScaleMonitor(logging_interval=1, progress_bar=False)],
+        logger=logger,
+        log_every_n_steps=1,
+        accumulate_grad_batches=2,
+        max_steps=4,
+    ).fit(model)
+    with open(logger.experiment.metrics_file_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    sampled = {int(r["step"]): float(r["amp/loss_scale"]) for r in rows if r.get("amp/loss_scale")}
+    assert model.used == {0: 256.0, 1: 512.0, 2: 1024.0, 3: 2048.0}
+    assert {s: v for s, v in sampled.items() if s in model.used} == model.used
+
+
+@pytest.mark.parametrize("values", ["0,1e308\n5,1.7e308", "0,0\n5,-1"])
+def test_plot_command_refuses_values_that_are_not_a_loss_scale(tmp_path, capsys, values):
+    (tmp_path / "metrics.csv").write_text("step,amp/loss_scale\n" + values + "\n")
+    assert cli(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: amp/loss_scale at step 0 is ")
+    assert "not a loss scale" in err[0]
+
+
+def test_another_fit_of_the_same_trainer_continues_the_scale_and_the_history():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=4)
+    reporter = NaNSkipReporter(max_warnings=0)
+    model = TinyModel(poison={2: "inf", 20: "inf"})
+    trainer = make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=-1, max_epochs=1)
+    trainer.fit(model)
+    first = plugin.history.num_steps
+    scale = plugin.scaler.get_scale()
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model)
+    assert plugin.history.num_steps == 2 * first  # continued, as Lightning's own counters do
+    assert plugin.history.scale_at(first) == scale  # not init_scale again
+    assert plugin.history.skipped_steps == [2, 20]
+    assert reporter.skipped_steps == [2, 20]
+
+
+def test_a_closure_whose_loss_is_nan_with_finite_gradients_is_skipped_and_a_second_step_in_a_cycle_is_refused():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+    checker = NonFiniteChecker()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.ones(1, 2)).sum()
+        checker.scale(loss).backward()
+        return loss.detach() * float("nan")  # finite gradients, a non-finite loss
+
+    checker.step(opt, closure)
+    assert checker.step_was_skipped(opt) is True
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update\(\)"):
+        checker.step(opt, closure=closure)
+    checker.update()
+
+    def clean() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.ones(1, 2)).sum()
+        checker.scale(loss).backward()
+        return loss
+
+    checker.step(opt, closure=clean)
+    assert checker.step_was_skipped(opt) is False
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
