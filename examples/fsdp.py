@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> AmpPlusFSDPPrecision:
     if trainer.is_global_zero:
         print(
             f"rank 0 of {trainer.world_size}: updates {plugin.history.num_steps}, applied {plugin.applied_steps},"
-            f" skipped at global_step {plugin.history.skipped_steps}; scale curve {plugin.history.curve()}"
+            f" skipped at step {plugin.history.skipped_steps}; scale curve {plugin.history.curve()}"
         )
     return plugin
 

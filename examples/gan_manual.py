@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> AmpPlusPrecision:
     trainer.fit(GAN(), loader)
     print(
         f"optimizer steps (global_step): {trainer.global_step}; updates (loss-scale cycles, one per batch):"
-        f" {plugin.history.num_steps}, applied {plugin.applied_steps}, skipped at global_step"
+        f" {plugin.history.num_steps}, applied {plugin.applied_steps}, skipped at step (the logger's)"
         f" {plugin.history.skipped_steps}; loss scale {plugin.loss_scale:g}"
     )
     return plugin

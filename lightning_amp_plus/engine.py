@@ -598,7 +598,7 @@ class EngineView:
 
     @property
     def applied_steps(self) -> int:
-        """Optimizer-step cycles that updated the weights (``trainer.global_step`` counts skipped ones too)."""
+        """Updates that changed the weights (``trainer.global_step`` counts skipped ones, and every optimizer's)."""
         return self._engine.applied_steps
 
     @property

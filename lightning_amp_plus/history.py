@@ -27,7 +27,8 @@ _STATE_VERSION = 2
 class ScaleHistory:
     """The loss-scale curve and the skipped steps of a run.
 
-    A *step* is the caller's step index (in Lightning, ``trainer.global_step`` when the optimizer step runs);
+    A *step* is the caller's step index (in Lightning, the step the logger uses for ``self.log`` in that batch;
+    under Fabric, the count of updates so far);
     ``scale_at(step)`` is the scale that step's backward used, i.e. the value *before* that step's update.
 
     Args:

@@ -77,7 +77,7 @@ def test_fsdp_example_runs_on_two_cpu_processes(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 0 of 2: updates 8, applied 6, skipped at global_step [3, 4]" in done.stdout
+    assert "rank 0 of 2: updates 8, applied 6, skipped at step [3, 4]" in done.stdout
     assert done.stdout.count("rank 0 of 2") == 1
     assert json.loads((tmp_path / "skips.json").read_text())["skipped_steps"] == [3, 4]
 
