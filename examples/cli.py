@@ -16,12 +16,19 @@ class CLIModel(LightningModule):
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.losses: list[float] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).float(), y)
         self.log("train_loss", loss)
+        self.losses.append(float(loss.detach()))
         return loss
+
+    def on_fit_end(self) -> None:
+        window = max(1, min(20, len(self.losses) // 4))
+        first, last = sum(self.losses[:window]) / window, sum(self.losses[-window:]) / window
+        print(f"loss {first:.3f} -> {last:.3f} (mean of the first and last {window} steps)")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -26,6 +26,7 @@ class GAN(LightningModule):
         self.generator = nn.Sequential(nn.Linear(latent, 32), nn.ReLU(), nn.Linear(32, dim))
         self.discriminator = nn.Sequential(nn.Linear(dim, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
         self.latent = latent
+        self.gaps: list[float] = []
 
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
         (real,) = batch
@@ -47,6 +48,8 @@ class GAN(LightningModule):
         self.manual_backward(g_loss)
         opt_g.step()
         self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
+        # how far the generated samples are from the real distribution's mean: what "learning" means here
+        self.gaps.append(float((fake.detach().float().mean(0) - real.float().mean(0)).norm()))
 
     def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
         return (
@@ -77,7 +80,11 @@ def main(argv: list[str] | None = None) -> AmpPlusPrecision:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(GAN(), loader)
+    model = GAN()
+    trainer.fit(model, loader)
+    window = max(1, min(20, len(model.gaps) // 4))
+    first, last = sum(model.gaps[:window]) / window, sum(model.gaps[-window:]) / window
+    print(f"gap between generated and real means: {first:.3f} -> {last:.3f} (first and last {window} batches)")
     print(
         f"optimizer steps (global_step): {trainer.global_step}; updates (loss-scale cycles, one per batch):"
         f" {plugin.history.num_steps}, applied {plugin.applied_steps}, skipped at step (the logger's)"

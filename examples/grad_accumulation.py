@@ -21,14 +21,18 @@ class Regressor(LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 1))
         self.grad_norms: list[float] = []
+        self.losses: list[float] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.net(x).float(), y)
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.losses.append(float(loss.detach()))
+        return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # a true (unscaled) norm of the accumulated gradients, as a logger would want it
-        self.grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+        norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in self.parameters()])
+        self.grad_norms.append(float(torch.linalg.vector_norm(norms)))  # the true gradients' global norm
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -60,9 +64,12 @@ def main(argv: list[str] | None = None) -> Regressor:
         enable_model_summary=False,
     )
     trainer.fit(model, loader)
+    window = max(1, min(args.accumulate * 4, len(model.losses) // 4))
+    first, last = sum(model.losses[:window]) / window, sum(model.losses[-window:]) / window
     print(
         f"optimizer steps: {trainer.global_step} over {trainer.global_step * args.accumulate} batches;"
-        f" true grad norms (first 3): {[round(n, 3) for n in model.grad_norms[:3]]}; loss scale {plugin.loss_scale:g}"
+        f" true grad norms (first 3): {[round(n, 3) for n in model.grad_norms[:3]]}; loss scale {plugin.loss_scale:g};"
+        f" loss {first:.3f} -> {last:.3f} (mean of the first and last {window} batches)"
     )
     return model
 

@@ -39,7 +39,7 @@ class TinyTransformer(LightningModule):
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(1, 64, dim))
         layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)  # norm_first has no fast path
         self.head = nn.Linear(dim, vocab)
         self.losses: list[float] = []
 

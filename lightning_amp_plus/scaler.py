@@ -17,10 +17,11 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import say
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import FLOAT32_TINY, INT32_MAX, _is_int, _is_real, check_bool, check_scaler_args
 
 
-class DynamicLossScaler(torch.amp.GradScaler):
+class DynamicLossScaler(KnobsRepr, torch.amp.GradScaler):
     """Dynamic loss scaler with scale bounds and hysteresis (Megatron's rule, bounded).
 
     Per optimizer-step cycle (one :meth:`update`):
@@ -82,6 +83,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         max_scale: float = 2.0**24,
         hysteresis: int = 1,
     ) -> None:
+        self._given = given_arguments(DynamicLossScaler.__init__, locals())
         owner = type(self).__name__
         check_scaler_args(
             owner,
@@ -586,6 +588,8 @@ class ShardedDynamicLossScaler(DynamicLossScaler):
 
     def __init__(self, device: str = "cuda", *args: Any, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(device, *args, **kwargs)
+        if process_group is not None:
+            self._given = {**self._given, "process_group": process_group}
         self.process_group = process_group
         self._reduce_over_ranks = True
 
@@ -617,6 +621,7 @@ class NonFiniteChecker(DynamicLossScaler):
 
     def __init__(self, *, sharded: bool = False, process_group: Any = None) -> None:
         super().__init__("cpu", init_scale=1.0, min_scale=1.0, max_scale=1.0)
+        self._given = given_arguments(NonFiniteChecker.__init__, locals())
         self.process_group = process_group
         self._reduce_over_ranks = sharded
 

@@ -20,10 +20,21 @@ def test_main_example_writes_the_scale_curve(tmp_path, capsys):
     assert json.loads((tmp_path / "skips.json").read_text())["num_steps"] == 6
 
 
-def test_accumulation_example_sees_true_gradients(tmp_path):
+def _before_after(out: str, what: str) -> tuple[float, float]:
+    """The ``{what} A -> B`` figures an example prints (3 decimals)."""
+    import re
+
+    first, last = re.search(rf"\b{what} (-?[0-9.]+) -> (-?[0-9.]+)", out).groups()
+    return float(first), float(last)
+
+
+def test_accumulation_example_sees_true_gradients(tmp_path, capsys):
     from examples.grad_accumulation import main
 
     model = main(["--fast", "--accumulate", "2", "--out", str(tmp_path)])
+    first, last = _before_after(capsys.readouterr().out, "loss")
+    assert first == pytest.approx(model.losses[0], abs=5e-4)  # the printed window: one batch at this size
+    assert last == pytest.approx(model.losses[-1], abs=5e-4)
     assert len(model.grad_norms) == 3
     finite = [n for n in model.grad_norms if n == n and n != float("inf")]  # an overflowing step shows inf
     assert finite
@@ -43,12 +54,16 @@ def test_benchmark_smoke(capsys):
     assert "us/step over stock" in out
 
 
-def test_cli_builds_everything_from_yaml(tmp_path, monkeypatch):
+def test_cli_builds_everything_from_yaml(tmp_path, monkeypatch, capsys):
     from examples.cli import main
 
     monkeypatch.chdir(tmp_path)
     config = os.path.abspath(os.path.join(EXAMPLES, "config.yaml"))
     cli = main(["fit", "--config", config, "--trainer.max_steps", "5"])
+    model = cli.model
+    first, last = _before_after(capsys.readouterr().out, "loss")
+    assert first == pytest.approx(model.losses[0], abs=5e-4)
+    assert last == pytest.approx(model.losses[-1], abs=5e-4)
     plugin = cli.trainer.precision_plugin
     assert isinstance(plugin, AmpPlusPrecision)
     assert plugin.scaler.get_growth_interval() == 20

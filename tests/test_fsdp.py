@@ -243,7 +243,10 @@ class Sharded(TinyModel):
         self.norms = []
 
     def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6 has it here
+            from torch.distributed._composable.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:

@@ -114,3 +114,15 @@ def test_sharded_scaler_with_a_fused_optimizer_in_a_plain_loop_skips_on_every_ra
     zero, one = run_script(PLAIN_FUSED, tmp_path, timeout=120)
     assert zero["unchanged"] == one["unchanged"] == [1]  # 0.1.x: rank 0 stepped at 1024, rank 1 skipped
     assert zero["scales"] == one["scales"] == [1024.0, 512.0, 512.0, 512.0]
+
+
+@pytest.mark.slow
+def test_a_packed_all_reduce_costs_fewer_collectives_and_bytes_than_torchmetrics_sync():
+    from examples.reduction_cost import measure
+
+    result = measure(params=50)
+    ours, theirs = result["ours"], result["torchmetrics"]
+    assert ours["figures"] == theirs["figures"]  # the same sums and maximum on every rank
+    assert ours["collectives"] == 3  # one per figure: offenders, underflow counts, largest gradient
+    assert theirs["collectives"] > ours["collectives"]
+    assert theirs["bytes_received"] >= 2 * ours["bytes_received"] - 8  # every state gathered from both ranks

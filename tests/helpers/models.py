@@ -11,6 +11,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``tensors`` together (``torch.nn.utils.get_total_norm`` exists from torch 2.6 only)."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors]))
+
+
 def make_loader(n: int = 64, batch_size: int = 4, seed: int = 0, features: int = 8) -> DataLoader:
     """A deterministic regression data set."""
     g = torch.Generator().manual_seed(seed)
