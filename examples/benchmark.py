@@ -9,13 +9,16 @@ step are counted in a separate, untimed round (`aten._local_scalar_dense` dispat
 A step is timed from one ``on_train_batch_start`` to the next, so everything the loop does per batch (the
 callbacks' ``on_train_batch_end``, logging) is inside it. ``--size small`` is the host-bound case (MLP 256-512-4,
 batch 8, ``gradient_clip_val=1.0``), where the package's per-step Python is what shows: the table then gives each
-configuration's microseconds per step over stock.
+configuration's microseconds per step over stock. Rounds run the configurations in a shuffled order, and that
+figure is the median over rounds of each round's difference to stock AMP, so a shared CPU whose speed drifts during
+the run moves both sides of each difference alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import random
 import os
 import platform
 import resource
@@ -120,13 +123,23 @@ def _peak_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def configs(device: str, precision: str) -> dict[str, Callable[[], tuple[list[Precision], list[Callback]]]]:
+class EmptyCallback(Callback):
+    """A callback that does nothing: Lightning still dispatches every hook to it."""
+
+
+def configs(
+    device: str, precision: str, floor: bool = False
+) -> dict[str, Callable[[], tuple[list[Precision], list[Callback]]]]:
     def fp32() -> tuple[list[Precision], list[Callback]]:
         return [], []
 
     def stock() -> tuple[list[Precision], list[Callback]]:
         scaler = torch.amp.GradScaler(device) if precision == "16-mixed" else None
         return [MixedPrecision(precision, device, scaler=scaler)], []  # type: ignore[arg-type]
+
+    def stock_two_empty_callbacks() -> tuple[list[Precision], list[Callback]]:
+        plugins, _ = stock()
+        return plugins, [EmptyCallback(), EmptyCallback()]  # what Lightning charges for any two callbacks
 
     def plugin_alone() -> tuple[list[Precision], list[Callback]]:
         return [AmpPlusPrecision(precision)], []  # type: ignore[list-item]
@@ -139,6 +152,8 @@ def configs(device: str, precision: str) -> dict[str, Callable[[], tuple[list[Pr
         return [plugin], [LossScaleMonitor(), NaNSkipReporter()]  # type: ignore[list-item]
 
     table = {"fp32": fp32, "stock AMP": stock, "AmpPlusPrecision": plugin_alone, "AmpPlusPrecision + callbacks": ours}
+    if floor:  # the small-step case: show what two callbacks cost whatever they do
+        table = {**table, "stock AMP + 2 empty callbacks": stock_two_empty_callbacks}
     if precision == "bf16-mixed":  # the non-finite check is the feature's price: show the run without it too
         table["AmpPlusPrecision(skip_nonfinite=False) + callbacks"] = ours_unchecked
     return table
@@ -205,14 +220,22 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         sizes, batch = (4096, 2048, 1024), 256
     else:
         sizes, batch = (512, 256, 128), 64
-    table = configs(args.device, args.precision)
+    table = configs(args.device, args.precision, floor=args.size == "small")
     times: dict[str, list[float]] = {name: [] for name in table}
     peaks: dict[str, float] = {name: 0.0 for name in table}
-    for _ in range(args.rounds):  # interleaved: A B C, A B C, ...
-        for name, make in table.items():
-            t, peak, _ = run_once(args.device, sizes, batch, args.steps, make, args.warmup, clip=clip)
+    order = random.Random(0)
+    paired: dict[str, list[float]] = {name: [] for name in table}  # per round: this config's median - stock's
+    for _ in range(args.rounds):  # interleaved rounds, each in a shuffled order: drift hits every config alike
+        names = list(table)
+        order.shuffle(names)
+        round_medians = {}
+        for name in names:
+            t, peak, _ = run_once(args.device, sizes, batch, args.steps, table[name], args.warmup, clip=clip)
             times[name].extend(t)
+            round_medians[name] = statistics.median(t)
             peaks[name] = max(peaks[name], peak)
+        for name in table:
+            paired[name].append(round_medians[name] - round_medians["stock AMP"])
     syncs = {}
     for name, make in table.items():
         sync_steps = max(4, min(args.steps, 20))
@@ -228,7 +251,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 "peak_mib": peaks[name],
                 "syncs_per_step": syncs[name],
                 "vs_stock": medians[name] / medians["stock AMP"],
-                "us_over_stock": (medians[name] - medians["stock AMP"]) * 1e6,
+                # the median over rounds of the paired difference: robust to a machine whose speed drifts
+                "us_over_stock": statistics.median(paired[name]) * 1e6,
                 "vs_fp32": medians[name] / medians["fp32"],
             }
         )

@@ -646,36 +646,37 @@ class NonFiniteChecker(DynamicLossScaler):
             closure, args = args[0], args[1:]
         if closure is None:
             return super().step(optimizer, *args, **kwargs)
-        return self._step_with_closure(optimizer, closure, *args, **kwargs)
+        return self._step_with_closure(optimizer, closure, **kwargs)
 
-    def _step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Any, *args: Any, **kwargs: Any) -> Any:
+    def _step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Any, **kwargs: Any) -> Any:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        device = params[0].device if params else torch.device("cpu")
         if self._scale is None:
-            self._lazy_init_scale_growth_tracker(device)
-        assert self._scale is not None
-        one = torch.ones((), dtype=torch.float32, device=self._scale.device)
+            self._lazy_init_scale_growth_tracker(params[0].device)
+        scale = self._scale
+        assert scale is not None
+        # float32 whatever the default dtype: torch's check takes float32 flags and an inverse scale
+        one = torch.ones((), dtype=torch.float32, device=scale.device)
         flags: list[Tensor] = []
 
         def checked() -> Any:
             loss = closure()
             with torch.no_grad():
-                found = torch.zeros((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
-                per_device = self._unscale_grads_(optimizer, one, found, True)
-                flag = torch.stack([f.to(found.device) for f in per_device.values()]).sum()
+                found = torch.zeros((), dtype=torch.float32, device=scale.device)
+                flags.extend(self._unscale_grads_(optimizer, one, found, True).values())
                 if isinstance(loss, Tensor):
-                    flag = flag + loss.detach().isfinite().logical_not().any().to(found.device)
-                flags.append(flag)
+                    flags.append(loss.detach().isfinite().logical_not().any().to(found))
             return loss
 
         with torch.no_grad():
             saved_params = [p.detach().clone() for p in params]
             saved_state = {p: copy.deepcopy(s) for p, s in optimizer.state.items()}
-        retval = optimizer.step(checked, *args, **kwargs)
-        found = torch.stack(flags).sum() if flags else torch.zeros((), device=self._scale.device)
+        retval = optimizer.step(checked, **kwargs)
+        if not flags:
+            raise RuntimeError(f"`{type(optimizer).__name__}.step(closure)` did not evaluate the closure.")
+        found = torch.stack([f.to(scale.device) for f in flags]).sum()
         skipped = bool(found.item())  # a closure optimizer reads its loss on the host anyway
         if skipped:
             with torch.no_grad():

@@ -487,3 +487,45 @@ def test_a_closure_whose_loss_is_nan_with_finite_gradients_is_skipped_and_a_seco
     checker.step(opt, closure=clean)
     assert checker.step_was_skipped(opt) is False
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_closure_step_checks_in_float32_whatever_the_default_dtype():
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = nn.Linear(2, 1)  # float64 parameters
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+        checker = NonFiniteChecker()
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(torch.ones(1, 2)).sum() * float("inf")
+            checker.scale(loss).backward()
+            return loss
+
+        before = [p.detach().clone() for p in model.parameters()]
+        checker.step(opt, closure)
+        assert checker.step_was_skipped(opt) is True
+        assert checker.found_inf().dtype == torch.float32
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_an_unpickled_scaler_keeps_the_fast_path_and_claims_nothing():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=5, hysteresis=2)
+    assert scaler.scale_kept is False  # nothing recorded yet: a new scaler claims nothing
+    for bad in (True, False, False):
+        _plain_cycle(scaler, model, opt, bad)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.scale_kept is True
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.scale_kept is False
+    assert copy.state_dict() == scaler.state_dict()  # trackers included
+    _plain_cycle(copy, model, opt)
+    with HostSyncCounter() as counter:
+        copy.update()
+    assert counter.count == 0  # the host still knows the tracker: no read back
+    assert copy.state_dict()["_growth_tracker"] == 3
