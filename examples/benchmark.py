@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import random
 import os
 import platform
+import random
 import resource
 import statistics
 import tempfile

@@ -45,9 +45,16 @@ def test_benchmark_smoke(capsys):
     from examples.benchmark import main
 
     rows = main(["--device", "cpu", "--steps", "3", "--rounds", "1", "--warmup", "1", "--size", "small"])
-    assert [r["config"] for r in rows] == ["fp32", "stock AMP", "AmpPlusPrecision", "AmpPlusPrecision + callbacks"]
+    assert [r["config"] for r in rows] == [
+        "fp32",
+        "stock AMP",
+        "AmpPlusPrecision",
+        "AmpPlusPrecision + callbacks",
+        "stock AMP + 2 empty callbacks",
+    ]
     assert rows[1]["syncs_per_step"] == 1.0
     assert rows[2]["syncs_per_step"] == rows[3]["syncs_per_step"] == rows[1]["syncs_per_step"]  # none of our own
+    assert rows[1]["us_over_stock"] == 0.0  # the paired difference of stock with itself
     out = capsys.readouterr().out
     assert "MLP (256, 512, 4) batch 8 SGD clip 1.0" in out
     assert "| AmpPlusPrecision + callbacks |" in out
