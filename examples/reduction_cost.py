@@ -3,11 +3,11 @@
 Runs 2 CPU processes (gloo) and counts, per logging point, the collectives each rank issues and the bytes it
 receives, for the two figures the callbacks reduce across FSDP shards: ``NaNSkipReporter``'s per-parameter inf/nan
 counts and ``GradUnderflowMonitor``'s underflow counts, element counts and largest gradient. torchmetrics is
-measured with the states it would need (``dist_reduce_fx="sum"``/``"max"``); its sync gathers every state from every
-rank (sizes first, then data) and reduces locally, where a packed all-reduce moves one tensor once. Both give the same
-figures (checked).
+measured with the states it would need, packed as ours are (``dist_reduce_fx="sum"``/``"max"``); its sync gathers
+every state from every rank (sizes first, then data) and reduces locally, where a packed all-reduce moves one tensor
+once. Both give the same figures (checked). The barriers torchmetrics runs around its gathers are not counted.
 
-    python examples/reduction_cost.py [--params 200]
+    python examples/reduction_cost.py [--params 200] [--json OUT]
 """
 
 from __future__ import annotations
@@ -79,20 +79,18 @@ def with_torchmetrics(counts: torch.Tensor, small: torch.Tensor, sizes: torch.Te
         def compute(self) -> torch.Tensor:
             return self.counts
 
-    class Underflow(Metric):
+    class Underflow(Metric):  # packed like ours: counts and element counts in one state
         def __init__(self) -> None:
             super().__init__()
-            self.add_state("small", default=torch.zeros_like(small), dist_reduce_fx="sum")
-            self.add_state("sizes", default=torch.zeros_like(sizes), dist_reduce_fx="sum")
+            self.add_state("packed", default=torch.zeros(small.numel() + sizes.numel()), dist_reduce_fx="sum")
             self.add_state("largest", default=torch.zeros(()), dist_reduce_fx="max")
 
         def update(self, s: torch.Tensor, n: torch.Tensor, m: torch.Tensor) -> None:
-            self.small += s
-            self.sizes += n
+            self.packed += torch.cat([s, n])
             self.largest = torch.maximum(self.largest, m)
 
         def compute(self) -> torch.Tensor:
-            return torch.cat([self.small, self.sizes, self.largest.reshape(1)])
+            return torch.cat([self.packed, self.largest.reshape(1)])
 
     offenders, underflow = Offenders(), Underflow()
     offenders.update(counts)
@@ -117,6 +115,7 @@ def worker(rank: int, port: int, params: int, out: str) -> None:
         result[name] = {"collectives": recorder.calls, "bytes_received": recorder.bytes, "figures": figures}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()  # no rank tears gloo down while its peer is still in a collective
     dist.destroy_process_group()
 
 
@@ -134,8 +133,12 @@ def measure(params: int = 200, out: str | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=200, help="parameters (tensors) in the model")
+    parser.add_argument("--json", default=None, help="also write rank 0's figures here")
     args = parser.parse_args(argv)
     result = measure(args.params)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
     same = result["ours"]["figures"] == result["torchmetrics"]["figures"]
     print(f"# 2 processes (gloo), {args.params} parameters, one logging point of both callbacks; same figures: {same}")
     print("| reduction | collectives | bytes in their outputs, per rank |")

@@ -6,6 +6,7 @@ Torch only (no Lightning import): usable in a plain PyTorch loop exactly like ``
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -539,6 +540,19 @@ class DynamicLossScaler(KnobsRepr, torch.amp.GradScaler):
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
 
+    def __repr__(self) -> str:
+        """The class and what differs from the defaults, with the knobs as they are now.
+
+        After a checkpoint or a setter the live values show, e.g. ``DynamicLossScaler(device='cpu', hysteresis=2)``.
+        """
+        if not self._enabled:
+            return f"{type(self).__name__}(enabled=False)"
+        defaults = {name: p.default for name, p in inspect.signature(DynamicLossScaler.__init__).parameters.items()}
+        live = {"device": self._device, "init_scale": self._constructed["init_scale"], **self._knobs()}
+        shown = {k: v for k, v in self._given.items() if k not in live}  # e.g. process_group, sharded
+        shown.update({k: v for k, v in live.items() if k in self._given or v != defaults.get(k)})
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     def _knobs(self) -> dict[str, Any]:
         return {
             "growth_factor": self._growth_factor,
@@ -624,6 +638,8 @@ class NonFiniteChecker(DynamicLossScaler):
         self._given = given_arguments(NonFiniteChecker.__init__, locals())
         self.process_group = process_group
         self._reduce_over_ranks = sharded
+
+    __repr__ = KnobsRepr.__repr__  # its knobs are fixed: the constructor's arguments say everything
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         """``outputs`` unchanged (the scale is 1); the first call places the scale on the outputs' device."""

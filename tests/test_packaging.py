@@ -54,13 +54,14 @@ def test_the_public_names_load_on_first_use():
         lightning_amp_plus.Nope  # noqa: B018
 
 
-def test_report_files_get_the_users_umask(tmp_path):
-    old = os.umask(0o022)
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_report_files_get_the_users_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
     try:
         write_json_atomically(tmp_path / "skips.json", {"a": 1})
     finally:
         os.umask(old)
-    assert oct(os.stat(tmp_path / "skips.json").st_mode & 0o777) == oct(0o644)
+    assert oct(os.stat(tmp_path / "skips.json").st_mode & 0o777) == oct(mode)
 
 
 def test_scalers_print_the_arguments_that_differ_from_the_defaults():
@@ -70,6 +71,11 @@ def test_scalers_print_the_arguments_that_differ_from_the_defaults():
     assert repr(ShardedDynamicLossScaler("cpu", growth_interval=5)) == (
         "ShardedDynamicLossScaler(device='cpu', growth_interval=5)"
     )
+    scaler = DynamicLossScaler("cpu", growth_interval=7)
+    scaler.set_growth_interval(9)
+    resumed = DynamicLossScaler("cpu")
+    resumed.load_state_dict(scaler.state_dict())
+    assert repr(scaler) == repr(resumed) == "DynamicLossScaler(device='cpu', growth_interval=9)"  # the live knobs
     assert repr(NonFiniteChecker()) == "NonFiniteChecker()"
     assert repr(NonFiniteChecker(sharded=True)) == "NonFiniteChecker(sharded=True)"
     assert repr(NaNSkipReporter(max_warnings=1)) == "NaNSkipReporter(max_warnings=1)"

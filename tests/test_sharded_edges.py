@@ -117,10 +117,22 @@ def test_sharded_scaler_with_a_fused_optimizer_in_a_plain_loop_skips_on_every_ra
 
 
 @pytest.mark.slow
-def test_a_packed_all_reduce_costs_fewer_collectives_and_bytes_than_torchmetrics_sync():
-    from examples.reduction_cost import measure
+def test_a_packed_all_reduce_costs_fewer_collectives_and_bytes_than_torchmetrics_sync(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
 
-    result = measure(params=50)
+    from tests.helpers.sharded import ROOT
+
+    out = tmp_path / "cost.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    script = os.path.join(ROOT, "examples", "reduction_cost.py")
+    done = subprocess.run(
+        [sys.executable, script, "--params", "50", "--json", str(out)], env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
     ours, theirs = result["ours"], result["torchmetrics"]
     assert ours["figures"] == theirs["figures"]  # the same sums and maximum on every rank
     assert ours["collectives"] == 3  # one per figure: offenders, underflow counts, largest gradient

@@ -54,6 +54,20 @@ def check_writable(owner: str, name: str, path: Any) -> None:
         ) from error
 
 
+def _umask() -> int:
+    """The process's umask: read from ``/proc`` where it can be, else set and restored at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def write_json_atomically(path: Any, data: Any) -> None:
     """Write ``data`` as JSON to a temporary file beside ``path``, then rename it into place (never half a file)."""
     target = os.path.abspath(os.fspath(path))
@@ -61,9 +75,7 @@ def write_json_atomically(path: Any, data: Any) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # the user's umask, like every other file (mkstemp makes it 0600)
+        os.fchmod(fd, 0o666 & ~_umask())  # the user's umask, like every other file (mkstemp makes it 0600)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2)
         os.replace(tmp, target)

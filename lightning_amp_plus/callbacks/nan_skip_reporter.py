@@ -292,7 +292,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
             self._warned += 1
             if self._warned == self.max_warnings:
                 say(
-                    f"`NaNSkipReporter`: {self.max_warnings} skipped steps printed; further skips are counted in"
+                    f"`NaNSkipReporter`: {_count(self.max_warnings, 'skipped step')} printed; further skips are"
+                    " counted in"
                     " `.skips` and summarised at the end of fit."
                 )
         self._check_collapse(record)
@@ -307,10 +308,14 @@ class NaNSkipReporter(KnobsRepr, Callback):
         if at_floor and scaler is not None:
             why = (
                 f"step {record['step']} overflowed while the loss scale already sat at min_scale={scaler.min_scale:g}"
-                f" ({self._consecutive} consecutive skipped steps)"
+                f" ({_count(self._consecutive, 'consecutive skipped step')})"
             )
         else:
-            why = f"{self._consecutive} consecutive optimizer steps were skipped (max_consecutive_skips={limit})"
+            were = "was" if self._consecutive == 1 else "were"
+            why = (
+                f"{_count(self._consecutive, 'consecutive optimizer step')} {were} skipped"
+                f" (max_consecutive_skips={limit})"
+            )
         offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
         message = (
             f"Mixed-precision training collapsed: {why}; loss scale {record['scale']:g}; last offenders: {offenders}."
@@ -333,10 +338,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._collect_device_skips()
         if self._num_skips:
             report = self.report()
-            worst = ", ".join(
-                f"{w['name']} ({w['skips']} skip{'' if w['skips'] == 1 else 's'})"
-                for w in report["worst_offenders"][:5]
-            )
+            worst = ", ".join(f"{w['name']} ({_count(w['skips'], 'skip')})" for w in report["worst_offenders"][:5])
             steps = report["skipped_steps"]
             shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
             say(
@@ -425,6 +427,11 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._consecutive = int(state_dict["consecutive"])
         self._reported_upto = int(state_dict["reported_upto"])
         self._warned = int(state_dict["warned"])
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 skip``, ``2 skips``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _finite_or_none(loss: Optional[Tensor]) -> Optional[float]:
