@@ -3,7 +3,7 @@
 AdamW (lr 1e-3) with linear warmup, gradient clipping, LossScaleMonitor (the scale in the progress bar) and
 NaNSkipReporter. The scale starts high (``init_scale=2**24``) and calibrates down in the first steps, each overflow
 skipped and named; the run ends by printing the loss before and after and writing the scale-curve PNG (the curve,
-the skipped steps marked, the loss below). About a minute on a 2-core CPU; ``--fast`` runs a few steps.
+the skipped steps marked, the loss below). 20-40 s on a 2-core CPU (README "Set up"); ``--fast`` runs a few steps.
 
     python examples/train_transformer.py [--steps 300] [--out runs/transformer] [--fast]
 """
