@@ -224,7 +224,6 @@ class AmpEngine:
         """
         cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
         cycle.stepped.append(optimizer)
-        self._stepped_at[id(optimizer)] = self._backwards
         try:
             if self.checker is None:
                 return optimizer.step(**kwargs)

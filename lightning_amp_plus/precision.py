@@ -238,44 +238,20 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         **kwargs: Any,
     ) -> Any:
         real = resolve_optimizer(optimizer)
-        if isinstance(real, LBFGS):  # bf16 only (16-mixed refuses it at connect)
-            return self._closure_step(real, optimizer, model, closure, **kwargs)
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            # `training_step` returned None: no backward ran. The hooks run as in stock Lightning; nothing is
-            # unscaled, clipped, stepped or counted (gradients accumulated earlier stay scaled for the next step).
-            self._no_step = True
-            try:
-                self._after_closure(model, optimizer)
-            finally:
-                self._no_step = False
-            return closure_result
-        engine = self._engine
-        engine.begin(real, logger_step(model))
-        try:
-            engine.unscale(real)
-            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks and clipping see true gradients
-            step_output = engine.step(real, **kwargs)
-        except BaseException:
-            engine.abort_cycle()  # never a stale unscale: the next step starts a clean cycle
-            raise
-        if model.automatic_optimization:
-            engine.end_cycle()
-        return step_output
-
-    def _closure_step(
-        self,
-        real: Optimizer,
-        optimizer: Optimizer,
-        model: pl.LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
-    ) -> Any:
-        """Step an optimizer that evaluates the closure itself (LBFGS), as stock does.
-
-        Hooks and clipping run after each evaluation; with ``skip_nonfinite`` every evaluation is checked and a step
-        that met inf/nan is undone.
-        """
+        # LBFGS (bf16 only: 16-mixed refuses it at connect) evaluates the closure itself, as stock lets it: the
+        # training step, hooks and clipping run inside its step, which checks the gradients after each evaluation
+        evaluates_closure = isinstance(real, LBFGS)
+        if not evaluates_closure:
+            closure_result = closure()
+            if closure_result is None and model.automatic_optimization:
+                # `training_step` returned None: no backward ran. The hooks run as in stock Lightning; nothing is
+                # unscaled, clipped, stepped or counted (gradients accumulated earlier stay scaled for the next step).
+                self._no_step = True
+                try:
+                    self._after_closure(model, optimizer)
+                finally:
+                    self._no_step = False
+                return closure_result
 
         def closure_and_hooks() -> Any:
             result = closure()
@@ -284,13 +260,16 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
 
         engine = self._engine
         engine.begin(real, logger_step(model))
-        # the training step and clipping run inside the step: the update is open, nothing is scaled, and the
-        # step checks the gradients after each evaluation
-        self._in_closure_step = True
+        self._in_closure_step = evaluates_closure
         try:
-            step_output = engine.step(real, closure=closure_and_hooks, **kwargs)
+            if evaluates_closure:
+                step_output = engine.step(real, closure=closure_and_hooks, **kwargs)
+            else:
+                engine.unscale(real)
+                self._after_closure(model, optimizer)  # on_before_optimizer_step hooks and clipping: true gradients
+                step_output = engine.step(real, **kwargs)
         except BaseException:
-            engine.abort_cycle()
+            engine.abort_cycle()  # never a stale unscale: the next step starts a clean cycle
             raise
         finally:
             self._in_closure_step = False
@@ -366,7 +345,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         """Resume a stock ``MixedPrecision`` run (no state of ours in the checkpoint) at its scale."""
         if type(self).__qualname__ in checkpoint:
             return  # ours: Lightning loads it through `load_state_dict`
-        for key in (*_OUR_KEYS, self._stock_key, *_STOCK_KEYS, "native_amp_scaling_state"):
+        for key in (*_OUR_KEYS, *_STOCK_KEYS, "native_amp_scaling_state"):
             if key in checkpoint:
                 self._engine.load_state_dict(checkpoint[key], where=f"checkpoint[{key!r}]")
                 return
@@ -384,7 +363,7 @@ def _find_lightning_module(model: torch.nn.Module) -> Optional[pl.LightningModul
 
 #: the checkpoint keys of our Lightning plugins (each resumes the other's state) and of the stock ones
 _OUR_KEYS = ("AmpPlusPrecision", "AmpPlusFSDPPrecision")
-_STOCK_KEYS = ("MixedPrecision", "FSDPPrecision")
+_STOCK_KEYS = ("FSDPPrecision", "MixedPrecision")
 
 
 def logger_step(module: Optional[pl.LightningModule]) -> Optional[int]:

@@ -22,7 +22,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import FLOAT32_TINY, INT32_MAX, _is_int, _is_real, check_bool, check_scaler_args
 
 
-class DynamicLossScaler(KnobsRepr, torch.amp.GradScaler):
+class DynamicLossScaler(torch.amp.GradScaler):
     """Dynamic loss scaler with scale bounds and hysteresis (Megatron's rule, bounded).
 
     Per optimizer-step cycle (one :meth:`update`):
