@@ -77,6 +77,31 @@ def resolve_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+#: name segments that wrappers insert between the user's modules: FSDP1, activation checkpointing, torch.compile
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def is_compiled_wrapper(module: Any) -> bool:
+    """Whether ``module`` is ``torch.compile``'s ``OptimizedModule`` (by type; torch's dynamo need not be imported)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(dynamo, "OptimizedModule", None) if dynamo is not None else None
+    return isinstance(cls, type) and isinstance(module, cls)
+
+
+def clean_name(name: str) -> str:
+    """A module or parameter name as the user wrote it: without FSDP's, checkpointing's or compile's segments.
+
+    The one rule for every name the package reports (offenders, rows, islands, worst parameters).
+
+    Example:
+        >>> clean_name("model._orig_mod.bert._fsdp_wrapped_module.embeddings.LayerNorm.weight")
+        'model.bert.embeddings.LayerNorm.weight'
+    """
+    if "_" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
 def resolve_module(module: Any) -> Any:
     """The user's module inside Fabric's ``_FabricModule``, ``torch.compile``'s ``OptimizedModule`` and DDP (nested).
 

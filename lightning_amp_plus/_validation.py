@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX
+
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -56,13 +58,6 @@ def check_choice(owner: str, name: str, value: Any, allowed: Iterable[Any], hint
             message += f" HINT: {hint}"
         raise ValueError(message)
     return value
-
-
-#: float32's largest finite value and smallest normal value: the range a device-side scale can hold
-FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_TINY = 2.0**-126
-#: the device-side growth and hysteresis trackers are int32
-INT32_MAX = 2**31 - 1
 
 
 def as_float32(value: float) -> float:

@@ -108,7 +108,7 @@ class AmpEngine:
             self.checker = NonFiniteChecker(sharded=sharded)
         #: warn once a run of this many skipped updates in a row is seen (None: never)
         self.warn_skip_streak = warn_skip_streak
-        self.history = ScaleHistory()
+        self.history = ScaleHistory(scaled=self.scaler is not None)
         #: callables run on every skipped update whose skip the host knows (see :class:`SkipEvent`)
         self.skip_listeners: list[Callable[[SkipEvent], None]] = []
         #: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)
@@ -131,7 +131,7 @@ class AmpEngine:
         """
         if self.checker is not None:
             self.checker.reset()
-        self.history = ScaleHistory()
+        self.history = ScaleHistory(scaled=self.scaler is not None)
         self._cycle = None
         self._last_cycle_skipped = False
         self._streak_warned = False

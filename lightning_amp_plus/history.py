@@ -34,6 +34,8 @@ class ScaleHistory:
     Args:
         capacity: steps buffered on the device before an automatic flush (one host transfer per ``capacity`` steps
             at most, when nobody flushes earlier).
+        scaled: whether the scale is a loss scale (default True); bf16-mixed histories record skips under a constant
+            1.0, and plots and monitors show no scale for them.
 
     Example:
         >>> import torch
@@ -47,8 +49,10 @@ class ScaleHistory:
         ([1], 1, 2.0)
     """
 
-    def __init__(self, capacity: int = 256) -> None:
+    def __init__(self, capacity: int = 256, scaled: bool = True) -> None:
         self._capacity = check_int(type(self).__name__, "capacity", capacity, minimum=1)
+        #: whether the recorded scale is a loss scale (16-mixed); bf16-mixed records 1.0, which is not one
+        self.scaled = scaled
         self._pending: list[tuple[int, Tensor | float | None, Tensor | float]] = []
         self._change_steps: list[int] = []
         self._change_scales: list[float] = []

@@ -17,6 +17,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
+
 Fp32Entry = Union[str, type]
 
 
@@ -53,15 +55,6 @@ def check_entries(owner: str, entries: Any) -> list[Fp32Entry]:
                 " subclass, an import path of one, or a module-name pattern."
             )
     return out
-
-
-def _is_compiled_wrapper(module: nn.Module) -> bool:
-    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
-
-
-def _uncompiled(name: str) -> str:
-    """``name`` without ``torch.compile``'s ``_orig_mod`` segments (``net._orig_mod.0`` -> ``net.0``)."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _cast_inputs(value: Any) -> Any:
@@ -114,7 +107,7 @@ class Fp32Islands:
         """Names of the modules the entries select; raises ``ValueError`` for an entry that matches nothing."""
         # a compiled submodule (`torch.compile`) appears twice: its wrapper and `<name>._orig_mod`: keep the module
         # itself, and match names with or without the wrapper's `_orig_mod` segment
-        named = [(n, m) for n, m in model.named_modules() if n and not _is_compiled_wrapper(m)]
+        named = [(n, m) for n, m in model.named_modules() if n and not is_compiled_wrapper(m)]
         selected: dict[str, None] = {}
         for entry in self.entries:
             if isinstance(entry, type):
@@ -122,7 +115,7 @@ class Fp32Islands:
                 what = f"class {entry.__module__}.{entry.__qualname__}"
             else:
                 hits = [
-                    n for n, _ in named if fnmatch.fnmatchcase(n, entry) or fnmatch.fnmatchcase(_uncompiled(n), entry)
+                    n for n, _ in named if fnmatch.fnmatchcase(n, entry) or fnmatch.fnmatchcase(clean_name(n), entry)
                 ]
                 what = f"pattern {entry!r}"
             if not hits:
@@ -136,7 +129,7 @@ class Fp32Islands:
         return list(selected)
 
     def install(self, model: nn.Module, device_type: str) -> list[str]:
-        """Wrap the selected modules' ``forward``; returns their names."""
+        """Wrap the selected modules' ``forward``; returns their names (without ``torch.compile``'s ``_orig_mod.``)."""
         self.remove()
         names = self.match(model)
         modules = dict(model.named_modules())
@@ -145,8 +138,9 @@ class Fp32Islands:
             previous = module.__dict__.get("forward")
             module.forward = _fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
             self._installed.append((module, previous))
-        self.names = names
-        return names
+        # reported as the user wrote them (a compiled submodule's `_orig_mod.` dropped): the names every report uses
+        self.names = list(dict.fromkeys(clean_name(name) for name in names))
+        return list(self.names)
 
     def remove(self) -> None:
         """Restore every wrapped module exactly as it was."""

@@ -1,4 +1,8 @@
-"""Scale-curve plots: from a :class:`ScaleHistory`, a CSVLogger run or a TensorBoard run (``[plot]`` extra)."""
+"""Scale-curve plots: from a :class:`ScaleHistory`, a CSVLogger run or a TensorBoard run (``[plot]`` extra).
+
+Reading and drawing need only the standard library, matplotlib and (for TensorBoard runs) tensorboard: this module
+imports neither torch nor Lightning, so ``lightning-amp-plus plot`` starts in well under a second.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,30 @@ import glob
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_amp_plus._validation import FLOAT32_MAX, FLOAT32_TINY
-from lightning_amp_plus.history import ScaleHistory
+from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY
+
+if TYPE_CHECKING:
+    from lightning_amp_plus.history import ScaleHistory
 
 PathLike = Union[str, "os.PathLike[str]"]
 _SCALE_KEY = "loss_scale"
+_SKIP_KEYS = ("skipped_steps", "skip_rate", "step_skipped")
 _LOSS_KEYS = ("train_loss", "train_loss_step", "loss", "train/loss")
 
 
 @dataclass
 class RunCurves:
-    """What a plot shows: the scale change points, the skipped steps and (optionally) the training loss."""
+    """What a plot shows: the scale change points, the skipped steps and (optionally) the training loss.
+
+    ``scaled`` is False for a bf16-mixed run: there is no loss scale, only skipped updates (and the loss).
+    """
 
     scale: list[tuple[int, float]] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     loss: list[tuple[int, float]] = field(default_factory=list)
+    scaled: bool = True
 
 
 def _pyplot() -> Any:
@@ -39,47 +50,87 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") -> str:
-    """Write a PNG: the scale as a step curve on a log2 axis with skipped steps marked, and the loss below.
+def draw(curves: RunCurves, title: str = "loss scale") -> Any:
+    """The matplotlib ``Figure`` of ``curves`` (closed by the caller): what :func:`plot_curves` writes.
 
-    Returns the path written: ``output``, with ``.png`` added when it has no extension.
+    16-mixed: the scale as a step curve on a log2 axis with the skipped steps marked, and the loss below when logged.
+    bf16-mixed (``curves.scaled`` False): no scale panel (there is no scale); the loss with the skipped steps
+    marked on it, or, with no loss, the count of skipped updates.
     """
-    if not curves.scale:
+    if curves.scaled and not curves.scale:
         raise ValueError("nothing to plot: no loss-scale values were found (log them with `LossScaleMonitor`).")
+    if not curves.scaled and not (curves.loss or curves.skipped):
+        raise ValueError(
+            "nothing to plot: a bf16-mixed run has no loss scale, and neither skipped updates nor a training loss"
+            " (`train_loss`) were logged."
+        )
     plt = _pyplot()
-    panels = 2 if curves.loss else 1
+    panels = 2 if (curves.scaled and curves.loss) else 1
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), sharex=True, squeeze=False)
     ax = axes[0][0]
-    steps = [s for s, _ in curves.scale]
-    values = [v for _, v in curves.scale]
-    last = max([steps[-1], *curves.skipped, *(s for s, _ in curves.loss)])
-    ax.step([*steps, last], [*values, values[-1]], where="post", color="tab:blue", label="loss scale")
-    ax.set_yscale("log", base=2)
-    if curves.skipped:
-        at = [_value_at(curves.scale, s) for s in curves.skipped]
-        ax.scatter(curves.skipped, at, marker="x", color="tab:red", zorder=3, label=f"skipped ({len(curves.skipped)})")
-    ax.set_ylabel("loss scale (log2)")
-    ax.set_title(title)
+    last = max([*(s for s, _ in curves.scale), *curves.skipped, *(s for s, _ in curves.loss)])
+    count = len(curves.skipped)
+    label = f"skipped ({count})"
+    if curves.scaled:
+        steps = [s for s, _ in curves.scale]
+        values = [v for _, v in curves.scale]
+        ax.step([*steps, last], [*values, values[-1]], where="post", color="tab:blue", label="loss scale")
+        ax.set_yscale("log", base=2)
+        if curves.skipped:
+            at = [_value_at(curves.scale, s) for s in curves.skipped]
+            ax.scatter(curves.skipped, at, marker="x", color="tab:red", zorder=3, label=label)
+        ax.set_ylabel("loss scale (log2)")
+        ax.set_title(title)
+    elif curves.loss:
+        ax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green", label="training loss")
+        if curves.skipped:
+            at = [_value_at(curves.loss, s) for s in curves.skipped]
+            ax.scatter(curves.skipped, at, marker="x", color="tab:red", zorder=3, label=label)
+        ax.set_ylabel("training loss")
+        ax.set_title(f"{title} (bf16-mixed: no loss scale)")
+    else:
+        ax.step(
+            [0, *curves.skipped, last], [0, *range(1, count + 1), count], where="post", color="tab:red", label=label
+        )
+        ax.set_ylabel("skipped updates")
+        ax.set_title(f"{title} (bf16-mixed: no loss scale)")
     ax.legend(loc="best")
     ax.grid(True, which="both", alpha=0.3)
-    if curves.loss:
+    if panels == 2:
         lax = axes[1][0]
         lax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green")
         lax.set_ylabel("training loss")
         lax.grid(True, alpha=0.3)
     axes[-1][0].set_xlabel("global step")
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") -> str:
+    """Write a PNG of :func:`draw`'s figure.
+
+    Returns the path written: ``output``, with ``.png`` added when it has no extension.
+    """
+    fig = draw(curves, title)
     out = os.fspath(output)
     if not os.path.splitext(out)[1]:
         out += ".png"  # what matplotlib would write anyway: say the path actually written
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    finally:
+        _pyplot().close(fig)
     return out
 
 
 def plot_history(history: ScaleHistory, output: PathLike, loss: Optional[list[tuple[int, float]]] = None) -> str:
     """Plot a :class:`ScaleHistory` (and optionally ``(step, loss)`` pairs) to a PNG; returns its path."""
-    curves = RunCurves(scale=history.curve(), skipped=history.skipped_steps, loss=list(loss or []))
+    scaled = getattr(history, "scaled", True)
+    curves = RunCurves(
+        scale=history.curve() if scaled else [],
+        skipped=history.skipped_steps,
+        loss=list(loss or []),
+        scaled=scaled,
+    )
     if history.last_step is not None and curves.scale and curves.scale[-1][0] < history.last_step:
         curves.scale.append((history.last_step, curves.scale[-1][1]))
     return plot_curves(curves, output)
@@ -117,7 +168,17 @@ def plot_run(path: PathLike, output: Optional[PathLike] = None) -> str:
 def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
     scale_key = next((k for k in series if k.endswith(_SCALE_KEY) and "log2" not in k), None)
     if scale_key is None:
-        raise ValueError(f"no loss-scale series found (keys: {sorted(series)[:10]}); log it with `LossScaleMonitor`.")
+        skip_key = next((k for k in sorted(series) for end in _SKIP_KEYS if k.endswith(end)), None)
+        if skip_key is None:
+            raise ValueError(
+                f"no loss-scale series found (keys: {sorted(series)[:10]}); log it with `LossScaleMonitor`."
+            )
+        # a bf16-mixed run: `LossScaleMonitor` logs its skips but no scale, which does not exist there
+        prefix = next(skip_key[: -len(end)] for end in _SKIP_KEYS if skip_key.endswith(end))
+        curves = RunCurves(scaled=False)
+        _read_skips(series, prefix, curves)
+        _read_loss(series, curves)
+        return curves
     prefix = scale_key[: -len(_SCALE_KEY)]
     for step, value in series[scale_key]:
         if not FLOAT32_TINY <= value <= FLOAT32_MAX:  # what a device-side float32 scale can be
@@ -135,19 +196,27 @@ def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
         last = max(s for s, _ in series[scale_key])
         if last > curves.scale[-1][0]:
             curves.scale.append((last, curves.scale[-1][1]))
+    _read_skips(series, prefix, curves)
+    _read_loss(series, curves)
+    return curves
+
+
+def _read_skips(series: dict[str, list[tuple[int, float]]], prefix: str, curves: RunCurves) -> None:
     marked = series.get(prefix + "step_skipped")
     if marked:
         curves.skipped = sorted({s for s, v in marked if v})
-    else:
-        count = 0.0
-        for step, value in sorted(series.get(prefix + "skipped_steps", [])):
-            if value > count:
-                curves.skipped.append(step)
-                count = value
+        return
+    count = 0.0
+    for step, value in sorted(series.get(prefix + "skipped_steps", [])):
+        if value > count:
+            curves.skipped.append(step)
+            count = value
+
+
+def _read_loss(series: dict[str, list[tuple[int, float]]], curves: RunCurves) -> None:
     loss_key = next((k for k in _LOSS_KEYS if k in series), None)
     if loss_key is not None:
         curves.loss = sorted(series[loss_key])
-    return curves
 
 
 def _read_csv(path: str) -> RunCurves:

@@ -17,9 +17,10 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_amp_plus._identity import resolve_optimizer
+from lightning_amp_plus._limits import FLOAT32_TINY, INT32_MAX
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
-from lightning_amp_plus._validation import FLOAT32_TINY, INT32_MAX, _is_int, _is_real, check_bool, check_scaler_args
+from lightning_amp_plus._validation import _is_int, _is_real, check_bool, check_scaler_args
 
 
 class DynamicLossScaler(torch.amp.GradScaler):

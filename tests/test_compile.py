@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import (
@@ -11,7 +12,7 @@ from lightning_amp_plus import (
     NaNSkipReporter,
     PrecisionReport,
 )
-from tests.helpers.models import TinyModel
+from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
 
@@ -53,8 +54,16 @@ def test_a_compiled_model_trains_as_the_eager_one_with_every_callback(tmp_path, 
     assert [m["step"] for m in c_underflow.measurements] == [m["step"] for m in e_underflow.measurements]
     for (name, a), (_, b) in zip(eager.named_parameters(), inner.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=name)
-    assert [r["name"] for r in c_report.rows] == [r["name"] for r in e_report.rows] == ["net.0", "net.1", "net.2"]
-    assert [r["output_dtype"] for r in c_report.rows] == [r["output_dtype"] for r in e_report.rows]
+    assert [r["name"] for r in e_report.rows] == ["net.0", "net.1", "net.2"]
+    if how == "submodule":  # inspected by an eager replay beside the compiled call
+        assert [r["name"] for r in c_report.rows] == ["net.0", "net.1", "net.2"]
+        assert [r["output_dtype"] for r in c_report.rows] == [r["output_dtype"] for r in e_report.rows]
+        assert all(r["compiled"] for r in c_report.rows)
+        assert not any(r["compiled"] for r in e_report.rows)
+    else:  # compiled as a whole: hooks would sit inside the graph; nothing inspected, and the report says so
+        assert c_report.rows == []
+        assert "compiled as a whole" in c_report.skipped_reason
+        assert "compiled as a whole" in c_report.format_table()
 
 
 @pytest.mark.parametrize("entry", ["net.2", "net._orig_mod.2", torch.nn.Linear])
@@ -67,3 +76,107 @@ def test_fp32_islands_match_names_with_or_without_the_compile_prefix(tmp_path, e
     names = plugin2._islands.match(model)
     assert names == (["net._orig_mod.0", "net._orig_mod.2"] if isinstance(entry, type) else ["net._orig_mod.2"])
     assert not any(n == "net" for n in names)  # the compile wrapper itself is never an island
+
+
+def test_island_names_never_carry_the_compile_prefix():
+    model = CompiledSubmodule(True)
+    seen = {}
+
+    class Probe(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["names"] = trainer.precision_plugin.fp32_module_names
+
+    plugin = AmpPlusPrecision("16-mixed", fp32_modules=[torch.nn.Linear])
+    make_trainer(plugins=[plugin], callbacks=[Probe()], max_steps=1).fit(model)
+    assert seen["names"] == ["net.0", "net.2"]  # as the user wrote them, like every other name the package reports
+
+
+class Regularised(LightningModule):
+    """A compiled submodule with dropout and batch norm: random state and running statistics both matter."""
+
+    def __init__(self, backend):
+        super().__init__()
+        torch.manual_seed(0)
+        body = torch.nn.Sequential(
+            torch.nn.Linear(8, 32),
+            torch.nn.BatchNorm1d(32),
+            torch.nn.GELU(),
+            torch.nn.Dropout(0.2),
+            torch.nn.Linear(32, 1),
+        )
+        self.body = torch.compile(body, backend=backend)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.body(x).float(), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return make_loader(n=48, batch_size=8)
+
+
+def _graphs():
+    return sum(torch._dynamo.utils.counters["stats"].values())
+
+
+def _fit_regularised(backend, report):
+    torch._dynamo.reset()
+    before = dict(torch._dynamo.utils.counters["stats"])
+    model = Regularised(backend)
+    torch.manual_seed(1)
+    callbacks = [report] if report is not None else []
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=256.0)], callbacks=callbacks, max_steps=6).fit(model)
+    after = torch._dynamo.utils.counters["stats"]
+    compiles = {k: after[k] - before.get(k, 0) for k in after}
+    return model, compiles
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_the_report_leaves_a_compiled_models_training_unchanged(backend):
+    plain, plain_compiles = _fit_regularised(backend, None)
+    report = PrecisionReport(print_table=False)
+    inspected, inspected_compiles = _fit_regularised(backend, report)
+    # bit for bit: the same losses, weights and running statistics, and the same graphs compiled (no graph break,
+    # no recompilation from hooks inside the compiled region)
+    assert [float(x) for x in inspected.losses] == [float(x) for x in plain.losses]
+    for (name, a), (_, b) in zip(plain.state_dict().items(), inspected.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert inspected_compiles == plain_compiles
+    rows = {r["name"]: r for r in report.rows}
+    assert list(rows) == ["body.0", "body.1", "body.2", "body.3", "body.4"]
+    assert all(r["compiled"] for r in report.rows)
+    assert rows["body.0"]["output_dtype"] == "float16"  # what autocast produced in the replayed call
+    assert rows["body.0"]["autocast"]
+    assert sum(r["time_share"] for r in report.rows) == pytest.approx(1.0)
+
+
+class LoggingCompiledSubmodule(CompiledSubmodule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)  # Lightning's logging stays outside the compiled graph
+        return loss
+
+
+def test_a_compiled_submodule_with_self_log_trains_and_logs(tmp_path):
+    from tests.callbacks.test_loss_scale_monitor import read_csv
+
+    model = LoggingCompiledSubmodule(True, poison={2: "inf"})
+    logger = CSVLogger(tmp_path, name="run")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(logging_interval=1)],
+        logger=logger,
+        max_steps=4,
+        log_every_n_steps=1,
+    ).fit(model)
+    rows = read_csv(logger.experiment.metrics_file_path)
+    losses = {int(r["step"]): float(r["train_loss"]) for r in rows if r.get("train_loss")}
+    assert sorted(losses) == [0, 1, 2, 3]
+    assert losses[2] == float("inf")  # the poisoned step, logged as it was
+    assert plugin.history.skipped_steps == [2]

@@ -59,7 +59,8 @@ def record_local(optimizer, step):  # runs right after the monitor measured: thi
     grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
     seen.append({
         "step": step,
-        "small": sum(int((g.abs() < 2.0**-24).sum()) for g in grads),
+        "zeros": sum(int((g == 0).sum()) for g in grads),
+        "small": sum(int(((g != 0) & (g.abs() < 2.0**-14)).sum()) for g in grads),
         "numel": sum(g.numel() for g in grads),
         "max": max([float(g.abs().max()) for g in grads], default=0.0),
     })
@@ -148,8 +149,11 @@ def test_fsdp1_overflow_in_one_ranks_shard_skips_everywhere(tmp_path):
     # the underflow figures are the whole model's: this rank's shard plus the other's, identical on both ranks
     for measured, mine, theirs in zip(zero["underflow"], zero["seen"], one["seen"], strict=True):
         assert measured["step"] == mine["step"] == theirs["step"]
-        fraction = (mine["small"] + theirs["small"]) / (mine["numel"] + theirs["numel"])
+        total = mine["numel"] + theirs["numel"]
+        zeros = mine["zeros"] + theirs["zeros"]
+        fraction = (mine["small"] + theirs["small"]) / (total - zeros)
         assert measured["underflow_fraction"] == pytest.approx(fraction, rel=1e-9)
+        assert measured["zero_fraction"] == pytest.approx(zeros / total, rel=1e-9)
         largest = max(mine["max"], theirs["max"])
         if math.isfinite(largest):
             assert measured["headroom_bits"] == pytest.approx(math.log2(65504.0 / largest))

@@ -7,7 +7,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter, plot_history
 from lightning_amp_plus.__main__ import main
-from lightning_amp_plus.plot import read_run
+from lightning_amp_plus.plot import RunCurves, draw, read_run
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -102,3 +102,93 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
     plugin = _run(tmp_path, False)
     with pytest.raises(ImportError, match=r"pip install 'lightning-amp-plus\[plot\]'"):
         plot_history(plugin.history, tmp_path / "x.png")
+
+
+def _bf16_run(tmp_path, logger):
+    model = LoggingModel(poison={2: "inf", 5: "nan"})
+    plugin = AmpPlusPrecision("bf16-mixed")
+    make_trainer(
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(logging_interval=2), NaNSkipReporter(max_warnings=0)],
+        logger=logger,
+        max_steps=8,
+        log_every_n_steps=2,
+    ).fit(model)
+    return plugin
+
+
+def test_bf16_logs_and_draws_no_loss_scale(tmp_path):
+    from tests.callbacks.test_loss_scale_monitor import read_csv
+
+    logger = CSVLogger(tmp_path, name="bf16")
+    plugin = _bf16_run(tmp_path, logger)
+    rows = read_csv(logger.experiment.metrics_file_path)
+    keys = {k for r in rows for k, v in r.items() if v}
+    assert not {k for k in keys if "loss_scale" in k or k in ("amp/growths", "amp/backoffs")}  # no scale exists
+    assert {"amp/skipped_steps", "amp/skip_rate", "amp/applied_steps"} <= keys
+    curves = read_run(logger.log_dir)
+    assert curves.scaled is False
+    assert curves.scale == []
+    assert curves.skipped == plugin.history.skipped_steps == [2, 5]
+    fig = draw(curves)
+    try:
+        (ax,) = fig.axes  # one panel: the loss with the skips on it; no 2**0 "loss scale"
+        assert ax.get_yscale() == "linear"
+        assert "no loss scale" in ax.get_title()
+        (line,) = ax.lines
+        assert [tuple(p) for p in line.get_xydata()] == [(float(s), v) for s, v in curves.loss]
+        marks = ax.collections[0].get_offsets()
+
+        def loss_at(step):  # the last logged (finite) loss at or before the skipped step
+            return [v for s, v in curves.loss if s <= step][-1]
+
+        assert [tuple(p) for p in marks] == [(2.0, loss_at(2)), (5.0, loss_at(5))]
+    finally:
+        fig.clf()
+    history_fig = draw(RunCurves(skipped=plugin.history.skipped_steps, scaled=plugin.history.scaled))
+    try:
+        (line,) = history_fig.axes[0].lines  # no loss: the count of skipped updates
+        assert [tuple(p) for p in line.get_xydata()] == [(0.0, 0.0), (2.0, 1.0), (5.0, 2.0), (5.0, 2.0)]
+    finally:
+        history_fig.clf()
+    assert png_size(plot_history(plugin.history, tmp_path / "h.png"))[0] > 400
+    assert main(["plot", logger.log_dir, "-o", str(tmp_path / "bf16.png")]) == 0
+
+
+def test_the_scale_panel_draws_the_logged_curve(tmp_path):
+    logger = CSVLogger(tmp_path, name="csv")
+    plugin = _run(tmp_path, logger)
+    curves = read_run(logger.log_dir)
+    fig = draw(curves)
+    try:
+        scale_ax, loss_ax = fig.axes
+        assert scale_ax.get_yscale() == "log"
+        steps = [s for s, _ in curves.scale]
+        (line,) = scale_ax.lines
+        drawn = [tuple(p) for p in line.get_xydata()]
+        assert drawn[: len(steps)] == [(float(s), v) for s, v in curves.scale]
+        assert [p[0] for p in scale_ax.collections[0].get_offsets()] == [2.0, 6.0]
+        assert [p[1] for p in scale_ax.collections[0].get_offsets()] == [
+            plugin.history.scale_at(2),
+            plugin.history.scale_at(6),
+        ]
+    finally:
+        fig.clf()
+
+
+@pytest.mark.parametrize("kind", ["csv", "tensorboard"])
+def test_the_plot_command_imports_neither_torch_nor_lightning(tmp_path, kind):
+    logger = CSVLogger(tmp_path, name="r") if kind == "csv" else TensorBoardLogger(tmp_path, name="r")
+    _run(tmp_path, logger)
+    if kind == "tensorboard":
+        logger.experiment.flush()
+    code = (
+        "import sys\n"
+        "from lightning_amp_plus.__main__ import main\n"
+        f"assert main(['plot', {logger.log_dir!r}, '-o', {str(tmp_path / 'p.png')!r}]) == 0\n"
+        "heavy = sorted(m for m in ('torch', 'lightning', 'torchmetrics', 'pytorch_lightning') if m in sys.modules)\n"
+        "print('heavy:', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "heavy: []" in out.stdout
+    png_size(tmp_path / "p.png")

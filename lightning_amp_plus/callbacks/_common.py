@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._identity import resolve_module
+from lightning_amp_plus._identity import clean_name, resolve_module
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
@@ -86,16 +86,6 @@ def write_json_atomically(path: Any, data: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- sharded gradients
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name as the user wrote it: without FSDP, activation-checkpointing or compile wrapper prefixes."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters with the user's names (call it after sharding: FSDP2 replaces the parameters).
 

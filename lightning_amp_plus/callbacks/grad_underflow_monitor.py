@@ -29,7 +29,23 @@ from lightning_amp_plus.precision import AmpPlusPrecision
 from lightning_amp_plus.syncs import to_host
 
 FP16_TINY = 2.0**-24  # smallest positive float16 subnormal
+FP16_SMALLEST_NORMAL = 2.0**-14  # below it float16 has fewer than 11 significant bits, down to none at 2**-25
 FP16_MAX = 65504.0
+
+
+def underflow_fraction(below: float, zeros: float, total: float) -> float:
+    """Of the ``total - zeros`` non-zero elements, the fraction of the ``below - zeros`` below the smallest normal.
+
+    The one definition of the underflow figure (whole run, per parameter, logged and warned on).
+
+    Example:
+        >>> underflow_fraction(below=40, zeros=30, total=100)  # 30 zeros (left out), 10 of the 70 others subnormal
+        0.14285714285714285
+        >>> underflow_fraction(below=5, zeros=5, total=5)  # nothing non-zero: nothing to lose
+        0.0
+    """
+    nonzero = total - zeros
+    return (below - zeros) / nonzero if nonzero > 0 else 0.0
 
 
 class GradUnderflowMonitor(KnobsRepr, Callback):
@@ -37,16 +53,21 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
 
     Logs to every logger, at the optimizer step measured:
 
-    * ``{prefix}underflow_fraction``: the fraction of gradient elements that are zero or whose scaled magnitude is
-      below float16's smallest subnormal (``2**-24``), i.e. lost or about to be lost to fp16;
+    * ``{prefix}underflow_fraction``: of the non-zero gradient elements, the fraction whose scaled magnitude is below
+      float16's smallest normal (``2**-14``): subnormal in float16, losing significant bits, the tail of what float16
+      flushes to zero (0 when every element is zero);
+    * ``{prefix}zero_fraction``: the fraction of gradient elements that are exactly zero. Most are structural (the
+      rows of an embedding a batch did not use, dead units) and not lost to fp16; values flushed all the way to zero
+      cannot be told from them without a float32 backward, so they are counted here, not as underflow;
     * ``{prefix}headroom_bits``: ``log2(65504 / max |scaled gradient|)``, how many doublings of the scale remain
       before the largest gradient overflows (omitted when the step overflowed);
-    * with ``per_parameter=k``, ``{prefix}underflow/<name>`` for the ``k`` parameters with the highest fraction.
+    * with ``per_parameter=k``, ``{prefix}underflow/<name>`` for the ``k`` parameters with the highest underflow
+      fraction (zeros excluded, as above).
 
-    Computed on the device (a foreach max-norm and one count per gradient), one host transfer per measurement, and
+    Computed on the device (a foreach max-norm and two counts per gradient), one host transfer per measurement, and
     nothing on the other steps. Warns (rank zero, at most ``max_warnings`` times) when the underflow fraction
     stays at or above ``warn_fraction`` for ``patience`` measurements in a row while the scale sits at
-    ``min_scale``. :attr:`measurements` keeps ``{step, scale, underflow_fraction, headroom_bits}``.
+    ``min_scale``. :attr:`measurements` keeps ``{step, scale, underflow_fraction, zero_fraction, headroom_bits}``.
 
     Args:
         every_n_steps: measure every this many optimizer steps (default: ``Trainer(log_every_n_steps)``).
@@ -162,17 +183,21 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         assert scale is not None
         device = scale.device
         with torch.no_grad():
-            # max |g| over the gradients in one foreach kernel; per gradient, the count of zero/sub-2**-24 elements
-            # and the element count (summed over ranks when sharded: the whole model's figures on every rank)
+            # max |g| over the gradients in one foreach kernel; per gradient, the counts of exact zeros and of
+            # elements below float16's smallest normal, and the element count (summed over ranks when sharded: the
+            # whole model's figures on every rank)
             largest = (
                 torch.stack([m.float().to(device) for m in torch._foreach_norm(present, float("inf"))]).max()
                 if present
                 else torch.zeros((), device=device)
             )
-            zero = torch.zeros((), device=device)
-            small = torch.stack([zero if g is None else (g.abs() < FP16_TINY).sum().float().to(device) for g in grads])
+            none = torch.zeros((), device=device)
+            zeros = torch.stack([none if g is None else (g == 0).sum().float().to(device) for g in grads])
+            below = torch.stack(
+                [none if g is None else (g.abs() < FP16_SMALLEST_NORMAL).sum().float().to(device) for g in grads]
+            )
             sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
-            counts_and_sizes = torch.cat([small, sizes])
+            counts_and_sizes = torch.cat([zeros, below, sizes])
             if self._sharded:
                 all_reduce_(counts_and_sizes)
                 largest = all_reduce_(largest.reshape(1).clone(), op="max").reshape(())
@@ -180,20 +205,33 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             values = to_host(packed)  # the one host transfer of this measurement
         n = len(grads)
         largest_value, scale_value = values[0], values[1]
-        counts, numels = values[2 : 2 + n], values[2 + n :]
+        zero_counts, below_counts, numels = values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :]
         total = sum(numels)
         if not total:
             return
-        fraction = sum(counts) / total
-        record: dict[str, Any] = {"step": step, "scale": scale_value, "underflow_fraction": fraction}
-        metrics = {f"{self.prefix}underflow_fraction": fraction}
+        fraction = underflow_fraction(sum(below_counts), sum(zero_counts), total)
+        zero_fraction = sum(zero_counts) / total
+        record: dict[str, Any] = {
+            "step": step,
+            "scale": scale_value,
+            "underflow_fraction": fraction,
+            "zero_fraction": zero_fraction,
+        }
+        metrics = {f"{self.prefix}underflow_fraction": fraction, f"{self.prefix}zero_fraction": zero_fraction}
         if math.isfinite(largest_value) and largest_value > 0:
             record["headroom_bits"] = math.log2(FP16_MAX / largest_value)
             metrics[f"{self.prefix}headroom_bits"] = record["headroom_bits"]
         else:
             record["headroom_bits"] = None
         if self.per_parameter:
-            per = sorted(((c / m, nm) for c, m, nm in zip(counts, numels, names, strict=True) if m), reverse=True)
+            per = sorted(
+                (
+                    (underflow_fraction(b, z, m), nm)
+                    for b, z, m, nm in zip(below_counts, zero_counts, numels, names, strict=True)
+                    if m
+                ),
+                reverse=True,
+            )
             record["worst"] = [{"name": nm, "underflow_fraction": f} for f, nm in per[: self.per_parameter]]
             for f, nm in per[: self.per_parameter]:
                 metrics[f"{self.prefix}underflow/{nm}"] = f

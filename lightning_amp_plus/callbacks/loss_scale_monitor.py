@@ -34,6 +34,9 @@ class LossScaleMonitor(KnobsRepr, Callback):
     * ``{prefix}growths`` and ``{prefix}backoffs``: cumulative counts of scale increases and decreases;
     * ``{prefix}applied_steps``: updates that changed the weights.
 
+    With ``"bf16-mixed"`` there is no loss scale: the scale keys, growths and backoffs are not logged (a constant 1.0
+    would read as a scale); the skipped steps, the skip rate and the applied updates are.
+
     The plugin records each step on the device; the record moves to the host once per logging interval (one
     host sync per interval, none on the other steps). With no logger the monitor warns once and the in-memory
     ``AmpPlusPrecision.history`` still holds everything. Only rank zero logs.
@@ -120,13 +123,15 @@ class LossScaleMonitor(KnobsRepr, Callback):
             return
         if last // self._interval > self._logged_upto // self._interval or self._logged_upto < 0:
             self._log_until(trainer, last)
-            self._show(pl_module, self._plugin.history.scale_at(last), float(self._skipped_logged))
+            history = self._plugin.history
+            self._show(pl_module, history.scale_at(last) if history.scaled else None, float(self._skipped_logged))
 
-    def _show(self, pl_module: pl.LightningModule, scale: float, skipped: Optional[float]) -> None:
+    def _show(self, pl_module: pl.LightningModule, scale: Optional[float], skipped: Optional[float]) -> None:
         """The scale (and skipped updates) in Lightning's progress bar, refreshed at the logging points only."""
         if not self.progress_bar or pl_module._trainer is None or pl_module.trainer.progress_bar_callback is None:
             return  # no bar, no logging: Lightning's per-step metric bookkeeping stays as empty as stock
-        pl_module.log(f"{self.prefix}scale", scale, prog_bar=True, logger=False, batch_size=1)
+        if scale is not None:
+            pl_module.log(f"{self.prefix}scale", scale, prog_bar=True, logger=False, batch_size=1)
         if skipped is not None:
             pl_module.log(f"{self.prefix}skipped", skipped, prog_bar=True, logger=False, batch_size=1)
 
@@ -164,8 +169,9 @@ class LossScaleMonitor(KnobsRepr, Callback):
     def _log_until(self, trainer: pl.Trainer, last: int) -> None:
         assert self._plugin is not None
         history = self._plugin.history
+        scaled = history.scaled  # bf16-mixed: no loss scale exists; its skips, rate and applied updates are logged
         start = self._logged_upto + 1
-        curve = history.curve()  # the one host transfer of this interval
+        curve = history.curve() if scaled else []  # the one host transfer of this interval
         skipped = history.skipped_steps
         previous = _scale_before(curve, start)
         points: dict[int, dict[str, float]] = {}
@@ -185,13 +191,15 @@ class LossScaleMonitor(KnobsRepr, Callback):
             points.setdefault(step, {})[f"{self.prefix}skipped_steps"] = float(count)
         self._skipped_logged = count
         final = points.setdefault(last, {})
-        final.update(self._scale_metrics(history.scale_at(last)))
+        if scaled:
+            final.update(self._scale_metrics(history.scale_at(last)))
         final[f"{self.prefix}skipped_steps"] = float(count)
         # a rate over recorded cycles, not over the step range (a GAN's two optimizers record every other step)
         final[f"{self.prefix}skip_rate"] = len(window) / max(1, history.num_steps - self._steps_logged)
         self._steps_logged = history.num_steps
-        final[f"{self.prefix}growths"] = float(self._growths)
-        final[f"{self.prefix}backoffs"] = float(self._backoffs)
+        if scaled:
+            final[f"{self.prefix}growths"] = float(self._growths)
+            final[f"{self.prefix}backoffs"] = float(self._backoffs)
         final[f"{self.prefix}applied_steps"] = float(history.num_steps - len(skipped))
         for step in sorted(points):
             log_to_all(trainer, points[step], step)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -11,11 +13,11 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
 
+from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.callbacks._common import clean_name, find_plugin
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -47,6 +49,29 @@ def _first_dtype(value: Any) -> Optional[torch.dtype]:
     return None
 
 
+def _island_of(name: str, islands: list[str]) -> Optional[str]:
+    """The island ``name`` runs in: itself or its closest enclosing module named in ``islands``; None outside."""
+    best = None
+    for island in islands:
+        if (name == island or name.startswith(island + ".")) and (best is None or len(island) > len(best)):
+            best = island
+    return best
+
+
+@contextlib.contextmanager
+def _unchanged(module: nn.Module, device_type: str) -> Iterator[None]:
+    """Run a replay that leaves no trace: random-number state and every buffer (running statistics) restored."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
 def _name(dtype: Optional[torch.dtype]) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "-"
 
@@ -56,12 +81,21 @@ class PrecisionReport(KnobsRepr, Callback):
 
     On the first training batch (and every ``every_n_batches`` batches when given) it hooks every leaf module for
     one forward pass and records a row: ``name``, ``type``, ``input_dtype``, ``output_dtype``, ``param_dtype``,
-    ``time_ms``, ``time_share``, ``autocast`` (whether autocast was on when the module ran), ``flagged`` and
+    ``time_ms``, ``time_share``, ``autocast`` (whether autocast was on when the module ran), ``island`` (the fp32
+    island it runs in, ``None`` outside one), ``compiled`` (inside a ``torch.compile``d submodule), ``flagged`` and
     ``cause``. A module is flagged when it does matmul/conv work (see ``HEAVY_TYPES``) or takes at least
-    ``flag_share`` of the forward time, yet produced float32 under mixed precision; the cause names an fp32 island,
-    autocast disabled around it (``autocast(enabled=False)``), or an explicit cast / an op autocast keeps in fp32.
-    Rows are in :attr:`rows` (the latest inspection); a table is printed on rank zero. Hooks are removed right
-    after the inspected batch, so the other batches cost nothing.
+    ``flag_share`` of the forward time, yet produced float32 under mixed precision; the cause names the fp32 island
+    it sits in, autocast disabled around it (``autocast(enabled=False)``), or an explicit cast / an op autocast keeps
+    in fp32. Rows are in :attr:`rows` (the latest inspection); a table is printed on rank zero. Hooks are removed
+    right after the inspected batch, so the other batches cost nothing.
+
+    Works with any precision plugin (it only reads dtypes); islands are known with ``AmpPlusPrecision``.
+
+    ``torch.compile``: hooks inside a compiled graph would break it and change what it computes, so a compiled
+    submodule is never hooked inside. Its leaves are inspected by an eager replay of the same call (same inputs,
+    same autocast state, no grad), right after the compiled forward, with the random-number state and the buffers
+    restored: training is unchanged, and their times are eager times (marked ``compiled`` in the rows). A
+    LightningModule compiled as a whole (``trainer.fit(torch.compile(model))``) is not inspected; the report says so.
 
     Timing is wall clock on CPU and CUDA events on GPU.
 
@@ -87,14 +121,20 @@ class PrecisionReport(KnobsRepr, Callback):
         self.flag_share = check_fraction(owner, "flag_share", flag_share)
         self.print_table = print_table
         self.rows: list[dict[str, Any]] = []
+        self.skipped_reason: Optional[str] = None
         self._handles: list[Any] = []
         self._stats: dict[str, dict[str, Any]] = {}
         self._order: list[str] = []
         self._batches = 0
+        self._precision = ""
+        self._islands: list[str] = []
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._plugin = find_plugin(trainer, type(self).__name__)
+        # any precision plugin: the report reads dtypes; the islands are the ones our plugin installed
+        plugin = trainer.strategy.precision_plugin
+        self._precision = str(getattr(plugin, "precision", ""))
+        self._plugin = plugin
         if stage == "fit" and self._fit_scope.starts_afresh(trainer):
             self._batches = 0  # a new Trainer's fit inspects its first batch again
 
@@ -114,7 +154,7 @@ class PrecisionReport(KnobsRepr, Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._handles:
+        if self._handles or self.skipped_reason:
             self._remove()
             self.rows = self._build_rows()
             if self.print_table and trainer.is_global_zero:
@@ -133,39 +173,85 @@ class PrecisionReport(KnobsRepr, Callback):
     def _install(self, pl_module: pl.LightningModule) -> None:
         self._stats = {}
         self._order = []
+        self.skipped_reason = None
+        self._islands = list(getattr(self._plugin, "fp32_module_names", []) or [])
         device_type = pl_module.device.type
-        use_events = device_type == "cuda"
+        if getattr(pl_module, "_compiler_ctx", None) is not None:
+            self.skipped_reason = (
+                "the LightningModule is compiled as a whole (`trainer.fit(torch.compile(model))`): hooks inside its"
+                " graph would change what it computes, so nothing was inspected. HINT: compile submodules"
+                " (`self.net = torch.compile(self.net)`); the report then inspects them by an eager replay."
+            )
+            return
+        compiled_roots = [n for n, m in pl_module.named_modules() if n and is_compiled_wrapper(m)]
         for raw_name, module in pl_module.named_modules():
-            if not raw_name or list(module.children()):
+            if not raw_name:
                 continue
-            name = clean_name(raw_name)  # as the user wrote it: no `_orig_mod.` of a compiled submodule
-            stats = {"module": module, "calls": 0, "time": 0.0, "events": []}
-            self._stats[name] = stats
+            if is_compiled_wrapper(module):
+                if not any(raw_name.startswith(root + ".") for root in compiled_roots):  # outermost only
+                    self._hook_replay(raw_name, module, device_type)
+                continue
+            if list(module.children()) or any(raw_name.startswith(root + ".") for root in compiled_roots):
+                continue  # inside a compiled graph: inspected by the replay
+            self._hook_leaf(clean_name(raw_name), module, device_type, compiled=False, handles=self._handles)
 
-            def pre(mod: nn.Module, args: Any, kwargs: Any, stats: dict = stats, name: str = name) -> None:
-                if name not in self._order:
-                    self._order.append(name)
-                stats["input"] = stats.get("input") or _first_dtype((args, kwargs))
-                stats["autocast"] = torch.is_autocast_enabled(device_type)
-                if use_events:
-                    start = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    stats["start"] = start
-                else:
-                    stats["t0"] = time.perf_counter()
+    def _hook_leaf(self, name: str, module: nn.Module, device_type: str, *, compiled: bool, handles: list[Any]) -> None:
+        use_events = device_type == "cuda"
+        stats = self._stats.setdefault(
+            name, {"module": module, "calls": 0, "time": 0.0, "events": [], "compiled": compiled}
+        )
 
-            def post(mod: nn.Module, args: Any, kwargs: Any, output: Any, stats: dict = stats) -> None:
-                if use_events:
-                    end = torch.cuda.Event(enable_timing=True)
-                    end.record()
-                    stats["events"].append((stats.pop("start"), end))
-                else:
-                    stats["time"] += time.perf_counter() - stats.pop("t0")
-                stats["calls"] += 1
-                stats["output"] = _first_dtype(output)
+        def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
+            if name not in self._order:
+                self._order.append(name)
+            stats["input"] = stats.get("input") or _first_dtype((args, kwargs))
+            stats["autocast"] = torch.is_autocast_enabled(device_type)
+            if use_events:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                stats["start"] = start
+            else:
+                stats["t0"] = time.perf_counter()
 
-            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+        def post(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if use_events:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                stats["events"].append((stats.pop("start"), end))
+            else:
+                stats["time"] += time.perf_counter() - stats.pop("t0")
+            stats["calls"] += 1
+            stats["output"] = _first_dtype(output)
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+
+    def _hook_replay(self, raw_name: str, wrapper: nn.Module, device_type: str) -> None:
+        """A compiled submodule: after its compiled forward, replay the call eagerly with its leaves hooked."""
+        inner: nn.Module = wrapper._orig_mod  # type: ignore[assignment]
+        calls: list[tuple[Any, Any]] = []
+
+        def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
+            calls.append((args, kwargs))
+
+        def post(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            call_args, call_kwargs = calls.pop()
+            if calls:  # a nested call of the same wrapper: the outermost one replays
+                return
+            handles: list[Any] = []
+            try:
+                for name, module in inner.named_modules():
+                    if not list(module.children()) and not is_compiled_wrapper(module):
+                        full = clean_name(f"{raw_name}.{name}" if name else raw_name)
+                        self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
+                with _unchanged(inner, device_type), torch.no_grad():
+                    inner(*call_args, **call_kwargs)  # eager: the same autocast state as the compiled call
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+        self._handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(wrapper.register_forward_hook(post, with_kwargs=True))
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -180,21 +266,21 @@ class PrecisionReport(KnobsRepr, Callback):
                 s["time"] = sum(a.elapsed_time(b) for a, b in s["events"]) / 1e3
         ran = [(n, self._stats[n]) for n in self._order if self._stats[n]["calls"]]
         total = sum(s["time"] for _, s in ran) or 1.0
-        mixed = self._plugin.precision in ("16-mixed", "bf16-mixed")
-        islands = {clean_name(n) for n in self._plugin.fp32_module_names}
+        mixed = self._precision.endswith("-mixed")
         rows = []
         for name, s in ran:
             module = s["module"]
-            params = [p for p in module.parameters(recurse=False)]
+            params = list(module.parameters(recurse=False))
             param_dtype = params[0].dtype if params else None
             share = s["time"] / total
             output = s.get("output")
             heavy = isinstance(module, HEAVY_TYPES)
+            island = _island_of(name, self._islands)
             flagged = mixed and output == torch.float32 and (heavy or share >= self.flag_share)
             cause = None
             if flagged:
-                if name in islands:
-                    cause = "fp32 island (AmpPlusPrecision(fp32_modules=...))"
+                if island is not None:
+                    cause = f"fp32 island {island!r} (AmpPlusPrecision(fp32_modules=...))"
                 elif not s.get("autocast"):
                     cause = "autocast disabled around it (an `autocast(enabled=False)` block)"
                 elif s.get("input") == torch.float32 and not heavy:
@@ -211,6 +297,8 @@ class PrecisionReport(KnobsRepr, Callback):
                     "time_ms": s["time"] * 1e3,
                     "time_share": share,
                     "autocast": bool(s.get("autocast")),
+                    "island": island,
+                    "compiled": s["compiled"],
                     "flagged": flagged,
                     "cause": cause,
                 }
@@ -219,25 +307,36 @@ class PrecisionReport(KnobsRepr, Callback):
 
     def format_table(self) -> str:
         """The latest rows as a text table."""
-        header = ("module", "type", "in", "out", "param", "time ms", "share", "flag")
+        title = "PrecisionReport (first inspected batch)" if self._batches == 0 else "PrecisionReport"
+        if self.skipped_reason:
+            return f"{title}: {self.skipped_reason}"
+        header = ("module", "type", "in", "out", "param", "time ms", "share", "island", "flag")
         lines = [
             (
-                r["name"],
+                r["name"] + (" [compiled]" if r["compiled"] else ""),
                 r["type"],
                 r["input_dtype"],
                 r["output_dtype"],
                 r["param_dtype"],
                 f"{r['time_ms']:.3f}",
                 f"{100 * r['time_share']:.1f}%",
+                "fp32" if r["island"] is not None else "",
                 r["cause"] or "",
             )
             for r in self.rows
         ]
         widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        out = ["PrecisionReport (first inspected batch)" if self._batches == 0 else "PrecisionReport"]
-        out.append(fmt.format(*header))
-        out.extend(fmt.format(*line) for line in lines)
+        out = [title, fmt.format(*header)]
+        out.extend(fmt.format(*line).rstrip() for line in lines)
+        islands = sorted({r["island"] for r in self.rows if r["island"] is not None})
+        if islands:
+            out.append(f"fp32 islands: {', '.join(islands)}")
+        if any(r["compiled"] for r in self.rows):
+            out.append(
+                "[compiled]: inside a torch.compile'd submodule: dtypes and times from an eager replay of the inspected"
+                " call (no grad, random state and buffers restored); the compiled kernels' own times are not measured."
+            )
         flagged = [r for r in self.rows if r["flagged"]]
         if flagged:
             out.append(

@@ -1,4 +1,8 @@
+import warnings
+
 import pytest
+import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, AmpPlusWarning, GradUnderflowMonitor
@@ -8,10 +12,10 @@ from tests.helpers.trainer import make_trainer
 
 
 class TinyGrads(TinyModel):
-    """True gradients around 1e-9: below float16's 2**-24 unless scaled up."""
+    """True gradients around 1e-7: float16 subnormals (below 2**-14) unless scaled up."""
 
     def training_step(self, batch, batch_idx):
-        return super().training_step(batch, batch_idx) * 1e-9
+        return super().training_step(batch, batch_idx) * 1e-6
 
 
 def _measure(init_scale, **kwargs):
@@ -22,12 +26,13 @@ def _measure(init_scale, **kwargs):
     return monitor
 
 
-def test_underflow_high_at_scale_one_and_low_at_scale_2_16():
+def test_underflow_high_at_scale_one_and_low_at_scale_2_20():
     with pytest.warns(AmpPlusWarning, match="underflow float16 while the loss scale sits at min_scale=1"):
         low_scale = _measure(1.0)
-    high_scale = _measure(2.0**16)
+    high_scale = _measure(2.0**20)
     assert all(m["underflow_fraction"] > 0.9 for m in low_scale.measurements)
-    assert all(m["underflow_fraction"] < 0.3 for m in high_scale.measurements)  # what is left: ReLU zeros
+    assert all(m["underflow_fraction"] < 0.1 for m in high_scale.measurements)
+    assert all(m["zero_fraction"] > 0 for m in high_scale.measurements)  # ReLU zeros: structural, not underflow
     assert len(high_scale.measurements[0]["worst"]) == 2
 
 
@@ -88,7 +93,7 @@ def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path):
     from tests.callbacks.test_loss_scale_monitor import read_csv
 
     model = TinyGrads()
-    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**20, max_scale=2.0**24)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, max_scale=2.0**24)  # part subnormal
     monitor = GradUnderflowMonitor(every_n_steps=2, per_parameter=1)
     seen = {}
 
@@ -106,14 +111,69 @@ def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path):
     names = [n for n, _ in model.named_parameters()]
     for m in monitor.measurements:
         grads = seen[m["step"]]
-        small = sum(int((g.abs() < 2.0**-24).sum()) for g in grads)
-        fraction = small / sum(g.numel() for g in grads)
+        zeros = sum(int((g == 0).sum()) for g in grads)
+        subnormal = sum(int(((g != 0) & (g.abs() < 2.0**-14)).sum()) for g in grads)
+        fraction = subnormal / (sum(g.numel() for g in grads) - zeros)
+        assert m["zero_fraction"] == pytest.approx(zeros / sum(g.numel() for g in grads), abs=1e-12)
+        assert float(logged[m["step"]]["amp/zero_fraction"]) == pytest.approx(m["zero_fraction"], rel=1e-6)
         largest = max(float(g.abs().max()) for g in grads)
         assert m["underflow_fraction"] == pytest.approx(fraction, abs=1e-12)
         assert m["headroom_bits"] == pytest.approx(math.log2(65504.0 / largest), abs=1e-9)
         assert float(logged[m["step"]]["amp/underflow_fraction"]) == pytest.approx(fraction, rel=1e-6)
         assert float(logged[m["step"]]["amp/headroom_bits"]) == pytest.approx(m["headroom_bits"], rel=1e-6)
-        per = [int((g.abs() < 2.0**-24).sum()) / g.numel() for g in grads]
+        per = [int(((g != 0) & (g.abs() < 2.0**-14)).sum()) / max(1, int((g != 0).sum())) for g in grads]
         worst = max(range(len(per)), key=lambda i: (per[i], names[i]))
         assert m["worst"] == [{"name": names[worst], "underflow_fraction": per[worst]}]
-        assert m["scale"] == 2.0**20
+        assert m["scale"] == 2.0**10
+    assert 0 < monitor.measurements[0]["underflow_fraction"] < 1  # both kinds present: the count is discriminating
+
+
+class Embedded(TinyModel):
+    """A 1000-row embedding of which each batch uses 8 rows: most of its gradient is structurally zero."""
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, 8)
+        self.scale = scale
+
+    def forward(self, x):
+        tokens = (x.abs() * 3).long().clamp(max=7)  # rows 0..7 only
+        return self.net(self.embed(tokens).sum(dim=1))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.scale
+
+
+def test_unused_embedding_rows_are_zeros_not_underflow():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)  # at the floor: the warning is armed
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=1, patience=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AmpPlusWarning)  # no false alarm
+        make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=3).fit(Embedded())
+    for m in monitor.measurements:
+        assert m["zero_fraction"] > 0.9  # 992 of 1000 rows unused
+        assert m["underflow_fraction"] < 0.05
+        assert m["worst"][0]["name"] != "embed.weight" or m["worst"][0]["underflow_fraction"] < 0.05
+
+
+def test_tiny_gradients_in_used_rows_are_underflow():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)
+    monitor = GradUnderflowMonitor(every_n_steps=1, patience=2)
+    with pytest.warns(AmpPlusWarning, match="underflow float16 while the loss scale sits at min_scale=1"):
+        make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=3).fit(Embedded(scale=1e-6))
+    assert all(m["underflow_fraction"] > 0.5 for m in monitor.measurements)
+    assert [m["step"] for m in monitor.measurements] == [0, 1, 2]
+
+
+def test_the_warning_fires_at_the_patience_th_high_measurement_and_not_before():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)
+    monitor = GradUnderflowMonitor(every_n_steps=1, patience=3)
+    steps = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.append(monitor._warned)
+
+    with pytest.warns(AmpPlusWarning, match=r"\(step 2\)"):
+        make_trainer(plugins=[plugin], callbacks=[monitor, Probe()], max_steps=3).fit(TinyGrads())
+    assert steps == [0, 0, 1]

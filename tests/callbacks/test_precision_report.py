@@ -78,3 +78,72 @@ def test_every_n_batches_inspects_again():
 def test_bad_arguments(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         PrecisionReport(**kwargs)
+
+
+class Blocks(TinyModel):
+    """``enc.0.attn`` / ``enc.1.attn`` are non-leaf blocks (two Linears each); an island pattern selects them."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.ModuleList(
+            nn.ModuleDict({"attn": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), "ff": nn.Linear(8, 8)})
+            for _ in range(2)
+        )
+
+    def forward(self, x):
+        for block in self.enc:
+            x = block["ff"](block["attn"](x))
+        return self.net(x)
+
+
+def test_modules_inside_a_pattern_island_are_named_as_in_it():
+    model = Blocks()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["enc.*.attn"])
+    report = PrecisionReport(print_table=False)
+    make_trainer(plugins=[plugin], callbacks=[report], max_steps=1).fit(model)
+    rows = {r["name"]: r for r in report.rows}
+    for i in (0, 1):
+        for leaf in (f"enc.{i}.attn.0", f"enc.{i}.attn.1"):
+            assert rows[leaf]["island"] == f"enc.{i}.attn"
+            assert rows[leaf]["output_dtype"] == "float32"
+            assert rows[leaf]["cause"] == f"fp32 island 'enc.{i}.attn' (AmpPlusPrecision(fp32_modules=...))"
+        assert rows[f"enc.{i}.ff"]["island"] is None  # outside the island: float16, not flagged
+        assert rows[f"enc.{i}.ff"]["output_dtype"] == "float16"
+        assert not rows[f"enc.{i}.ff"]["flagged"]
+    assert "enc.0.attnx" not in rows
+    table = report.format_table()
+    assert "fp32 islands: enc.0.attn, enc.1.attn" in table
+
+
+def test_a_working_island_of_light_modules_is_visible_in_the_table():
+    model = Mixed()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["net.1"])  # a ReLU: not heavy
+    report = PrecisionReport(print_table=False, flag_share=1.0)  # flagged by type only (shares are noisy here)
+    make_trainer(plugins=[plugin], callbacks=[report], max_steps=1).fit(model)
+    rows = {r["name"]: r for r in report.rows}
+    assert rows["net.1"]["island"] == "net.1"
+    assert not rows["net.1"]["flagged"]
+    assert [r["island"] for r in report.rows] == [None, "net.1", None, None]
+    line = next(line for line in report.format_table().splitlines() if line.startswith("net.1 "))
+    assert "fp32" in line.split()
+
+
+def test_island_of_a_prefix_name_does_not_cover_its_siblings():
+    from lightning_amp_plus.callbacks.precision_report import _island_of
+
+    assert _island_of("enc.10.attn", ["enc.1"]) is None
+    assert _island_of("enc.1.attn", ["enc.1"]) == "enc.1"
+    assert _island_of("enc.1", ["enc.1"]) == "enc.1"
+    assert _island_of("enc.1.attn.0", ["enc", "enc.1.attn"]) == "enc.1.attn"  # the closest enclosing island
+
+
+@pytest.mark.parametrize(("precision", "flag_head"), [("bf16-mixed", True), ("32-true", False)])
+def test_works_with_any_precision_plugin(precision, flag_head):
+    model = Mixed()
+    report = PrecisionReport(print_table=False)
+    make_trainer(precision=precision, callbacks=[report], max_steps=1).fit(model)  # Lightning's own plugins
+    rows = {r["name"]: r for r in report.rows}
+    assert list(rows) == ["net.0", "net.1", "net.2", "head"]
+    assert rows["net.0"]["output_dtype"] == ("bfloat16" if precision == "bf16-mixed" else "float32")
+    assert rows["head"]["flagged"] is flag_head  # fp32 heavy work is news only under mixed precision
+    assert all(r["island"] is None for r in report.rows)
