@@ -455,6 +455,7 @@ class AmpEngine:
             self.scaler.load_state_dict(scaler_state)  # checks every value before it replaces any
         if "history" in state_dict:
             self.history.load_state_dict(state_dict["history"])
+            self.history.scaled = self.scaler is not None  # this run's precision decides what the history shows
         self._recorded_since_load = False  # the next record writes the scale itself
         if saved is not None and saved != self.precision:
             if self.scaler is None:

@@ -201,6 +201,7 @@ class ScaleHistory:
             "trailing_skips": self._trailing_skips,
             "num_steps": self._num_steps,
             "last_step": self._last_step,
+            "scaled": self.scaled,
         }
 
     def load_state_dict(self, state_dict: Any, where: str = "ScaleHistory.load_state_dict") -> None:
@@ -258,6 +259,10 @@ class ScaleHistory:
                     f"`{where}['trailing_skips']={trailing!r}` is invalid: expected 0 or the last skip's streak"
                     f" ({streaks[-1] if streaks else 0})."
                 )
+        scaled = state_dict.get("scaled", True)
+        if not isinstance(scaled, bool):
+            raise ValueError(f"`{where}['scaled']={scaled!r}` is invalid: expected True or False.")
+        self.scaled = scaled
         self._pending = []
         self._streaks = list(streaks)
         self._change_steps = steps

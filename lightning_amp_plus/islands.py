@@ -114,9 +114,10 @@ class Fp32Islands:
                 hits = [n for n, m in named if isinstance(m, entry)]
                 what = f"class {entry.__module__}.{entry.__qualname__}"
             else:
-                hits = [
-                    n for n, _ in named if fnmatch.fnmatchcase(n, entry) or fnmatch.fnmatchcase(clean_name(n), entry)
-                ]
+                # names as the user wrote them; the raw name only for a pattern that spells `_orig_mod` itself (so
+                # "net.*" selects what it selects without compile, never the compiled `net` as `net._orig_mod`)
+                raw = "_orig_mod" in entry
+                hits = [n for n, _ in named if fnmatch.fnmatchcase(n if raw else clean_name(n), entry)]
                 what = f"pattern {entry!r}"
             if not hits:
                 names = [n for n, _ in named]

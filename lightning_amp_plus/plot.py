@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 PathLike = Union[str, "os.PathLike[str]"]
 _SCALE_KEY = "loss_scale"
-_SKIP_KEYS = ("skipped_steps", "skip_rate", "step_skipped")
+#: what `LossScaleMonitor` logs in a bf16-mixed run, where no scale exists (NaNSkipReporter's keys alone say nothing)
+_BF16_KEYS = ("applied_steps", "skip_rate")
 _LOSS_KEYS = ("train_loss", "train_loss_step", "loss", "train/loss")
 
 
@@ -35,6 +36,7 @@ class RunCurves:
     skipped: list[int] = field(default_factory=list)
     loss: list[tuple[int, float]] = field(default_factory=list)
     scaled: bool = True
+    last_step: Optional[int] = None
 
 
 def _pyplot() -> Any:
@@ -59,16 +61,16 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
     """
     if curves.scaled and not curves.scale:
         raise ValueError("nothing to plot: no loss-scale values were found (log them with `LossScaleMonitor`).")
-    if not curves.scaled and not (curves.loss or curves.skipped):
+    if not curves.scaled and not (curves.loss or curves.skipped or curves.last_step is not None):
         raise ValueError(
-            "nothing to plot: a bf16-mixed run has no loss scale, and neither skipped updates nor a training loss"
+            "nothing to plot: a bf16-mixed run has no loss scale, and neither its updates nor a training loss"
             " (`train_loss`) were logged."
         )
     plt = _pyplot()
     panels = 2 if (curves.scaled and curves.loss) else 1
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), sharex=True, squeeze=False)
     ax = axes[0][0]
-    last = max([*(s for s, _ in curves.scale), *curves.skipped, *(s for s, _ in curves.loss)])
+    last = max([*(s for s, _ in curves.scale), *curves.skipped, *(s for s, _ in curves.loss), curves.last_step or 0])
     count = len(curves.skipped)
     label = f"skipped ({count})"
     if curves.scaled:
@@ -130,6 +132,7 @@ def plot_history(history: ScaleHistory, output: PathLike, loss: Optional[list[tu
         skipped=history.skipped_steps,
         loss=list(loss or []),
         scaled=scaled,
+        last_step=history.last_step,
     )
     if history.last_step is not None and curves.scale and curves.scale[-1][0] < history.last_step:
         curves.scale.append((history.last_step, curves.scale[-1][1]))
@@ -168,14 +171,14 @@ def plot_run(path: PathLike, output: Optional[PathLike] = None) -> str:
 def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
     scale_key = next((k for k in series if k.endswith(_SCALE_KEY) and "log2" not in k), None)
     if scale_key is None:
-        skip_key = next((k for k in sorted(series) for end in _SKIP_KEYS if k.endswith(end)), None)
-        if skip_key is None:
+        bf16_key = next((k for k in sorted(series) for end in _BF16_KEYS if k.endswith(end)), None)
+        if bf16_key is None:
             raise ValueError(
                 f"no loss-scale series found (keys: {sorted(series)[:10]}); log it with `LossScaleMonitor`."
             )
         # a bf16-mixed run: `LossScaleMonitor` logs its skips but no scale, which does not exist there
-        prefix = next(skip_key[: -len(end)] for end in _SKIP_KEYS if skip_key.endswith(end))
-        curves = RunCurves(scaled=False)
+        prefix = next(bf16_key[: -len(end)] for end in _BF16_KEYS if bf16_key.endswith(end))
+        curves = RunCurves(scaled=False, last_step=max(s for s, _ in series[bf16_key]))
         _read_skips(series, prefix, curves)
         _read_loss(series, curves)
         return curves
@@ -265,7 +268,8 @@ def _read_tensorboard(folder: str) -> RunCurves:
         acc = EventAccumulator(events, size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            series.setdefault(tag, []).extend((e.step, float(e.value)) for e in acc.Scalars(tag))
+            values = ((e.step, float(e.value)) for e in acc.Scalars(tag))
+            series.setdefault(tag, []).extend((s, v) for s, v in values if math.isfinite(v))  # as the CSV reader
     return _from_series(series)
 
 

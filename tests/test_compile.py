@@ -180,3 +180,117 @@ def test_a_compiled_submodule_with_self_log_trains_and_logs(tmp_path):
     assert sorted(losses) == [0, 1, 2, 3]
     assert losses[2] == float("inf")  # the poisoned step, logged as it was
     assert plugin.history.skipped_steps == [2]
+
+
+class Tricky(LightningModule):
+    """Compiled submodules the replay must not disturb: nested, aliased, mutating their input, calling autograd."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        if kind == "nested":
+            inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1))
+            self.enc = torch.compile(
+                torch.nn.Sequential(torch.nn.Linear(8, 8), torch.compile(inner, backend="aot_eager")),
+                backend="aot_eager",
+            )
+        elif kind == "alias":
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1))
+            self.fast = torch.compile(self.body, backend="aot_eager")
+        elif kind == "inplace":
+            self.enc = torch.compile(_Doubling(), backend="aot_eager")
+        else:
+            self.enc = torch.compile(_WithGrad(), backend="aot_eager")
+        self.head = torch.nn.Linear(8, 1)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.kind == "alias":
+            h = self.fast(x)
+        elif self.kind == "grad":
+            h = self.enc(x.requires_grad_(True))
+        else:
+            h = self.enc(x)
+            h = h + x  # reuses an input the compiled call may have changed in place
+        loss = torch.nn.functional.mse_loss(self.head(h).float(), y)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return make_loader(n=32, batch_size=8)
+
+
+class _Doubling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x)
+
+
+class _WithGrad(torch.nn.Module):
+    """A physics-informed style forward: the output's gradient with respect to the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        u = self.lin(x)
+        (du,) = torch.autograd.grad(u.sum(), x, retain_graph=True)
+        return u + du
+
+
+@pytest.mark.parametrize("kind", ["nested", "alias", "inplace", "grad"])
+def test_the_replay_leaves_tricky_compiled_submodules_unchanged(kind):
+    def fit(report):
+        torch._dynamo.reset()
+        before = dict(torch._dynamo.utils.counters["stats"])
+        model = Tricky(kind)
+        torch.manual_seed(1)
+        make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed", init_scale=256.0)],
+            callbacks=[report] if report else [],
+            max_steps=3,
+        ).fit(model)
+        after = torch._dynamo.utils.counters["stats"]
+        return model, {k: after[k] - before.get(k, 0) for k in after}
+
+    plain, plain_compiles = fit(None)
+    report = PrecisionReport(print_table=False, every_n_batches=1)
+    inspected, inspected_compiles = fit(report)
+    assert inspected.losses == plain.losses
+    for (name, a), (_, b) in zip(plain.state_dict().items(), inspected.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert inspected_compiles == plain_compiles  # no hook traced into a graph, nothing recompiled
+    assert report.skipped_reason is None
+    assert report.rows
+    assert all(r["compiled"] for r in report.rows if r["name"] != "head")
+    expected = {"nested": {"enc.0", "enc.1.0", "enc.1.1"}, "alias": {"fast.0", "fast.1"}}.get(kind, {"enc.lin"})
+    assert {r["name"] for r in report.rows if r["compiled"]} == expected
+    assert [r["name"] for r in report.rows if not r["compiled"]] == ["head"]
+
+
+def test_the_whole_model_message_is_printed_once(caplog):
+    caplog.set_level("WARNING", logger="lightning_amp_plus")
+    report = PrecisionReport()
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[report], max_steps=4).fit(
+        torch.compile(TinyModel(), backend="aot_eager")
+    )
+    lines = [r.getMessage() for r in caplog.records if "compiled as a whole" in r.getMessage()]
+    assert len(lines) == 1
+
+
+def test_a_glob_island_selects_the_same_modules_with_or_without_compile():
+    eager = CompiledSubmodule(False)
+    compiled = CompiledSubmodule(True)
+    assert AmpPlusPrecision("16-mixed", fp32_modules=["net.*"])._islands.match(eager) == ["net.0", "net.1", "net.2"]
+    names = AmpPlusPrecision("16-mixed", fp32_modules=["net.*"])._islands.match(compiled)
+    assert names == ["net._orig_mod.0", "net._orig_mod.1", "net._orig_mod.2"]  # never `net` itself

@@ -1,3 +1,4 @@
+import math
 import struct
 import subprocess
 import sys
@@ -192,3 +193,61 @@ def test_the_plot_command_imports_neither_torch_nor_lightning(tmp_path, kind):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "heavy: []" in out.stdout
     png_size(tmp_path / "p.png")
+
+
+def test_a_clean_bf16_run_draws_its_skip_count(tmp_path):
+    plugin = AmpPlusPrecision("bf16-mixed")
+    logger = CSVLogger(tmp_path, name="clean")
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=2)], logger=logger, max_steps=4).fit(
+        TinyModel()
+    )
+    curves = read_run(logger.log_dir)
+    assert (curves.scaled, curves.skipped, curves.last_step) == (False, [], 3)
+    fig = draw(curves)
+    try:
+        (line,) = fig.axes[0].lines
+        assert [tuple(p) for p in line.get_xydata()] == [(0.0, 0.0), (3.0, 0.0)]
+    finally:
+        fig.clf()
+    assert png_size(plot_history(plugin.history, tmp_path / "h.png"))[0] > 400
+
+
+def test_a_16_mixed_run_with_the_reporter_alone_is_not_read_as_bf16(tmp_path, capsys):
+    logger = CSVLogger(tmp_path, name="nsr")
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[NaNSkipReporter(max_warnings=0)],
+        logger=logger,
+        max_steps=4,
+    ).fit(TinyModel(poison={1: "inf"}))
+    assert main(["plot", logger.log_dir]) == 2
+    assert "LossScaleMonitor" in capsys.readouterr().err
+
+
+def test_tensorboard_non_finite_values_are_dropped_as_in_csv(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    _bf16_run(tmp_path, logger)
+    logger.experiment.flush()
+    curves = read_run(logger.log_dir)
+    assert curves.scaled is False
+    assert all(math.isfinite(v) for _, v in curves.loss)
+    assert curves.skipped == [2, 5]
+
+
+def test_a_saved_bf16_history_stays_unscaled():
+    from lightning_amp_plus import ScaleHistory
+
+    plugin = _bf16_run_history()
+    state = plugin.history.state_dict()
+    assert state["scaled"] is False
+    loaded = ScaleHistory()
+    loaded.load_state_dict(state)
+    assert loaded.scaled is False
+    with pytest.raises(ValueError, match=r"\['scaled'\]=1"):
+        ScaleHistory().load_state_dict({**state, "scaled": 1})
+
+
+def _bf16_run_history():
+    plugin = AmpPlusPrecision("bf16-mixed")
+    make_trainer(plugins=[plugin], max_steps=3).fit(TinyModel(poison={1: "nan"}))
+    return plugin

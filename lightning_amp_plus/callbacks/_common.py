@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -70,6 +72,11 @@ def _umask() -> int:
 
 def write_json_atomically(path: Any, data: Any) -> None:
     """Write ``data`` as JSON to a temporary file beside ``path``, then rename it into place (never half a file)."""
+    write_text_atomically(path, json.dumps(data, indent=2))
+
+
+def write_text_atomically(path: Any, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it into place, with the user's umask."""
     target = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
@@ -77,7 +84,7 @@ def write_json_atomically(path: Any, data: Any) -> None:
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # the user's umask, like every other file (mkstemp makes it 0600)
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
+            f.write(text)
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
@@ -125,3 +132,39 @@ def shards_gradients(trainer: Optional[pl.Trainer]) -> bool:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
+# ---------------------------------------------------------------------------------------------- replays
+@contextlib.contextmanager
+def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]:
+    """Run a replay that leaves no trace: random-number state and every buffer (running statistics) restored."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+def nonfinite_kind(value: Any) -> Optional[str]:
+    """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one."""
+    for tensor in _tensors(value):
+        if tensor.is_floating_point() or tensor.is_complex():
+            finite = torch.isfinite(tensor)
+            if not bool(finite.all()):
+                return "inf" if bool(torch.isinf(tensor).any()) else "nan"
+    return None
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)

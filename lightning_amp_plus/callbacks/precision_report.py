@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -18,6 +17,7 @@ from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
+from lightning_amp_plus.callbacks._common import leaves_no_trace
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -58,18 +58,22 @@ def _island_of(name: str, islands: list[str]) -> Optional[str]:
     return best
 
 
-@contextlib.contextmanager
-def _unchanged(module: nn.Module, device_type: str) -> Iterator[None]:
-    """Run a replay that leaves no trace: random-number state and every buffer (running statistics) restored."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor copied (``requires_grad`` kept): what a call received, safe from in-place change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        items = [_copied(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
+def _all_eager() -> Any:
+    """Every compiled function runs eagerly inside (``torch.compiler.set_stance("force_eager")``, torch >= 2.6)."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _name(dtype: Optional[torch.dtype]) -> str:
@@ -128,6 +132,7 @@ class PrecisionReport(KnobsRepr, Callback):
         self._batches = 0
         self._precision = ""
         self._islands: list[str] = []
+        self._inspecting = False  # hooks (or a reason for none) in place for this batch
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -154,7 +159,8 @@ class PrecisionReport(KnobsRepr, Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._handles or self.skipped_reason:
+        if self._inspecting:
+            self._inspecting = False
             self._remove()
             self.rows = self._build_rows()
             if self.print_table and trainer.is_global_zero:
@@ -174,6 +180,7 @@ class PrecisionReport(KnobsRepr, Callback):
         self._stats = {}
         self._order = []
         self.skipped_reason = None
+        self._inspecting = True
         self._islands = list(getattr(self._plugin, "fp32_module_names", []) or [])
         device_type = pl_module.device.type
         if getattr(pl_module, "_compiler_ctx", None) is not None:
@@ -183,15 +190,18 @@ class PrecisionReport(KnobsRepr, Callback):
                 " (`self.net = torch.compile(self.net)`); the report then inspects them by an eager replay."
             )
             return
-        compiled_roots = [n for n, m in pl_module.named_modules() if n and is_compiled_wrapper(m)]
+        # what runs inside a compiled graph, by identity: an eager alias of a compiled module (`self.fast =
+        # torch.compile(self.body)`) is inside it too, whatever name `named_modules()` gives it
+        wrappers = [(n, m) for n, m in pl_module.named_modules(remove_duplicate=False) if n and is_compiled_wrapper(m)]
+        compiled = {id(m) for _, w in wrappers for m in w._orig_mod.modules()}
+        outer = {id(w) for _, w in wrappers if id(w) not in compiled}
+        replayed: set[int] = set()
+        for raw_name, module in wrappers:
+            if id(module) in outer and id(module) not in replayed:
+                replayed.add(id(module))
+                self._hook_replay(raw_name, module, device_type)
         for raw_name, module in pl_module.named_modules():
-            if not raw_name:
-                continue
-            if is_compiled_wrapper(module):
-                if not any(raw_name.startswith(root + ".") for root in compiled_roots):  # outermost only
-                    self._hook_replay(raw_name, module, device_type)
-                continue
-            if list(module.children()) or any(raw_name.startswith(root + ".") for root in compiled_roots):
+            if not raw_name or is_compiled_wrapper(module) or id(module) in compiled or list(module.children()):
                 continue  # inside a compiled graph: inspected by the replay
             self._hook_leaf(clean_name(raw_name), module, device_type, compiled=False, handles=self._handles)
 
@@ -232,10 +242,11 @@ class PrecisionReport(KnobsRepr, Callback):
         calls: list[tuple[Any, Any]] = []
 
         def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
-            calls.append((args, kwargs))
+            # copies: the compiled call may change its inputs in place; the replay must see them as they came
+            calls.append((_copied((args, kwargs)), torch.is_grad_enabled()))
 
         def post(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            call_args, call_kwargs = calls.pop()
+            (call_args, call_kwargs), grad = calls.pop()
             if calls:  # a nested call of the same wrapper: the outermost one replays
                 return
             handles: list[Any] = []
@@ -244,8 +255,14 @@ class PrecisionReport(KnobsRepr, Callback):
                     if not list(module.children()) and not is_compiled_wrapper(module):
                         full = clean_name(f"{raw_name}.{name}" if name else raw_name)
                         self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
-                with _unchanged(inner, device_type), torch.no_grad():
-                    inner(*call_args, **call_kwargs)  # eager: the same autocast state as the compiled call
+                # eager, in the compiled call's autocast and grad mode (a forward may call autograd.grad), with every
+                # nested compiled module eager too (no hook may end up inside a graph)
+                with leaves_no_trace(inner, device_type), torch.set_grad_enabled(grad), _all_eager():
+                    inner(*call_args, **call_kwargs)
+            except Exception as error:  # the report never stops training
+                self.skipped_reason = (
+                    f"the eager replay of {clean_name(raw_name)} failed ({error!r}); its rows are missing"
+                )
             finally:
                 for handle in handles:
                     handle.remove()
@@ -276,6 +293,7 @@ class PrecisionReport(KnobsRepr, Callback):
             output = s.get("output")
             heavy = isinstance(module, HEAVY_TYPES)
             island = _island_of(name, self._islands)
+            ran_in_island = island is not None  # hooks run outside the island's wrapper: what ran inside is fp32
             flagged = mixed and output == torch.float32 and (heavy or share >= self.flag_share)
             cause = None
             if flagged:
@@ -291,12 +309,12 @@ class PrecisionReport(KnobsRepr, Callback):
                 {
                     "name": name,
                     "type": type(module).__name__,
-                    "input_dtype": _name(s.get("input")),
+                    "input_dtype": "float32" if ran_in_island and s.get("input") is not None else _name(s.get("input")),
                     "output_dtype": _name(output),
                     "param_dtype": _name(param_dtype),
                     "time_ms": s["time"] * 1e3,
                     "time_share": share,
-                    "autocast": bool(s.get("autocast")),
+                    "autocast": bool(s.get("autocast")) and not ran_in_island,
                     "island": island,
                     "compiled": s["compiled"],
                     "flagged": flagged,

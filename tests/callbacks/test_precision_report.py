@@ -29,8 +29,10 @@ def test_report_dtypes_with_one_island():
     assert list(rows) == ["net.0", "net.1", "net.2", "head"]  # forward order
     assert rows["net.0"]["output_dtype"] == "float16"
     assert not rows["net.0"]["flagged"]
-    # the island receives float16 from net.1 and casts it: float32 out
-    assert rows["net.2"]["input_dtype"] == "float16"
+    # the island casts the float16 it receives from net.1: it runs on float32 with autocast off, float32 out
+    assert rows["net.2"]["input_dtype"] == "float32"
+    assert rows["net.2"]["autocast"] is False
+    assert rows["net.0"]["autocast"] is True
     assert rows["net.2"]["output_dtype"] == "float32"
     assert rows["net.2"]["flagged"]
     assert "fp32 island" in rows["net.2"]["cause"]
