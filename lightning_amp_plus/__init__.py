@@ -13,6 +13,8 @@ from lightning_amp_plus.__about__ import __version__
 
 #: public name -> the module that defines it
 _EXPORTS = {
+    "Advice": "lightning_amp_plus.advice",
+    "AmpAdvisor": "lightning_amp_plus.callbacks",
     "AmpEngine": "lightning_amp_plus.engine",
     "AmpPlusFSDPPrecision": "lightning_amp_plus.fsdp",
     "AmpPlusFabricPrecision": "lightning_amp_plus.fabric",
@@ -34,6 +36,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Advice",
+    "AmpAdvisor",
     "AmpEngine",
     "AmpPlusFSDPPrecision",
     "AmpPlusFabricPrecision",
@@ -71,7 +75,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from lightning_amp_plus._warnings import AmpPlusWarning
+    from lightning_amp_plus.advice import Advice
     from lightning_amp_plus.callbacks import (
+        AmpAdvisor,
         GradUnderflowMonitor,
         LossScaleCollapseError,
         LossScaleMonitor,

@@ -18,9 +18,11 @@ lightning-amp-plus: visible, controllable and safe mixed precision for PyTorch L
 commands:
   plot PATH [-o OUT.png]   draw the loss-scale curve (and the skipped updates) of a CSVLogger version folder,
                            a metrics.csv, or a TensorBoard log folder
+  advise PATH              what the logged series say went wrong, and the fix (AmpAdvisor's offline half)
 
 examples:
   lightning-amp-plus plot lightning_logs/version_0 -o loss_scale.png
+  lightning-amp-plus advise lightning_logs/version_0
   python -m lightning_amp_plus --version
 """
 
@@ -35,7 +37,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plot = sub.add_parser("plot", help="plot the loss-scale curve of a CSVLogger or TensorBoard run")
     plot.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
     plot.add_argument("-o", "--output", default=None, help="the PNG to write (default: loss_scale.png beside PATH)")
+    advise = sub.add_parser("advise", help="advice from a logged run (scale curve, skips, underflow, headroom)")
+    advise.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
     args = parser.parse_args(argv)
+    if args.command == "advise":
+        return _advise(args.path)
     if args.command == "plot":
         from lightning_amp_plus.plot import plot_run
 
@@ -45,6 +51,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(out)
+    return 0
+
+
+def _advise(path: str) -> int:
+    from lightning_amp_plus.advice import advise, figures_from_series, healthy_line, needs_live
+    from lightning_amp_plus.plot import read_series
+
+    try:
+        figures = figures_from_series(read_series(path))
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not figures.curve and figures.skipped is None:
+        print(f"error: {path}: no amp/ series found (log them with `LossScaleMonitor`).", file=sys.stderr)
+        return 2
+    found = advise(figures)
+    if found:
+        print(f"{len(found)} finding{'s' if len(found) != 1 else ''} from the logged series, most important first:")
+        for i, advice in enumerate(found, start=1):
+            print(f"{i}. {advice}")
+    else:
+        print(f"no finding in the logged series: {healthy_line(figures)}")
+    live = needs_live(figures)
+    if live:
+        print(f"not checked (they need the live callback, `AmpAdvisor`): {', '.join(live)}")
     return 0
 
 

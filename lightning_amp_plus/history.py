@@ -111,6 +111,15 @@ class ScaleHistory:
             self._take(step, float(scale_value), float(found_value))
         self._pending = []
 
+    def last_flag(self) -> tuple[int, Tensor | float] | None:
+        """The last record's step and overflow flag as recorded: a device tensor while pending (not read here)."""
+        if self._pending:
+            step, _, found = self._pending[-1]
+            return step, found
+        if self._last_step is None:
+            return None
+        return self._last_step, float(bool(self._skipped) and self._skipped[-1] == self._last_step)
+
     @property
     def pending(self) -> int:
         """Records whose values are still on the device (not yet flushed to the host)."""

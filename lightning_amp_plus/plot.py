@@ -141,6 +141,11 @@ def plot_history(history: ScaleHistory, output: PathLike, loss: Optional[list[tu
 
 def read_run(path: PathLike) -> RunCurves:
     """Read the curves from a CSVLogger version folder, a ``metrics.csv``, or a TensorBoard log folder."""
+    return _from_series(read_series(path))
+
+
+def read_series(path: PathLike) -> dict[str, list[tuple[int, float]]]:
+    """Every finite scalar series of a CSVLogger version folder, a ``metrics.csv`` or a TensorBoard log folder."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".csv"):
         return _read_csv(path)
@@ -222,14 +227,14 @@ def _read_loss(series: dict[str, list[tuple[int, float]]], curves: RunCurves) ->
         curves.loss = sorted(series[loss_key])
 
 
-def _read_csv(path: str) -> RunCurves:
+def _read_csv(path: str) -> dict[str, list[tuple[int, float]]]:
     try:
         return _read_csv_rows(path)
     except csv.Error as error:  # a field over csv's limit, a NUL byte, ...: not a metrics.csv we can read
         raise ValueError(f"{path}: not a readable CSV file ({error}).") from None
 
 
-def _read_csv_rows(path: str) -> RunCurves:
+def _read_csv_rows(path: str) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
@@ -253,10 +258,10 @@ def _read_csv_rows(path: str) -> RunCurves:
                     continue
                 if math.isfinite(number):
                     series.setdefault(key, []).append((step, number))
-    return _from_series(series)
+    return series
 
 
-def _read_tensorboard(folder: str) -> RunCurves:
+def _read_tensorboard(folder: str) -> dict[str, list[tuple[int, float]]]:
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError as err:
@@ -270,7 +275,7 @@ def _read_tensorboard(folder: str) -> RunCurves:
         for tag in acc.Tags().get("scalars", []):
             values = ((e.step, float(e.value)) for e in acc.Scalars(tag))
             series.setdefault(tag, []).extend((s, v) for s, v in values if math.isfinite(v))  # as the CSV reader
-    return _from_series(series)
+    return series
 
 
 def _value_at(curve: list[tuple[int, float]], step: int) -> float:

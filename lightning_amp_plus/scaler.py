@@ -554,6 +554,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         shown.update({k: v for k, v in live.items() if k in self._given or v != defaults.get(k)})
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
+    def knobs(self) -> dict[str, Any]:
+        """The settings in force, by name.
+
+        ``init_scale`` (where this run's scale started: the checkpoint's on a resume), ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``, ``min_scale``, ``max_scale``, ``hysteresis``.
+        """
+        return {"init_scale": float(self._init_scale), **self._knobs()}
+
     def _knobs(self) -> dict[str, Any]:
         return {
             "growth_factor": self._growth_factor,

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ACTIVE: list[HostSyncCounter] = []
+_QUIET: list[bool] = []  # inside `FlagPeek`: a non-blocking copy is no wait
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 
 
@@ -59,6 +60,8 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if _QUIET:
+            return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         elif func in _COPIES:
@@ -74,3 +77,43 @@ class HostSyncCounter(TorchDispatchMode):
                 self.count += 1
             return out
         return func(*args, **kwargs)
+
+
+class FlagPeek:
+    """A device flag read later without waiting: a non-blocking copy and an event on CUDA; host memory at once.
+
+    :meth:`value` returns the flag when it is on the host, ``None`` while the device is still busy (unless ``wait``,
+    which waits, and counts as a host sync). Reading host memory dispatches nothing: a peek is never a sync.
+
+    Example:
+        >>> import torch
+        >>> with HostSyncCounter() as counter:
+        ...     peek = FlagPeek(torch.tensor(1.0))
+        ...     peek.value()
+        1.0
+        >>> counter.count
+        0
+    """
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._event: Any = None
+        _QUIET.append(True)
+        try:
+            if tensor.device.type == "cuda":
+                self._copy = tensor.detach().to("cpu", non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._copy = tensor.detach()
+        finally:
+            _QUIET.pop()
+
+    def value(self, wait: bool = False) -> float | None:
+        """The flag's value once it is on the host; ``None`` while it is not (and ``wait`` is False)."""
+        if self._event is not None and not self._event.query():
+            if not wait:
+                return None
+            for counter in _ACTIVE:
+                counter.count += 1  # a wait: a host sync
+            self._event.synchronize()
+        return float(self._copy.reshape(-1).tolist()[0])

@@ -107,6 +107,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self.max_warnings = max_warnings
         self.prefix = check_prefix(owner, prefix)
         self.measurements: list[dict[str, Any]] = []
+        self._private = False  # owned by another callback (AmpAdvisor): measurements only; no log, no warning
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
@@ -129,6 +130,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self._params = named_parameters(pl_module)
         self._names = {id(p): n for n, p in self._params}
         if plugin.scaler is None:
+            if self._private:
+                return
             rank_zero_warn(
                 "`GradUnderflowMonitor` measures float16 underflow of scaled gradients; with bf16-mixed there is no"
                 " scaler and bfloat16 has float32's range, so it measures nothing.",
@@ -236,8 +239,9 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             for f, nm in per[: self.per_parameter]:
                 metrics[f"{self.prefix}underflow/{nm}"] = f
         self.measurements.append(record)
-        log_to_all(self._trainer, metrics, step)
-        self._check(record)
+        if not self._private:
+            log_to_all(self._trainer, metrics, step)
+            self._check(record)
 
     def _check(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_amp_plus._identity import clean_name, resolve_module
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
@@ -24,14 +25,16 @@ from lightning_amp_plus.callbacks._common import (
     check_writable,
     distributed,
     find_plugin,
+    leaves_no_trace,
     local_tensor,
     log_to_all,
     named_parameters,
+    nonfinite_kind,
     shards_gradients,
     write_json_atomically,
 )
 from lightning_amp_plus.engine import EngineView, SkipEvent
-from lightning_amp_plus.syncs import to_host
+from lightning_amp_plus.syncs import FlagPeek, to_host
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -44,8 +47,9 @@ class NaNSkipReporter(KnobsRepr, Callback):
     Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is the step the logger uses
     for ``self.log`` in that batch, so the skips share the x axis of every other metric) gives a record with
     ``step``, ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when
-    finite) and ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held non-finite
-    values, named as in ``named_parameters()``. The first ``max_warnings`` skips are printed (rank zero, logger
+    finite), ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held non-finite
+    values, named as in ``named_parameters()``, and ``origin``: where the non-finite values were born (see below).
+    The first ``max_warnings`` skips are printed (rank zero, logger
     ``lightning_amp_plus``), e.g. ``step 412 skipped: gradients non-finite in encoder.ff.weight (12 inf), loss scale
     65536 -> 32768``; later ones are counted and summarised at the end of fit, and written to ``report_path`` as JSON
     when given. :attr:`skips` keeps the first and last ``max_records // 2`` records in full; every skip is still
@@ -57,6 +61,18 @@ class NaNSkipReporter(KnobsRepr, Callback):
     optimizer decides on the device: its skips are found when the history is flushed (each logging interval),
     without offenders, unless ``sync_fused=True`` (one host sync per step) asks for them.
 
+    **Where non-finite values are born** (``find_origin=True``, Trainer only): ``{"phase": "input"}`` when the batch
+    held inf/nan; ``{"phase": "forward", "module": name, "kind": "inf"|"nan"}`` for the first module (in execution
+    order) whose inputs were finite and whose output was not (``module`` is ``""`` when the LightningModule's own
+    code, between its submodules, made them); ``{"phase": "loss"}`` when every module output was finite but the loss
+    was not; ``{"phase": "backward"}`` when the forward and the loss were finite (the gradients overflowed: the
+    scale did its job). On clean steps this costs one Python call per call of the LightningModule's direct children
+    (their inputs are kept by reference until the batch ends; no device op, no sync). On a skipped step the children's
+    calls of the batch (its last micro-batch under accumulation) are replayed eagerly under autocast with every
+    module hooked, without grad, with the random-number state and the buffers restored. ``None`` when it cannot be
+    told: a skip a fused optimizer decided on the device (``sync_fused=True`` tells it), Fabric, sharded models
+    (FSDP: a replay would need every rank's collectives; there only ``"input"`` is told).
+
     Args:
         max_consecutive_skips: raise :class:`LossScaleCollapseError` after this many skipped steps in a row
             (default 25; ``None`` disables). A step that overflows while the scale sits at ``min_scale`` raises too.
@@ -67,6 +83,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         sync_fused: name the offenders of fused optimizers too, at one host sync per step (default False).
         prefix: key prefix of the logged metrics (default ``"amp/"``).
         max_records: skip records kept in full (the first and the last half; default 100; ``None`` keeps all).
+        find_origin: tell where each skip's non-finite values were born (default True; see above).
 
     Example:
         >>> from lightning_amp_plus import NaNSkipReporter
@@ -82,6 +99,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         sync_fused: bool = False,
         prefix: str = "amp/",
         max_records: Optional[int] = 100,
+        find_origin: bool = True,
     ) -> None:
         self._given = given_arguments(NaNSkipReporter.__init__, locals())
         self._fit_scope = FitScope()
@@ -98,6 +116,15 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self.sync_fused = sync_fused
         self.prefix = check_prefix(owner, prefix)
         self.max_records = max_records
+        self.find_origin = check_bool(owner, "find_origin", find_origin)
+        self._private = False  # owned by another callback (AmpAdvisor): records only; no log, print, error or file
+        self._calls: list[tuple[str, torch.nn.Module, Any, Any]] = []  # this batch's calls of the module's children
+        self._call_hooks: list[Any] = []
+        self._batch: Any = None
+        self._module: Optional[torch.nn.Module] = None
+        # a fused optimizer's skip, told one batch late without a sync: (step, flag copy, event, calls, batch, loss)
+        self._probe: Optional[tuple[int, FlagPeek, Any, Any, Optional[Tensor]]] = None
+        self._device_origins: dict[int, Optional[dict[str, Any]]] = {}
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
@@ -169,10 +196,12 @@ class NaNSkipReporter(KnobsRepr, Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.detach()
+        self._unhook_calls()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.detach()  # Lightning skips `teardown` after an exception: a retry must not meet this reporter
+        self._unhook_calls()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -180,6 +209,118 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._params = named_parameters(pl_module)
         self._names = {id(p): n for n, p in self._params}
         self._sharded = shards_gradients(trainer)
+        self._unhook_calls()
+        self._module = pl_module
+        if self.find_origin and not self._sharded:
+            self._hook_calls(pl_module)
+
+    # ------------------------------------------------------------------ where non-finite values are born
+    def _hook_calls(self, pl_module: torch.nn.Module) -> None:
+        """Keep, by reference, each call of the module's direct children in this batch (for a replay on a skip)."""
+        for name, child in pl_module.named_children():
+
+            def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+                self._calls.append((name, mod, args, kwargs))
+
+            self._call_hooks.append(child.register_forward_pre_hook(keep, with_kwargs=True))
+
+    def _unhook_calls(self) -> None:
+        for handle in self._call_hooks:
+            handle.remove()
+        self._call_hooks = []
+        self._calls = []
+        self._batch = None
+        self._probe = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._read_probe(wait=False)  # the previous batch's fused skip: its parameters are still the ones it used
+        self._calls = []
+        self._batch = batch if self.find_origin else None
+
+    def _probe_device_skip(self) -> None:
+        """After a batch whose skip a fused optimizer decides on the device: copy its flag without waiting."""
+        assert self._plugin is not None
+        last = self._plugin.history.last_flag()
+        if last is None or self._batch is None:
+            return
+        step, found = last
+        if not isinstance(found, Tensor):
+            return
+        self._probe = (step, FlagPeek(found), self._calls, self._batch, self._loss)
+
+    def _read_probe(self, wait: bool) -> None:
+        """Tell the probed batch's origin if its flag is on the host (``wait``: at the end of fit, read it anyway)."""
+        if self._probe is None:
+            return
+        step, peek, calls, batch, loss = self._probe
+        self._probe = None
+        flag = peek.value(wait=wait)
+        if flag is None:
+            return  # the device is still busy with that step: no sync for an origin
+        if flag > 0:
+            self._device_origins[step] = self._origin(calls, batch, loss)
+
+    def _origin(
+        self, calls: Optional[list[Any]] = None, batch: Any = None, loss: Optional[Tensor] = None
+    ) -> Optional[dict[str, Any]]:
+        """Where a batch's non-finite values were born (see the class docstring); None when it cannot be told.
+
+        Without arguments: this batch's (its children's calls, the batch, the loss).
+        """
+        if calls is None:
+            calls, batch, loss = self._calls, self._batch, self._loss
+        if not self.find_origin or self._trainer is None or batch is None:
+            return None
+        if nonfinite_kind(batch) is not None:
+            return {"phase": "input"}
+        if self._sharded or self._module is None:
+            return None
+        born = self._replay(calls)
+        if born is not None:
+            return born
+        if loss is not None and nonfinite_kind(loss.detach()) is not None:
+            return {"phase": "loss"}
+        return {"phase": "backward"}
+
+    def _replay(self, calls: list[Any]) -> Optional[dict[str, Any]]:
+        """Replay the batch's children calls with every module hooked; the first module that made inf/nan."""
+        assert self._trainer is not None
+        assert self._module is not None
+        found: list[dict[str, Any]] = []
+        handles: list[Any] = []
+        owners: dict[int, str] = {}
+
+        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if found:
+                return
+            kind = nonfinite_kind(output)
+            if kind is not None and nonfinite_kind((args, kwargs)) is None:
+                found.append({"phase": "forward", "module": owners[id(mod)], "kind": kind})
+
+        calls = list(calls)
+        try:
+            for child_name, child, _, _ in calls:
+                inner = resolve_module(child)  # a compiled child replays eagerly: no hook inside its graph
+                for name, module in inner.named_modules():
+                    if id(module) not in owners:
+                        owners[id(module)] = clean_name(f"{child_name}.{name}" if name else child_name)
+                        handles.append(module.register_forward_hook(post, with_kwargs=True))
+            device_type = getattr(self._module, "device", torch.device("cpu")).type
+            forward_context = self._trainer.precision_plugin.forward_context
+            with leaves_no_trace(self._module, device_type), torch.no_grad(), forward_context():
+                for _, child, args, kwargs in calls:
+                    if nonfinite_kind((args, kwargs)) is not None:  # made between the children: the module's own code
+                        return {"phase": "forward", "module": "", "kind": nonfinite_kind((args, kwargs))}
+                    resolve_module(child)(*args, **kwargs)
+                    if found:
+                        return found[0]
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found[0] if found else None
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -196,6 +337,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
             "new_scale": event.new_scale,
             "loss": _finite_or_none(self._mean_loss()),
             "offenders": self._offenders(event),
+            "origin": self._origin(),
         }
         self._add(record, event.consecutive)
 
@@ -244,6 +386,11 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._plugin is not None
+        if self.find_origin and not self._plugin.skip_known_on_host and not self._sharded:
+            self._probe_device_skip()  # the batch's inputs move into the probe until its flag is on the host
+            self._read_probe(wait=False)  # at once when it is (host memory, or the device is done)
+        self._calls = []  # the kept inputs are released when the batch ends
+        self._batch = None
         history = self._plugin.history
         if (
             not self._plugin.skip_known_on_host
@@ -271,6 +418,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
                 "new_scale": None,
                 "loss": None,
                 "offenders": None,  # decided on the device by a fused optimizer; sync_fused=True names them
+                "origin": self._device_origins.pop(step, None),
             }
             self._add(record, history.streak_at(step))
         self._reported_upto = last
@@ -281,6 +429,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         assert self._plugin is not None
         self._consecutive = consecutive
         self._keep(record)
+        if self._private:
+            return
         if self._trainer is not None:
             log_to_all(
                 self._trainer,
@@ -335,6 +485,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
 
     def finish(self) -> None:
         """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
+        self._read_probe(wait=True)
         self._collect_device_skips()
         if self._num_skips:
             report = self.report()
@@ -454,7 +605,27 @@ def _describe(record: dict[str, Any]) -> str:
             parts.append(f"{o['name']} ({kinds})")
         more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
         where = "gradients non-finite in " + ", ".join(parts) + more
+    born = _describe_origin(record.get("origin"))
+    if born:
+        where = f"{born}; {where}"
     scale = f"loss scale {record['scale']:g}"
     if record["new_scale"] is not None:
         scale += f" -> {record['new_scale']:g}"
     return f"step {record['step']} skipped: {where}, {scale}"
+
+
+def _describe_origin(origin: Optional[dict[str, Any]]) -> str:
+    """``born in forward of encoder.3.ff (inf)`` and the like; empty when the origin is not known."""
+    if not origin:
+        return ""
+    phase = origin.get("phase")
+    if phase == "forward":
+        where = origin.get("module") or "the LightningModule's own code"
+        return f"born in forward of {where} ({origin.get('kind')})"
+    if phase == "input":
+        return "born in the batch (the inputs held inf/nan)"
+    if phase == "loss":
+        return "born in the loss (every module output was finite)"
+    if phase == "backward":
+        return "born in backward (forward and loss finite: the gradients overflowed)"
+    return ""

@@ -19,7 +19,9 @@ def test_names_exactly_the_poisoned_parameter(tmp_path, caplog):
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=6).fit(model)
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
     assert re.fullmatch(
-        r"step 3 skipped: gradients non-finite in net.0.weight \(\d+ inf.*, loss scale 1024 -> 512", lines[0]
+        r"step 3 skipped: born in backward \(forward and loss finite: the gradients overflowed\); gradients non-finite"
+        r" in net.0.weight \(\d+ inf.*, loss scale 1024 -> 512",
+        lines[0],
     )
     assert lines[1] == "`NaNSkipReporter`: 1 of 6 updates skipped (at step 3); worst offenders: net.0.weight (1 skip)."
     assert [r["step"] for r in reporter.skips] == [3]
@@ -33,6 +35,7 @@ def test_names_exactly_the_poisoned_parameter(tmp_path, caplog):
     assert record["new_scale"] == 512.0
     assert record["loss"] is not None
     assert record["loss"] > 0
+    assert record["origin"] == {"phase": "backward"}  # a gradient hook made the inf: forward and loss were finite
     report = json.loads((tmp_path / "skips.json").read_text())
     assert report["skips"] == json.loads(json.dumps(reporter.skips))
     assert report["skipped_steps"] == [3]
@@ -184,3 +187,87 @@ def test_scheduler_skipping_can_be_turned_off():
 def test_bad_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         NaNSkipReporter(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- where inf/nan is born
+class _Born(TinyModel):
+    """``big`` overflows float16 at the steps in ``at`` (its input is scaled up); ``own`` overflows between modules."""
+
+    def __init__(self, at=(), own=False, **kwargs):
+        super().__init__(**kwargs)
+        self.at = set(at)
+        self.own = own
+        self.big = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.drop = torch.nn.Dropout(0.3)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        x = self.drop(self.bn(x))  # replayed before the overflow: random state and running statistics at stake
+        if self.trainer.global_step in self.at:
+            x = x * 1e6 if not self.own else x
+        h = self.big(x)
+        if self.own and self.trainer.global_step in self.at:
+            h = h * 1e30  # the LightningModule's own code, between two children
+        return self.net(self.norm(h))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
+def test_origin_forward_names_the_module_whose_output_overflowed(caplog, optimizer):
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=6).fit(
+        _Born(at=(2, 4), optimizer=optimizer)
+    )
+    assert reporter.skipped_steps == [2, 4]
+    assert [r["origin"]["module"] for r in reporter.skips] == ["big", "big"]
+    assert all(r["origin"]["phase"] == "forward" and r["origin"]["kind"] in ("inf", "nan") for r in reporter.skips)
+    if optimizer == "sgd":  # host-known skips are printed as they happen
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 2 skipped")]
+        assert lines[0].startswith("step 2 skipped: born in forward of big (")
+
+
+def test_origin_in_the_modules_own_code_and_in_the_batch():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
+        _Born(at=(1,), own=True)
+    )
+    assert [r["origin"] for r in reporter.skips] == [{"phase": "forward", "module": "", "kind": "inf"}]
+
+    class BadBatch(TinyModel):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == 2:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            return super().training_step((x, y), batch_idx)
+
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
+        BadBatch()
+    )
+    # the batch Lightning handed in was finite; the children's calls saw the nan first: the module's own code
+    assert [r["origin"] for r in reporter.skips] == [{"phase": "forward", "module": "", "kind": "nan"}]
+
+
+def test_the_replay_leaves_training_unchanged_and_releases_the_inputs():
+    def run(find_origin):
+        torch.manual_seed(0)
+        model = _Born(at=(2, 5))
+        reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=find_origin)
+        torch.manual_seed(1)
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=7).fit(
+            model
+        )
+        return model, reporter
+
+    plain, plain_reporter = run(False)
+    told, told_reporter = run(True)
+    # dropout's random state and batch norm's statistics restored: the same losses (nan at the skips), bit for bit
+    torch.testing.assert_close(torch.tensor(told.losses), torch.tensor(plain.losses), rtol=0, atol=0, equal_nan=True)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), told.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert [r["origin"] for r in plain_reporter.skips] == [None, None]
+    assert [r["origin"]["module"] for r in told_reporter.skips] == ["big", "big"]
+    assert told_reporter._calls == []
+    assert told_reporter._batch is None
+    assert all(not m._forward_pre_hooks for m in told.modules())  # removed at teardown

@@ -81,6 +81,8 @@ class TinyModel(LightningModule):
             opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
         elif self.optimizer_name == "fused_adamw":
             opt = torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
         elif self.optimizer_name == "fused_sgd":

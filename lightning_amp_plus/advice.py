@@ -1,0 +1,475 @@
+"""What went wrong in a mixed-precision run, and the one-line fix: the rules behind ``AmpAdvisor`` and ``advise``.
+
+Standard library only (the ``advise`` command reads logs without torch). :func:`advise` reads a :class:`RunFigures`
+(built live by :class:`~lightning_amp_plus.AmpAdvisor` from the plugin and the callbacks, or offline from a logged
+run by :func:`figures_from_series`) and returns :class:`Advice` objects, most important first. Each rule reads only
+figures the run measured; a figure that is missing (``None``) makes its rules stay silent, and
+:func:`needs_live` says which codes a set of figures cannot support.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+#: the codes, most important first: a non-finite batch is no scaling problem; an fp32 island fixes a module that
+#: overflows; bf16 when no scale fits; then the knobs; then speed
+CODES = (
+    "nonfinite_loss",
+    "fp32_module",
+    "bf16",
+    "init_scale",
+    "max_scale",
+    "growth_interval",
+    "hysteresis",
+    "silent_fp32",
+    "fused_optimizer",
+)
+#: codes that need figures only the live callback gathers (origins of skips, dtypes per module, the optimizers)
+LIVE_ONLY = ("nonfinite_loss", "fp32_module", "silent_fp32", "fused_optimizer")
+
+#: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
+HIGH_UNDERFLOW = 0.5
+#: clean updates after a backoff with no growth before the growth interval is worth advice
+MIN_UPDATES_AFTER_BACKOFF = 50
+#: isolated overflows (each halving the scale, with regrowth in between) before hysteresis is worth advice
+MIN_ISOLATED_BACKOFFS = 3
+
+
+@dataclass
+class Advice:
+    """One finding: a stable ``code``, a one-sentence ``message`` with the run's figures, a paste-able ``fix``.
+
+    ``evidence`` holds the figures the rule used.
+    """
+
+    code: str
+    message: str
+    fix: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The advice as a JSON-ready dict."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}\n    fix: {self.fix}"
+
+
+@dataclass
+class RunFigures:
+    """What a run measured; ``None`` means not measured (its rules stay silent).
+
+    Attributes:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (None: unknown, e.g. offline).
+        num_updates: updates recorded (skipped ones included).
+        last_step: the last recorded update's step.
+        curve: the scale's change points ``[(step, scale)]`` (16-mixed).
+        skipped: the steps of the skipped updates (None: not known, e.g. a stock plugin's sampled curve).
+        knobs: the scaler's settings (``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``,
+            ``max_scale``, ``growth_factor``, ``backoff_factor``); None offline.
+        underflow: ``GradUnderflowMonitor`` measurements (``step``, ``scale``, ``underflow_fraction``,
+            ``headroom_bits``).
+        origins: per skipped update whose origin was told, ``NaNSkipReporter``'s ``origin`` dict.
+        fp32_rows: ``PrecisionReport`` rows flagged as heavy float32 work (``name``, ``type``, ``time_share``,
+            ``cause``, ``island``).
+        non_fused: optimizers with a fused implementation on their device that run non-fused (``name``,
+            ``device``), when the run reads a skip flag on the host each step.
+        bf16_available: whether bf16 autocast is available on the run's device.
+    """
+
+    precision: Optional[str] = None
+    num_updates: int = 0
+    last_step: Optional[int] = None
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    skipped: Optional[list[int]] = None
+    knobs: Optional[dict[str, Any]] = None
+    underflow: Optional[list[dict[str, Any]]] = None
+    origins: Optional[list[dict[str, Any]]] = None
+    fp32_rows: Optional[list[dict[str, Any]]] = None
+    non_fused: Optional[list[dict[str, Any]]] = None
+    bf16_available: Optional[bool] = None
+
+
+def advise(figures: RunFigures) -> list[Advice]:
+    """The advice the figures support, most important first (the order of :data:`CODES`)."""
+    found: list[Advice] = []
+    for rule in _RULES:
+        advice = rule(figures)
+        if advice is not None:
+            found.append(advice)
+    found.sort(key=lambda a: CODES.index(a.code))
+    return found
+
+
+def needs_live(figures: RunFigures) -> list[str]:
+    """The codes these figures cannot support (their figures were not measured)."""
+    missing = []
+    if figures.origins is None:
+        missing += ["nonfinite_loss", "fp32_module"]
+    if figures.fp32_rows is None:
+        missing.append("silent_fp32")
+    if figures.non_fused is None:
+        missing.append("fused_optimizer")
+    if figures.underflow is None or figures.knobs is None:
+        missing += ["max_scale"]  # needs the measurements and the cap
+    return [c for c in CODES if c in missing]
+
+
+def healthy_line(figures: RunFigures) -> str:
+    """One line with the run's figures, for a run that got no advice."""
+    skipped = len(figures.skipped or [])
+    rate = skipped / figures.num_updates if figures.num_updates else 0.0
+    parts = [f"{figures.num_updates} updates", f"skip rate {100 * rate:.1f}% ({skipped} skipped)"]
+    headroom = [m["headroom_bits"] for m in (figures.underflow or []) if m.get("headroom_bits") is not None]
+    if headroom:
+        parts.append(f"headroom {headroom[-1]:.1f} bits")
+    if figures.curve and figures.precision != "bf16-mixed":
+        parts.append(f"loss scale {_scale(figures.curve[-1][1])}")
+    return "the run looks healthy: " + ", ".join(parts) + "."
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+def _known_origins(figures: RunFigures) -> list[dict[str, Any]]:
+    return [o for o in figures.origins or [] if o]
+
+
+def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
+    origins = _known_origins(figures)
+    phases = Counter(o.get("phase") for o in origins)
+    bad = phases["input"] + phases["loss"]
+    if not origins or bad == 0 or 2 * bad < len(origins):
+        return None
+    if phases["input"] >= phases["loss"]:
+        what = f"the batch held inf/nan in {phases['input']} of {len(origins)} skipped updates"
+        fix = (
+            "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
+            ' "inf/nan in the batch"  # first line of training_step; then fix the data pipeline'
+        )
+    else:
+        what = (
+            f"the loss was inf/nan with every module output finite in {phases['loss']} of {len(origins)} skipped"
+            " updates"
+        )
+        fix = "loss = loss_fn(logits.float(), target)  # compute the loss in float32; check log/div/sqrt for 0 and <0"
+    return Advice(
+        "nonfinite_loss",
+        f"{what[0].upper()}{what[1:]}: not a scaling problem (no loss scale or fp32 island fixes it).",
+        fix,
+        {"input": phases["input"], "loss": phases["loss"], "told": len(origins)},
+    )
+
+
+def _fp32_module(figures: RunFigures) -> Optional[Advice]:
+    origins = _known_origins(figures)
+    modules = Counter(o["module"] for o in origins if o.get("phase") == "forward" and o.get("module"))
+    if not modules:
+        return None
+    module, count = modules.most_common(1)[0]
+    if count < 2 or 2 * count <= len(origins):
+        return None
+    kinds = Counter(o.get("kind") for o in origins if o.get("module") == module)
+    return Advice(
+        "fp32_module",
+        f"Non-finite values were born in the forward of {module} in {count} of {len(origins)} skipped updates"
+        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}): its output overflows float16.",
+        f'AmpPlusPrecision("16-mixed", fp32_modules=["{module}"])',
+        {"module": module, "skips": count, "told": len(origins), "kinds": dict(kinds)},
+    )
+
+
+def _high_underflow(figures: RunFigures) -> list[dict[str, Any]]:
+    return [m for m in figures.underflow or [] if m.get("underflow_fraction", 0.0) >= HIGH_UNDERFLOW]
+
+
+def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
+    if figures.knobs is None or figures.knobs.get("max_scale") is None:
+        return False
+    return measurement["scale"] >= figures.knobs["max_scale"]
+
+
+def _bf16(figures: RunFigures) -> Optional[Advice]:
+    if figures.precision == "bf16-mixed" or figures.bf16_available is False:
+        return None
+    fix = 'AmpPlusPrecision("bf16-mixed")  # float32\'s range: no loss scale needed'
+    measured = figures.underflow or []
+    high = _high_underflow(figures)
+    squeezed = [m for m in high if m.get("headroom_bits") is not None and m["headroom_bits"] < 1.0]
+    if measured and 2 * len(squeezed) > len(measured):
+        worst = max(m["underflow_fraction"] for m in squeezed)
+        return Advice(
+            "bf16",
+            f"The gradients span more range than float16 has: in {len(squeezed)} of {len(measured)} measurements up"
+            f" to {100 * worst:.0f}% of the non-zero gradient elements were below float16's smallest normal while the"
+            " largest was less than one doubling from overflow, so no loss scale fits.",
+            fix,
+            {"measurements": len(measured), "squeezed": len(squeezed), "worst_underflow": worst},
+        )
+    knobs = figures.knobs or {}
+    min_scale = knobs.get("min_scale")
+    if min_scale is None or figures.skipped is None or not figures.curve:
+        return None
+    at_floor = [s for s in figures.skipped if _scale_at(figures.curve, s) <= min_scale]
+    origins = _known_origins(figures)
+    if origins and any(o.get("phase") in ("input", "loss") for o in origins):
+        return None  # a non-finite batch or loss overflows at any scale: `nonfinite_loss` says it
+    if len(at_floor) >= 2:
+        return Advice(
+            "bf16",
+            f"{len(at_floor)} updates overflowed with the loss scale already at min_scale={_scale(min_scale)}: the"
+            " gradients exceed float16's range even unscaled.",
+            fix,
+            {"overflows_at_min_scale": len(at_floor), "first": at_floor[0], "min_scale": min_scale},
+        )
+    return None
+
+
+def _max_scale(figures: RunFigures) -> Optional[Advice]:
+    measured = figures.underflow or []
+    pinned = [
+        m
+        for m in _high_underflow(figures)
+        if _at_max(figures, m) and m.get("headroom_bits") is not None and m["headroom_bits"] >= 2.0
+    ]
+    if not measured or 2 * len(pinned) <= len(measured):
+        return None
+    assert figures.knobs is not None
+    max_scale = figures.knobs["max_scale"]
+    room = min(m["headroom_bits"] for m in pinned)
+    new = max_scale * 2.0 ** math.floor(room - 1)  # one doubling of margin below the largest gradient's overflow
+    return Advice(
+        "max_scale",
+        f"The scale sits at max_scale={_scale(max_scale)} with {room:.1f} bits of headroom left while"
+        f" {100 * max(m['underflow_fraction'] for m in pinned):.0f}% of the non-zero gradient elements sit below"
+        " float16's smallest normal: the cap holds the scale down.",
+        f'AmpPlusPrecision("16-mixed", max_scale={_scale(new)}, init_scale={_scale(new)})',
+        {"max_scale": max_scale, "headroom_bits": room, "measurements": len(measured), "pinned": len(pinned)},
+    )
+
+
+def _leading_skips(figures: RunFigures) -> int:
+    """Skipped updates in a row from the run's first recorded update."""
+    if not figures.skipped or not figures.curve:
+        return 0
+    first = figures.curve[0][0]
+    count = 0
+    for expected, step in enumerate(figures.skipped, start=first):
+        if step != expected:
+            break
+        count += 1
+    return count
+
+
+def _init_scale(figures: RunFigures) -> Optional[Advice]:
+    if figures.precision == "bf16-mixed" or not figures.curve:
+        return None
+    leading = _leading_skips(figures)
+    if leading < 2 or leading >= figures.num_updates:
+        return None  # one skip is calibration; all skipped: the scale never settled (other codes say why)
+    first_step, init = figures.curve[0]
+    assert figures.skipped is not None
+    settled = _scale_at(figures.curve, figures.skipped[leading - 1] + 1)
+    if settled >= init:
+        return None
+    return Advice(
+        "init_scale",
+        f"The first {leading} updates were skipped while the loss scale came down from {_scale(init)} to"
+        f" {_scale(settled)}: those batches trained nothing.",
+        f'AmpPlusPrecision("16-mixed", init_scale={_scale(settled)})',
+        {"leading_skips": leading, "init_scale": init, "settled_scale": settled},
+    )
+
+
+def _changes(curve: list[tuple[int, float]]) -> list[tuple[int, float, float]]:
+    """``(step, before, after)`` for each change of the scale."""
+    return [(s, a, b) for (_, a), (s, b) in zip(curve, curve[1:], strict=False) if b != a]
+
+
+def _growth_interval(figures: RunFigures) -> Optional[Advice]:
+    if figures.precision == "bf16-mixed" or not figures.curve or figures.last_step is None:
+        return None
+    leading = _leading_skips(figures)
+    start = figures.curve[0][0] + leading + 1  # backoffs of the initial calibration are `init_scale`'s business
+    backoffs = [(s, a, b) for s, a, b in _changes(figures.curve) if b < a and s > start]
+    if not backoffs:
+        return None
+    step, before, after = backoffs[0]
+    if any(b > a for s, a, b in _changes(figures.curve) if s > step):
+        return None  # it grew back
+    skipped_after = [s for s in figures.skipped or [] if s >= step]
+    clean_after = figures.last_step - step + 1 - len(skipped_after)
+    if clean_after < MIN_UPDATES_AFTER_BACKOFF:
+        return None
+    interval = (figures.knobs or {}).get("growth_interval")
+    suggested = _nice(max(1, clean_after // 4))
+    if interval is not None and suggested >= interval:
+        return None
+    what = f" (growth_interval={interval})" if interval is not None else ""
+    return Advice(
+        "growth_interval",
+        f"After the backoff at step {step} ({_scale(before)} -> {_scale(after)}) the scale never grew back in"
+        f" {clean_after} clean updates{what}: the run is shorter than a few growth intervals.",
+        f'AmpPlusPrecision("16-mixed", growth_interval={suggested})',
+        {"backoff_step": step, "clean_updates_after": clean_after, "growth_interval": interval},
+    )
+
+
+def _hysteresis(figures: RunFigures) -> Optional[Advice]:
+    if figures.precision == "bf16-mixed" or not figures.curve or figures.skipped is None:
+        return None
+    if (figures.knobs or {}).get("hysteresis", 1) != 1:
+        return None
+    skipped = set(figures.skipped)
+    leading = _leading_skips(figures)
+    halved = {s: (a, b) for s, a, b in _changes(figures.curve) if b < a}
+    isolated = [
+        s
+        for s in figures.skipped[leading:]
+        if s - 1 not in skipped and s + 1 not in skipped and s + 1 in halved  # one overflow, one halving
+    ]
+    if len(isolated) < MIN_ISOLATED_BACKOFFS:
+        return None
+    grew = [s for s, a, b in _changes(figures.curve) if b > a and s > isolated[0]]
+    if len(grew) < len(isolated) - 1:
+        return None  # no regrowth between them: not rare spikes
+    gaps = [b - a for a, b in zip(isolated, isolated[1:], strict=False)]
+    return Advice(
+        "hysteresis",
+        f"{len(isolated)} isolated overflows (at step {', '.join(map(str, isolated[:5]))}"
+        f"{', ...' if len(isolated) > 5 else ''}) each halved the scale, which then took {min(gaps)} to {max(gaps)}"
+        " updates to grow back.",
+        'AmpPlusPrecision("16-mixed", hysteresis=2)  # back off on the 2nd overflow in a row, not on each spike',
+        {"isolated_overflows": isolated, "growths_between": len(grew)},
+    )
+
+
+def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
+    rows = [r for r in figures.fp32_rows or [] if r.get("island") is None]  # an island is the user's choice
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r.get("time_share", 0.0), reverse=True)
+    top = rows[0]
+    cause = top.get("cause") or "an explicit cast"
+    if "autocast disabled" in cause:
+        fix = f"# run {top['name']} under autocast: remove the `with torch.autocast(..., enabled=False)` around it"
+    else:
+        fix = f"# drop the `.float()` (or the float32 op) before {top['name']}: let autocast choose its dtype"
+    names = ", ".join(f"{r['name']} ({100 * r.get('time_share', 0.0):.0f}%)" for r in rows[:5])
+    return Advice(
+        "silent_fp32",
+        f"{len(rows)} heavy module(s) ran in float32 under {figures.precision or 'mixed precision'}: {names};"
+        f" {top['name']}: {cause}.",
+        fix,
+        {"modules": [{k: r.get(k) for k in ("name", "type", "time_share", "cause")} for r in rows]},
+    )
+
+
+def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
+    if not figures.non_fused:
+        return None
+    first = figures.non_fused[0]
+    names = ", ".join(f"{o['name']} on {o['device']}" for o in figures.non_fused)
+    return Advice(
+        "fused_optimizer",
+        f"{names} runs non-fused although torch has a fused implementation there: each step reads the overflow"
+        " flag on the host (one sync per step); the fused step checks it on the device.",
+        f"torch.optim.{first['name']}(self.parameters(), lr=..., fused=True)",
+        {"optimizers": list(figures.non_fused)},
+    )
+
+
+_RULES = (
+    _nonfinite_loss,
+    _fp32_module,
+    _bf16,
+    _init_scale,
+    _max_scale,
+    _growth_interval,
+    _hysteresis,
+    _silent_fp32,
+    _fused_optimizer,
+)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _scale_at(curve: list[tuple[int, float]], step: int) -> float:
+    value = curve[0][1]
+    for s, v in curve:
+        if s > step:
+            break
+        value = v
+    return value
+
+
+def _scale(value: float) -> str:
+    """``2.0**16`` for powers of two (paste-able, exact), else the number."""
+    if value > 0:
+        exponent = math.log2(value)
+        if exponent == int(exponent):
+            return f"2.0**{int(exponent)}"
+    return f"{value:g}"
+
+
+def _nice(n: int) -> int:
+    """The largest of 1, 2, 5, 10, 20, 50, ... not above ``n``."""
+    best = 1
+    for magnitude in range(0, 10):
+        for digit in (1, 2, 5):
+            value = digit * 10**magnitude
+            if value <= n:
+                best = value
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- offline
+def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigures:
+    """The figures a logged run supports (the ``advise`` command): scale curve, skips, underflow, headroom."""
+    scale_key = next((k for k in series if k.endswith("loss_scale") and "log2" not in k), None)
+    skip_key = next((k for k in series if k.endswith("skipped_steps") or k.endswith("step_skipped")), None)
+    prefix = ""
+    if scale_key is not None:
+        prefix = scale_key[: -len("loss_scale")]
+    elif skip_key is not None:
+        prefix = skip_key[: skip_key.rindex("/") + 1] if "/" in skip_key else ""
+    figures = RunFigures(precision="16-mixed" if scale_key is not None else None)
+    steps: set[int] = set()
+    if scale_key is not None:
+        previous = None
+        for step, value in sorted(series[scale_key]):
+            steps.add(step)
+            if value != previous:
+                figures.curve.append((step, value))
+                previous = value
+    elif skip_key is not None:
+        figures.precision = "bf16-mixed"
+    marked = series.get(prefix + "step_skipped")
+    counts = series.get(prefix + "skipped_steps")
+    if marked:
+        figures.skipped = sorted({s for s, v in marked if v})
+    elif counts is not None:
+        figures.skipped = []
+        count = 0.0
+        for step, value in sorted(counts):
+            if value > count:
+                figures.skipped.append(step)
+                count = value
+    underflow = dict(series.get(prefix + "underflow_fraction", []))
+    headroom = dict(series.get(prefix + "headroom_bits", []))
+    if underflow and figures.curve:
+        figures.underflow = [
+            {
+                "step": step,
+                "scale": _scale_at(figures.curve, step),
+                "underflow_fraction": value,
+                "headroom_bits": headroom.get(step),
+            }
+            for step, value in sorted(underflow.items())
+        ]
+    for values in series.values():
+        steps.update(s for s, _ in values)
+    if steps:
+        figures.last_step = max(steps)
+        figures.num_updates = figures.last_step - min(steps) + 1
+    return figures

@@ -1,0 +1,293 @@
+"""AmpAdvisor: at the end of fit, what went wrong in the run and the one-line fix for each finding."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_amp_plus._identity import resolve_optimizer
+from lightning_amp_plus._log import say
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._scope import FitScope
+from lightning_amp_plus._validation import check_bool, check_path
+from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus.advice import Advice, RunFigures, advise, healthy_line
+from lightning_amp_plus.callbacks._common import (
+    check_writable,
+    find_plugin,
+    log_to_all,
+    write_json_atomically,
+    write_text_atomically,
+)
+from lightning_amp_plus.callbacks.grad_underflow_monitor import GradUnderflowMonitor
+from lightning_amp_plus.callbacks.nan_skip_reporter import NaNSkipReporter
+from lightning_amp_plus.callbacks.precision_report import PrecisionReport
+
+#: torch optimizers with a fused implementation, and the device types it runs on (None: torch's fused list)
+_FUSED: dict[str, Optional[tuple[str, ...]]] = {"SGD": None, "Adam": None, "AdamW": None, "Adagrad": ("cpu",)}
+
+
+class AmpAdvisor(KnobsRepr, Callback):
+    """Tell the user, at the end of fit, what went wrong with mixed precision and the one-line fix.
+
+    Added alone to a Trainer with ``AmpPlusPrecision``, it gathers what it needs: the plugin's scale history and
+    settings, and the figures of :class:`GradUnderflowMonitor` (underflow and headroom), :class:`NaNSkipReporter`
+    (each skip and where its non-finite values were born) and :class:`PrecisionReport` (what ran in float32). When
+    the trainer has those callbacks their figures are read, never measured twice; the missing ones run inside the
+    advisor, silent (no metric, line, warning or error of their own). At the end of fit, and when fit ends in an
+    exception (``LossScaleCollapseError`` among them), it:
+
+    * sets :attr:`advice`: :class:`~lightning_amp_plus.advice.Advice` objects (``code``, ``message``, ``fix``,
+      ``evidence``), most important first (codes in :data:`~lightning_amp_plus.advice.CODES`);
+    * prints them from rank zero (logger ``lightning_amp_plus``), or one line saying the run looks healthy, with its
+      figures;
+    * writes them to ``report_path`` (Markdown when it ends in ``.md``, JSON when ``.json``);
+    * logs the count as ``amp/advice`` to every logger, and the text to TensorBoard (``amp/advice``).
+
+    Its cost on clean steps is that of the callbacks it runs: one Python call per call of the model's direct
+    children (to replay a skipped batch), the underflow measurement every ``log_every_n_steps`` (one host transfer),
+    and one inspected batch. :attr:`figures` keeps what the advice was computed from.
+
+    Args:
+        report_path: write the advice here at the end of fit (``.md`` or ``.json``); checked at setup.
+        print_advice: print the advice (rank zero) at the end of fit (default True).
+
+    Example:
+        >>> from lightning_amp_plus import AmpAdvisor
+        >>> AmpAdvisor(report_path="advice.md").advice
+        []
+    """
+
+    def __init__(self, report_path: Optional[Union[str, os.PathLike]] = None, print_advice: bool = True) -> None:
+        self._given = given_arguments(AmpAdvisor.__init__, locals())
+        self._fit_scope = FitScope()
+        owner = type(self).__name__
+        self.report_path = check_path(owner, "report_path", report_path)
+        if self.report_path is not None and not os.fspath(self.report_path).endswith((".md", ".json")):
+            raise ValueError(
+                f"`{owner}(report_path={os.fspath(self.report_path)!r})` is invalid: expected a path ending in .md"
+                " (Markdown) or .json."
+            )
+        self.print_advice = check_bool(owner, "print_advice", print_advice)
+        self.advice: list[Advice] = []
+        self.figures: Optional[RunFigures] = None
+        self._plugin: Any = None
+        self._trainer: Optional[pl.Trainer] = None
+        self._underflow: Optional[GradUnderflowMonitor] = None
+        self._reporter: Optional[NaNSkipReporter] = None
+        self._report: Optional[PrecisionReport] = None
+        self._own: list[Callback] = []  # the callbacks run inside the advisor (the trainer lacked them)
+        self._advised = False
+
+    # ------------------------------------------------------------------ wiring
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._plugin = find_plugin(trainer, type(self).__name__)
+        self._trainer = trainer
+        self._advised = False
+        if self._fit_scope.starts_afresh(trainer):
+            self.advice = []
+            self.figures = None
+            self._own = []  # a new Trainer's fit: fresh inner callbacks
+        theirs = {type(c): c for c in trainer.callbacks if c is not self}  # type: ignore[attr-defined]
+        self._underflow = _find(theirs, GradUnderflowMonitor)
+        self._reporter = _find(theirs, NaNSkipReporter)
+        self._report = _find(theirs, PrecisionReport)
+        own: dict[type, Any] = {type(c): c for c in self._own}
+        if self._underflow is None and self._plugin.scaler is not None:
+            self._underflow = own.get(GradUnderflowMonitor) or _private(GradUnderflowMonitor(max_warnings=0))
+        if self._reporter is None:
+            self._reporter = own.get(NaNSkipReporter) or _private(
+                NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, max_records=None)
+            )
+        if self._report is None:
+            self._report = own.get(PrecisionReport) or PrecisionReport(print_table=False)
+        self._own = [
+            c for c in (self._underflow, self._reporter, self._report) if c is not None and c not in theirs.values()
+        ]
+        for callback in self._own:
+            callback.setup(trainer, pl_module, stage)
+        if self.report_path is not None and trainer.is_global_zero:
+            check_writable(type(self).__name__, "report_path", self.report_path)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for callback in self._own:
+            callback.on_fit_start(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        for callback in self._own:
+            callback.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        for callback in self._own:
+            callback.on_before_backward(trainer, pl_module, loss)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        for callback in self._own:
+            callback.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for callback in self._own:
+            callback.teardown(trainer, pl_module, stage)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            if self._plugin is not None and not self._advised:
+                self._finish(trainer)  # a collapse is when the advice matters most
+        except Exception as error:  # the fit's own exception is the one that propagates
+            rank_zero_warn(f"`AmpAdvisor`: no advice after the failed fit ({error!r}).", category=AmpPlusWarning)
+        finally:
+            for callback in self._own:
+                callback.on_exception(trainer, pl_module, exception)
+
+    # ------------------------------------------------------------------ advice
+    def _finish(self, trainer: pl.Trainer) -> None:
+        self._advised = True
+        if isinstance(self._reporter, NaNSkipReporter) and self._reporter in self._own:
+            self._reporter._collect_device_skips()
+        self.figures = self.gather(trainer)
+        self.advice = advise(self.figures)
+        text = self.format()
+        if self.print_advice:
+            say(text)
+        step = self.figures.last_step if self.figures.last_step is not None else trainer.global_step
+        log_to_all(trainer, {"amp/advice": float(len(self.advice))}, step)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+                if callable(add_text) and type(logger).__name__ == "TensorBoardLogger":
+                    add_text("amp/advice", self.markdown(), global_step=step)
+            if self.report_path is not None:
+                self._write()
+
+    def gather(self, trainer: pl.Trainer) -> RunFigures:
+        """The run's figures, from the plugin and the callbacks (see :class:`~lightning_amp_plus.advice.RunFigures`)."""
+        plugin = self._plugin
+        history = plugin.history
+        scaler = plugin.scaler
+        curve = history.curve() if history.scaled else []
+        if curve and history.last_step is not None and curve[-1][0] < history.last_step:
+            curve.append((history.last_step, curve[-1][1]))
+        underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
+        origins = [r["origin"] for r in self._reporter.skips if r.get("origin")] if self._reporter is not None else None
+        rows = None
+        if self._report is not None and not self._report.skipped_reason:
+            rows = [r for r in self._report.rows if r["flagged"]]
+        return RunFigures(
+            precision=plugin.precision,
+            num_updates=history.num_steps,
+            last_step=history.last_step,
+            curve=curve,
+            skipped=history.skipped_steps,
+            knobs=scaler.knobs() if scaler is not None else None,
+            underflow=list(underflow) if underflow is not None else None,
+            origins=origins,
+            fp32_rows=rows,
+            non_fused=self._non_fused(trainer),
+            bf16_available=_bf16_available(plugin.device or "cpu"),
+        )
+
+    def _non_fused(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
+        """Torch optimizers that could run fused on their device, run non-fused, and so sync for the skip flag."""
+        plugin = self._plugin
+        if plugin.scaler is None and not plugin.skip_nonfinite:
+            return []  # nothing reads a skip flag: fused or not, no sync
+        try:
+            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+            supported = tuple(_get_fused_kernels_supported_devices())
+        except ImportError:  # pragma: no cover - torch versions without the helper
+            supported = ("cuda",)
+        found = []
+        for optimizer in trainer.optimizers:
+            real = resolve_optimizer(optimizer)
+            name = type(real).__name__
+            if type(real).__module__.split(".")[:2] != ["torch", "optim"] or name not in _FUSED:
+                continue
+            if real.defaults.get("fused"):
+                continue
+            params = [p for g in real.param_groups for p in g["params"]]
+            device = params[0].device.type if params else "cpu"
+            if device in (_FUSED[name] or supported) and all(p.is_floating_point() for p in params):
+                found.append({"name": name, "device": device})
+        return found
+
+    def format(self) -> str:
+        """The console text: the advice, most important first, or the healthy line."""
+        assert self.figures is not None
+        if not self.advice:
+            return f"AmpAdvisor: {healthy_line(self.figures)}"
+        lines = [f"AmpAdvisor: {len(self.advice)} finding{'s' if len(self.advice) != 1 else ''}, most important first:"]
+        lines.extend(f"{i}. {a}" for i, a in enumerate(self.advice, start=1))
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        """The advice as Markdown (the ``.md`` report and TensorBoard's text)."""
+        assert self.figures is not None
+        out = ["# AmpAdvisor", ""]
+        if not self.advice:
+            out.append(healthy_line(self.figures)[0].upper() + healthy_line(self.figures)[1:])
+        for a in self.advice:
+            out += [f"## `{a.code}`", "", a.message, "", "```python", a.fix, "```", ""]
+            out.append("Evidence: " + ", ".join(f"`{k}`: {v}" for k, v in a.evidence.items()))
+            out.append("")
+        return "\n".join(out).rstrip() + "\n"
+
+    def _write(self) -> None:
+        assert self.report_path is not None
+        assert self.figures is not None
+        path = os.fspath(self.report_path)
+        try:
+            if path.endswith(".json"):
+                write_json_atomically(
+                    path,
+                    {
+                        "healthy": not self.advice,
+                        "summary": healthy_line(self.figures) if not self.advice else None,
+                        "advice": [a.to_dict() for a in self.advice],
+                    },
+                )
+            else:
+                write_text_atomically(path, self.markdown())
+        except OSError as error:
+            rank_zero_warn(f"`AmpAdvisor`: could not write {path!r}: {error}.", category=AmpPlusWarning)
+
+
+def _find(callbacks: dict[type, Callback], kind: type) -> Any:
+    for cls, callback in callbacks.items():
+        if issubclass(cls, kind):
+            return callback
+    return None
+
+
+def _private(callback: Any) -> Any:
+    callback._private = True
+    return callback
+
+
+def _bf16_available(device: str) -> bool:
+    if device == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    return device in ("cpu", "xpu", "mps", "hpu")

@@ -1,0 +1,361 @@
+"""AmpAdvisor: each code on a run that really has the problem, the fix applied, and no false alarm on a healthy run."""
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import (
+    Advice,
+    AmpAdvisor,
+    AmpPlusPrecision,
+    LossScaleCollapseError,
+    LossScaleMonitor,
+    NaNSkipReporter,
+)
+from tests.helpers.models import TinyModel, make_loader
+from tests.helpers.trainer import make_trainer
+
+
+def fit(model, plugin=None, callbacks=(), max_steps=12, **kwargs):
+    advisor = AmpAdvisor()
+    plugin = plugin or AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(plugins=[plugin], callbacks=[advisor, *callbacks], max_steps=max_steps, **kwargs).fit(model)
+    return advisor, plugin
+
+
+def codes(advisor):
+    return [a.code for a in advisor.advice]
+
+
+def only(advisor, code):
+    (advice,) = [a for a in advisor.advice if a.code == code]
+    return advice
+
+
+class Overflowing(TinyModel):
+    """``big`` multiplies by about 1e6: float16 overflows in its forward, float32 does not; a LayerNorm follows."""
+
+    def __init__(self, **kwargs):
+        super().__init__(optimizer="fused_sgd", **kwargs)
+        self.big = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.big.weight.mul_(1e6)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.net(self.norm(self.big(x)))
+
+
+def test_fp32_module_names_the_module_where_inf_is_born_and_the_island_fixes_it():
+    advisor, plugin = fit(Overflowing(), max_steps=6)
+    assert codes(advisor)[0] == "fp32_module"  # most important first
+    advice = only(advisor, "fp32_module")
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", fp32_modules=["big"])'
+    assert advice.evidence["module"] == "big"
+    assert advice.evidence["skips"] == plugin.history.num_skipped
+    assert "nonfinite_loss" not in codes(advisor)
+    fixed, fixed_plugin = fit(
+        Overflowing(), AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["big"]), max_steps=6
+    )
+    assert fixed_plugin.history.num_skipped < plugin.history.num_skipped
+    assert "fp32_module" not in codes(fixed)
+
+
+def poisoned_loader(rows):
+    loader = make_loader(n=48, batch_size=4)
+    x, y = loader.dataset.tensors
+    x = x.clone()
+    for row in rows:
+        x[row, 0] = float("inf")
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+class Data(TinyModel):
+    def __init__(self, rows=(), **kwargs):
+        super().__init__(optimizer="fused_sgd", **kwargs)
+        self.rows = rows
+
+    def train_dataloader(self):
+        return poisoned_loader(self.rows)
+
+
+def test_nonfinite_loss_for_inf_in_the_batch_never_an_island():
+    advisor, plugin = fit(Data(rows=(5, 13, 22)))  # batches 1, 3, 5
+    assert plugin.history.skipped_steps == [1, 3, 5]
+    assert codes(advisor)[0] == "nonfinite_loss"
+    advice = only(advisor, "nonfinite_loss")
+    assert advice.evidence == {"input": 3, "loss": 0, "told": 3}
+    assert "torch.isfinite" in advice.fix
+    assert "fp32_module" not in codes(advisor)
+    fixed, fixed_plugin = fit(Data(rows=()))  # what the fix says: clean data
+    assert fixed_plugin.history.num_skipped == 0
+    assert codes(fixed) == []
+
+
+def test_nonfinite_loss_for_a_loss_that_is_inf_with_finite_outputs():
+    advisor, _ = fit(TinyModel(optimizer="fused_sgd", poison={2: "inf", 4: "nan", 6: "inf"}))
+    advice = only(advisor, "nonfinite_loss")
+    assert advice.evidence == {"input": 0, "loss": 3, "told": 3}
+    assert "float()" in advice.fix
+
+
+class Slow(TinyModel):
+    """A heavy head run with autocast disabled in user code (``fp32=True``) or under autocast."""
+
+    def __init__(self, fp32):
+        super().__init__(optimizer="fused_sgd")
+        self.fp32 = fp32
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x):
+        h = self.net(x)
+        if not self.fp32:
+            return self.head(h)
+        with torch.autocast(self.device.type, enabled=False):
+            return self.head(h.float())
+
+
+def test_silent_fp32_names_the_module_and_the_cause():
+    advisor, _ = fit(Slow(fp32=True), max_steps=3)
+    advice = only(advisor, "silent_fp32")
+    assert "head" in advice.message
+    assert "autocast disabled" in advice.message
+    assert "enabled=False" in advice.fix
+    assert [m["name"] for m in advice.evidence["modules"]] == ["head"]
+    fixed, _ = fit(Slow(fp32=False), max_steps=3)
+    assert "silent_fp32" not in codes(fixed)
+
+
+def test_init_scale_gives_the_scale_the_run_settled_at():
+    advisor, plugin = fit(
+        TinyModel(optimizer="fused_sgd", lr=0.01),
+        AmpPlusPrecision("16-mixed", init_scale=2.0**40, max_scale=2.0**40),
+        max_steps=30,
+    )
+    advice = only(advisor, "init_scale")
+    leading = advice.evidence["leading_skips"]
+    assert plugin.history.skipped_steps[:leading] == list(range(leading))
+    settled = plugin.history.scale_at(leading)
+    assert advice.evidence["settled_scale"] == settled
+    assert advice.fix == f'AmpPlusPrecision("16-mixed", init_scale=2.0**{int(torch.tensor(settled).log2())})'
+    fixed, fixed_plugin = fit(
+        TinyModel(optimizer="fused_sgd", lr=0.01),
+        AmpPlusPrecision("16-mixed", init_scale=settled, max_scale=2.0**40),
+        max_steps=30,
+    )
+    assert fixed_plugin.history.num_skipped < plugin.history.num_skipped
+    assert "init_scale" not in codes(fixed)
+
+
+def test_growth_interval_after_a_backoff_that_never_grows_back():
+    model = TinyModel(optimizer="fused_sgd", grad_poison={10: "net.0.weight"})
+    advisor, plugin = fit(model, AmpPlusPrecision("16-mixed", init_scale=1024.0), max_steps=80)
+    advice = only(advisor, "growth_interval")
+    assert advice.evidence["backoff_step"] == 11  # the halved scale is first used by the next update
+    assert advice.evidence["clean_updates_after"] == 69
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", growth_interval=10)'
+    model = TinyModel(optimizer="fused_sgd", grad_poison={10: "net.0.weight"})
+    fixed, fixed_plugin = fit(model, AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=10), max_steps=80)
+    assert fixed_plugin.history.scale_at(79) > plugin.history.scale_at(79)  # it grew back
+    assert "growth_interval" not in codes(fixed)
+
+
+def test_hysteresis_for_isolated_overflows_each_halving_the_scale():
+    poison = {10: "net.0.weight", 30: "net.0.weight", 50: "net.0.weight"}
+    knobs = dict(init_scale=1024.0, growth_interval=5, max_scale=1024.0)
+    advisor, plugin = fit(
+        TinyModel(optimizer="fused_sgd", grad_poison=poison), AmpPlusPrecision("16-mixed", **knobs), max_steps=60
+    )
+    advice = only(advisor, "hysteresis")
+    assert advice.evidence["isolated_overflows"] == [10, 30, 50]
+    assert advice.fix.startswith('AmpPlusPrecision("16-mixed", hysteresis=2)')
+    fixed, fixed_plugin = fit(
+        TinyModel(optimizer="fused_sgd", grad_poison=poison),
+        AmpPlusPrecision("16-mixed", hysteresis=2, **knobs),
+        max_steps=60,
+    )
+    assert [s for s, _ in fixed_plugin.history.curve()] == [0]  # no halving at all: the scale stayed at 1024
+    assert len(plugin.history.curve()) > 1
+    assert "hysteresis" not in codes(fixed)
+
+
+class Tiny(TinyModel):
+    """True gradients around 1e-7."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 1e-6
+
+
+def test_max_scale_when_the_cap_holds_the_scale_down_with_headroom_left():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=16.0, max_scale=16.0)
+    advisor, _ = fit(Tiny(optimizer="fused_sgd"), plugin, max_steps=8, log_every_n_steps=2)
+    advice = only(advisor, "max_scale")
+    assert advice.evidence["max_scale"] == 16.0
+    assert advice.evidence["headroom_bits"] > 20
+    new = 16.0 * 2.0 ** int(advice.evidence["headroom_bits"] - 1)
+    assert (
+        advice.fix
+        == f'AmpPlusPrecision("16-mixed", max_scale=2.0**{int(torch.tensor(new).log2())}, init_scale=2.0**{int(torch.tensor(new).log2())})'
+    )
+    fixed, _ = fit(
+        Tiny(optimizer="fused_sgd"),
+        AmpPlusPrecision("16-mixed", init_scale=new, max_scale=new),
+        max_steps=8,
+        log_every_n_steps=2,
+    )
+    assert "max_scale" not in codes(fixed)
+    assert "bf16" not in codes(fixed)
+
+
+class Huge(TinyModel):
+    """Gradients beyond float16's range even unscaled: the loss is multiplied by 1e7 (finite in float32)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 1e7
+
+
+def test_bf16_when_gradients_overflow_at_min_scale():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)
+    advisor, _ = fit(Huge(optimizer="fused_sgd", lr=1e-12), plugin, max_steps=6)
+    advice = only(advisor, "bf16")
+    assert advice.fix.startswith('AmpPlusPrecision("bf16-mixed")')
+    assert advice.evidence["overflows_at_min_scale"] == plugin.history.num_skipped == 6
+    assert "fp32_module" not in codes(advisor)  # born in backward: no module to keep in float32
+    fixed, fixed_plugin = fit(Huge(optimizer="fused_sgd", lr=1e-12), AmpPlusPrecision("bf16-mixed"), max_steps=6)
+    assert fixed_plugin.history.num_skipped == 0
+    assert codes(fixed) == []
+
+
+def test_fused_optimizer_for_a_non_fused_adamw():
+    advisor, _ = fit(TinyModel(optimizer="adamw"), max_steps=3)
+    advice = only(advisor, "fused_optimizer")
+    assert advice.evidence["optimizers"] == [{"name": "AdamW", "device": "cpu"}]
+    assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=..., fused=True)"
+    fixed, _ = fit(TinyModel(optimizer="fused_adamw"), max_steps=3)
+    assert codes(fixed) == []
+
+
+def test_a_healthy_run_gets_no_advice_and_says_so(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="lightning_amp_plus")
+    logger = CSVLogger(tmp_path, name="run")
+    advisor = AmpAdvisor(report_path=tmp_path / "advice.json")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=100)
+    make_trainer(plugins=[plugin], callbacks=[advisor], logger=logger, max_steps=20).fit(
+        TinyModel(optimizer="fused_sgd")
+    )
+    assert advisor.advice == []
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]
+    headroom = advisor.figures.underflow[-1]["headroom_bits"]  # the inner monitor's last measurement
+    assert line == (
+        "AmpAdvisor: the run looks healthy: 20 updates, skip rate 0.0% (0 skipped),"
+        f" headroom {headroom:.1f} bits, loss scale 2.0**10."
+    )
+    report = json.loads((tmp_path / "advice.json").read_text())
+    assert report == {"healthy": True, "summary": line[len("AmpAdvisor: ") :], "advice": []}
+    with open(logger.experiment.metrics_file_path) as f:
+        rows = [r for r in f.read().splitlines() if r]
+    header = rows[0].split(",")
+    values = [dict(zip(header, r.split(","), strict=True)) for r in rows[1:]]
+    assert [(v["step"], v["amp/advice"]) for v in values if v.get("amp/advice")] == [("19", "0.0")]
+
+
+def test_advice_on_collapse_reads_the_users_reporter(tmp_path):
+    reporter = NaNSkipReporter(max_consecutive_skips=3, max_warnings=0)
+    advisor = AmpAdvisor(report_path=tmp_path / "advice.md")
+    with pytest.raises(LossScaleCollapseError):
+        make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter, advisor], max_steps=10
+        ).fit(Overflowing())
+    assert codes(advisor)[0] == "fp32_module"
+    assert advisor._reporter is reporter  # its figures, not a second measurement
+    assert advisor._own == [advisor._underflow, advisor._report]
+    text = (tmp_path / "advice.md").read_text()
+    assert text.startswith("# AmpAdvisor\n")
+    assert "## `fp32_module`" in text
+    assert 'fp32_modules=["big"]' in text
+
+
+def test_advice_objects_are_plain_data():
+    advice = Advice("init_scale", "msg", 'AmpPlusPrecision("16-mixed", init_scale=2.0**10)', {"leading_skips": 3})
+    assert advice.to_dict() == {
+        "code": "init_scale",
+        "message": "msg",
+        "fix": 'AmpPlusPrecision("16-mixed", init_scale=2.0**10)',
+        "evidence": {"leading_skips": 3},
+    }
+    assert str(advice).startswith("[init_scale] msg\n    fix: ")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"report_path": "advice.txt"}, r"report_path='advice.txt'.*\.md.*\.json"),
+        ({"report_path": 3}, "report_path=3"),
+        ({"print_advice": "yes"}, "print_advice='yes'"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        AmpAdvisor(**kwargs)
+
+
+def test_the_advisor_needs_our_plugin():
+    with pytest.raises(ValueError, match="`AmpAdvisor` needs the `AmpPlusPrecision` plugin"):
+        make_trainer(precision="bf16-mixed", callbacks=[AmpAdvisor()], max_steps=1).fit(TinyModel())
+
+
+def test_a_second_trainer_starts_afresh_and_the_monitor_is_not_disturbed(tmp_path):
+    advisor = AmpAdvisor(print_advice=False)
+    monitor = LossScaleMonitor(logging_interval=2)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[advisor, monitor],
+        logger=CSVLogger(tmp_path),
+        max_steps=6,
+    ).fit(TinyModel(optimizer="fused_sgd", poison={2: "inf"}))
+    assert codes(advisor) == ["nonfinite_loss"]
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=4).fit(
+        TinyModel(optimizer="fused_sgd")
+    )
+    assert codes(advisor) == []
+    assert advisor.figures is not None
+    assert advisor.figures.num_updates == 4
+
+
+def test_the_advise_command_gives_what_the_logged_series_support(tmp_path, capsys):
+    from lightning_amp_plus.__main__ import main
+
+    logger = CSVLogger(tmp_path, name="run")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**40, max_scale=2.0**40)
+    make_trainer(
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(logging_interval=5)],
+        logger=logger,
+        max_steps=30,
+    ).fit(TinyModel(optimizer="fused_sgd", lr=0.01))
+    leading = plugin.history.skipped_steps
+    assert main(["advise", logger.log_dir]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "1 finding from the logged series, most important first:"
+    settled = plugin.history.scale_at(len(leading))
+    assert out[1].startswith(f"1. [init_scale] The first {len(leading)} updates were skipped")
+    assert out[2] == f'    fix: AmpPlusPrecision("16-mixed", init_scale=2.0**{int(torch.tensor(settled).log2())})'
+    assert out[3] == (
+        "not checked (they need the live callback, `AmpAdvisor`): nonfinite_loss, fp32_module, max_scale,"
+        " silent_fp32, fused_optimizer"
+    )
+
+
+def test_the_advise_command_without_amp_series_is_one_error_line(tmp_path, capsys):
+    from lightning_amp_plus.__main__ import main
+
+    (tmp_path / "metrics.csv").write_text("step,train_loss\n0,1.0\n")
+    assert main(["advise", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: ")
+    assert "LossScaleMonitor" in err[0]

@@ -1,0 +1,171 @@
+"""The advice rules on hand-made figures: each threshold at the step where it fires and the one before."""
+
+import pytest
+
+from lightning_amp_plus.advice import (
+    CODES,
+    MIN_UPDATES_AFTER_BACKOFF,
+    RunFigures,
+    _nice,
+    _scale,
+    advise,
+    figures_from_series,
+    needs_live,
+)
+
+KNOBS = {"init_scale": 2.0**16, "growth_interval": 2000, "hysteresis": 1, "min_scale": 1.0, "max_scale": 2.0**24}
+
+
+def codes(figures):
+    return [a.code for a in advise(figures)]
+
+
+def run(curve, skipped, last_step, **kwargs):
+    return RunFigures(
+        precision="16-mixed",
+        num_updates=last_step + 1,
+        last_step=last_step,
+        curve=curve,
+        skipped=skipped,
+        knobs=dict(KNOBS),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(("leading", "fires"), [(1, False), (2, True)])
+def test_init_scale_from_two_leading_skips(leading, fires):
+    curve = [(0, 2.0**16)] + [(i + 1, 2.0 ** (15 - i)) for i in range(leading)]
+    figures = run(curve, list(range(leading)), 20)
+    assert ("init_scale" in codes(figures)) is fires
+    if fires:
+        (advice,) = advise(figures)
+        assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**14)'
+        assert advice.evidence == {"leading_skips": 2, "init_scale": 2.0**16, "settled_scale": 2.0**14}
+
+
+def test_init_scale_is_silent_when_every_update_was_skipped():
+    curve = [(i, 2.0 ** (16 - i)) for i in range(5)]
+    assert "init_scale" not in codes(run(curve, list(range(5)), 4))
+
+
+@pytest.mark.parametrize(
+    ("clean_after", "fires"), [(MIN_UPDATES_AFTER_BACKOFF - 1, False), (MIN_UPDATES_AFTER_BACKOFF, True)]
+)
+def test_growth_interval_from_enough_clean_updates_after_a_backoff(clean_after, fires):
+    # skip at 10, the halved scale from 11 on; clean updates 11..last
+    last = 10 + clean_after
+    figures = run([(0, 1024.0), (11, 512.0)], [10], last)
+    assert ("growth_interval" in codes(figures)) is fires
+    if fires:
+        (advice,) = advise(figures)
+        assert advice.fix == f'AmpPlusPrecision("16-mixed", growth_interval={_nice(clean_after // 4)})'
+
+
+def test_growth_interval_is_silent_when_the_scale_grew_back():
+    figures = run([(0, 1024.0), (11, 512.0), (40, 1024.0)], [10], 100)
+    assert "growth_interval" not in codes(figures)
+
+
+@pytest.mark.parametrize(("spikes", "fires"), [(2, False), (3, True)])
+def test_hysteresis_from_three_isolated_halvings_with_regrowth(spikes, fires):
+    curve, skipped = [(0, 1024.0)], []
+    for k in range(spikes):
+        at = 10 + 20 * k
+        skipped.append(at)
+        curve += [(at + 1, 512.0), (at + 6, 1024.0)]
+    figures = run(curve, skipped, 80)
+    assert ("hysteresis" in codes(figures)) is fires
+
+
+def test_hysteresis_is_silent_when_already_set():
+    curve, skipped = [(0, 1024.0)], []
+    for at in (10, 30, 50):
+        skipped.append(at)
+        curve += [(at + 1, 512.0), (at + 6, 1024.0)]
+    figures = run(curve, skipped, 80)
+    figures.knobs["hysteresis"] = 2
+    assert "hysteresis" not in codes(figures)
+
+
+@pytest.mark.parametrize(("bad", "fires"), [(1, False), (2, True)])
+def test_nonfinite_loss_when_at_least_half_the_told_skips_had_a_bad_batch_or_loss(bad, fires):
+    origins = [{"phase": "input"}] * bad + [{"phase": "backward"}] * (4 - bad - 1) + [{"phase": "loss"}] * 0
+    origins += [{"phase": "backward"}]
+    figures = run([(0, 1024.0)], [1, 3, 5, 7], 10, origins=origins)
+    assert ("nonfinite_loss" in codes(figures)) is fires
+
+
+@pytest.mark.parametrize(("same", "told", "fires"), [(1, 1, False), (2, 4, False), (2, 3, True)])
+def test_fp32_module_when_one_module_is_born_in_most_skips(same, told, fires):
+    origins = [{"phase": "forward", "module": "enc.3.ff", "kind": "inf"}] * same
+    origins += [{"phase": "backward"}] * (told - same)
+    figures = run([(0, 1024.0)], list(range(1, 2 * told, 2)), 20, origins=origins)
+    assert ("fp32_module" in codes(figures)) is fires
+
+
+def _measure(underflow, headroom, scale=2.0**24):
+    return {"step": 0, "scale": scale, "underflow_fraction": underflow, "headroom_bits": headroom}
+
+
+@pytest.mark.parametrize(("headroom", "code"), [(0.9, "bf16"), (1.0, None), (2.0, "max_scale")])
+def test_underflow_at_max_scale_by_headroom(headroom, code):
+    figures = run([(0, 2.0**24)], [], 20, underflow=[_measure(0.8, headroom)] * 3, bf16_available=True)
+    found = [c for c in codes(figures) if c in ("bf16", "max_scale")]
+    assert found == ([code] if code else [])
+
+
+def test_bf16_is_never_advised_where_bf16_is_not_available():
+    figures = run([(0, 2.0**24)], [], 20, underflow=[_measure(0.8, 0.5)] * 3, bf16_available=False)
+    assert "bf16" not in codes(figures)
+
+
+@pytest.mark.parametrize(("underflow", "fires"), [(0.49, False), (0.5, True)])
+def test_the_underflow_threshold(underflow, fires):
+    figures = run([(0, 2.0**24)], [], 20, underflow=[_measure(underflow, 3.0)] * 2)
+    assert ("max_scale" in codes(figures)) is fires
+
+
+def test_the_order_is_the_code_order():
+    origins = [{"phase": "forward", "module": "m", "kind": "inf"}] * 3
+    figures = run(
+        [(0, 2.0**16), (1, 2.0**15), (2, 2.0**14)],
+        [0, 1, 5, 6, 7],
+        30,
+        origins=origins,
+        non_fused=[{"name": "AdamW", "device": "cpu"}],
+        fp32_rows=[{"name": "head", "type": "Linear", "time_share": 0.5, "cause": "autocast disabled", "island": None}],
+    )
+    found = codes(figures)
+    assert found == sorted(found, key=CODES.index)
+    assert found[0] == "fp32_module"
+    assert found[-1] == "fused_optimizer"
+
+
+def test_an_island_is_not_silent_fp32():
+    rows = [{"name": "head", "type": "Linear", "time_share": 0.5, "cause": "fp32 island", "island": "head"}]
+    assert "silent_fp32" not in codes(run([(0, 1024.0)], [], 5, fp32_rows=rows))
+
+
+def test_offline_figures_and_what_they_cannot_tell():
+    series = {
+        "amp/loss_scale": [(0, 4.0), (1, 2.0), (2, 2.0), (5, 2.0)],
+        "amp/skipped_steps": [(0, 1.0), (5, 1.0)],
+        "amp/underflow_fraction": [(2, 0.1)],
+        "amp/headroom_bits": [(2, 7.5)],
+    }
+    figures = figures_from_series(series)
+    assert figures.curve == [(0, 4.0), (1, 2.0)]
+    assert figures.skipped == [0]
+    assert figures.underflow == [{"step": 2, "scale": 2.0, "underflow_fraction": 0.1, "headroom_bits": 7.5}]
+    assert (figures.last_step, figures.num_updates, figures.knobs, figures.origins) == (5, 6, None, None)
+    assert needs_live(figures) == ["nonfinite_loss", "fp32_module", "max_scale", "silent_fp32", "fused_optimizer"]
+
+
+@pytest.mark.parametrize(("value", "text"), [(2.0**16, "2.0**16"), (1.0, "2.0**0"), (0.25, "2.0**-2"), (3.0, "3")])
+def test_scales_are_written_paste_able(value, text):
+    assert _scale(value) == text
+
+
+@pytest.mark.parametrize(("n", "nice"), [(1, 1), (4, 2), (17, 10), (99, 50), (100, 100), (260, 200)])
+def test_nice_intervals(n, nice):
+    assert _nice(n) == nice
