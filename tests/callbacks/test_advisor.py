@@ -197,10 +197,8 @@ def test_max_scale_when_the_cap_holds_the_scale_down_with_headroom_left():
     assert advice.evidence["max_scale"] == 16.0
     assert advice.evidence["headroom_bits"] > 20
     new = 16.0 * 2.0 ** int(advice.evidence["headroom_bits"] - 1)
-    assert (
-        advice.fix
-        == f'AmpPlusPrecision("16-mixed", max_scale=2.0**{int(torch.tensor(new).log2())}, init_scale=2.0**{int(torch.tensor(new).log2())})'
-    )
+    exponent = int(torch.tensor(new).log2())
+    assert advice.fix == f'AmpPlusPrecision("16-mixed", max_scale=2.0**{exponent}, init_scale=2.0**{exponent})'
     fixed, _ = fit(
         Tiny(optimizer="fused_sgd"),
         AmpPlusPrecision("16-mixed", init_scale=new, max_scale=new),
