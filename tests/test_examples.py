@@ -119,7 +119,11 @@ def test_readme_quick_start_runs_as_pasted(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": os.path.dirname(EXAMPLES)},
+        # a mutation-testing run's stats mode stays in its own process (a subprocess has no mutmut configuration)
+        env={
+            **{k: v for k, v in os.environ.items() if k != "MUTANT_UNDER_TEST"},
+            "PYTHONPATH": os.path.dirname(EXAMPLES),
+        },
     )
     assert done.returncode == 0, done.stderr[-3000:]
     curve_line = done.stdout.strip().splitlines()[-2]
