@@ -36,7 +36,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
-from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
+from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
 from lightning_amp_plus.syncs import HostSyncCounter
 
 
@@ -147,11 +147,21 @@ def configs(
     def ours() -> tuple[list[Precision], list[Callback]]:
         return [AmpPlusPrecision(precision)], [LossScaleMonitor(), NaNSkipReporter()]  # type: ignore[arg-type]
 
+    def ours_advised() -> tuple[list[Precision], list[Callback]]:
+        plugin = AmpPlusPrecision(precision)
+        return [plugin], [LossScaleMonitor(), NaNSkipReporter(), AmpAdvisor(print_advice=False)]  # type: ignore[list-item]
+
     def ours_unchecked() -> tuple[list[Precision], list[Callback]]:
         plugin = AmpPlusPrecision(precision, skip_nonfinite=False)
         return [plugin], [LossScaleMonitor(), NaNSkipReporter()]  # type: ignore[list-item]
 
-    table = {"fp32": fp32, "stock AMP": stock, "AmpPlusPrecision": plugin_alone, "AmpPlusPrecision + callbacks": ours}
+    table = {
+        "fp32": fp32,
+        "stock AMP": stock,
+        "AmpPlusPrecision": plugin_alone,
+        "AmpPlusPrecision + callbacks": ours,
+        "AmpPlusPrecision + callbacks + AmpAdvisor": ours_advised,
+    }
     if floor:  # the small-step case: show what two callbacks cost whatever they do
         table = {**table, "stock AMP + 2 empty callbacks": stock_two_empty_callbacks}
     if precision == "bf16-mixed":  # the non-finite check is the feature's price: show the run without it too

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter, plot_run
+from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter, plot_run
 
 
 def make_data(vocab: int, seq: int, n: int, seed: int = 0) -> TensorDataset:
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> str:
     scaler_knobs = {"init_scale": 2.0**24, "growth_interval": 100} if args.precision == "16-mixed" else {}
     plugin = AmpPlusPrecision(args.precision, **scaler_knobs)
     logger = CSVLogger(args.out, name="logs")
+    # what went wrong and the fix: printed below, after the figures, and written as Markdown
+    advisor = AmpAdvisor(report_path=os.path.join(args.out, "advice.md"), print_advice=False)
     trainer = Trainer(
         accelerator="auto",
         devices=1,
@@ -88,7 +90,11 @@ def main(argv: list[str] | None = None) -> str:
         gradient_clip_val=1.0,
         log_every_n_steps=10,
         logger=logger,
-        callbacks=[LossScaleMonitor(), NaNSkipReporter(report_path=os.path.join(args.out, "skips.json"))],
+        callbacks=[
+            LossScaleMonitor(),
+            NaNSkipReporter(report_path=os.path.join(args.out, "skips.json")),
+            advisor,
+        ],
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=not args.fast,
@@ -104,6 +110,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     png = plot_run(logger.log_dir, os.path.join(args.out, "loss_scale.png"))
     print(f"scale curve written to {png}")
+    print(advisor.format())
     return png
 
 

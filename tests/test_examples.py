@@ -16,8 +16,13 @@ def test_main_example_writes_the_scale_curve(tmp_path, capsys):
 
     png = main(["--fast", "--out", str(tmp_path)])
     assert os.path.getsize(png) > 1000
-    assert f"scale curve written to {png}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"scale curve written to {png}" in out
     assert json.loads((tmp_path / "skips.json").read_text())["num_steps"] == 6
+    tail = out[out.index(f"scale curve written to {png}") :].splitlines()[1:]
+    assert tail[0].startswith("AmpAdvisor: ")  # the example ends with the advisor's output
+    assert "fused_optimizer" in out  # its AdamW is not fused
+    assert (tmp_path / "advice.md").read_text().startswith("# AmpAdvisor\n")
 
 
 def _before_after(out: str, what: str) -> tuple[float, float]:
@@ -50,10 +55,12 @@ def test_benchmark_smoke(capsys):
         "stock AMP",
         "AmpPlusPrecision",
         "AmpPlusPrecision + callbacks",
+        "AmpPlusPrecision + callbacks + AmpAdvisor",
         "stock AMP + 2 empty callbacks",
     ]
     assert rows[1]["syncs_per_step"] == 1.0
     assert rows[2]["syncs_per_step"] == rows[3]["syncs_per_step"] == rows[1]["syncs_per_step"]  # none of our own
+    assert rows[4]["syncs_per_step"] == rows[1]["syncs_per_step"]  # the advisor adds none between measurements
     assert rows[1]["us_over_stock"] == 0.0  # the paired difference of stock with itself
     out = capsys.readouterr().out
     assert "MLP (256, 512, 4) batch 8 SGD clip 1.0" in out

@@ -271,3 +271,29 @@ def test_the_replay_leaves_training_unchanged_and_releases_the_inputs():
     assert told_reporter._calls == []
     assert told_reporter._batch is None
     assert all(not m._forward_pre_hooks for m in told.modules())  # removed at teardown
+
+
+class _Masked(TinyModel):
+    """A child receives an attention-style mask holding -inf by design; the overflow happens in backward."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attend = _Attend()
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[-1], device=x.device)
+        mask[-1] = float("-inf")
+        return self.net(self.attend(x, mask=mask))
+
+
+class _Attend(torch.nn.Module):
+    def forward(self, x, mask):
+        return x * torch.softmax(x + mask, dim=-1)
+
+
+def test_a_minus_inf_mask_is_not_an_origin():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
+        _Masked(grad_poison={2: "net.0.weight"})
+    )
+    assert [r["origin"] for r in reporter.skips] == [{"phase": "backward"}]
