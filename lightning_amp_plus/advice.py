@@ -72,7 +72,7 @@ class RunFigures:
             ``max_scale``, ``growth_factor``, ``backoff_factor``); None offline.
         underflow: ``GradUnderflowMonitor`` measurements (``step``, ``scale``, ``underflow_fraction``,
             ``headroom_bits``).
-        origins: per skipped update whose origin was told, ``NaNSkipReporter``'s ``origin`` dict.
+        origins: per skipped update whose origin was told, ``NaNSkipReporter``'s ``origin`` dict (with its ``step``).
         fp32_rows: ``PrecisionReport`` rows flagged as heavy float32 work (``name``, ``type``, ``time_share``,
             ``cause``, ``island``).
         non_fused: optimizers with a fused implementation on their device that run non-fused (``name``,
@@ -211,10 +211,12 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
     min_scale = knobs.get("min_scale")
     if min_scale is None or figures.skipped is None or not figures.curve:
         return None
-    at_floor = [s for s in figures.skipped if _scale_at(figures.curve, s) <= min_scale]
-    origins = _known_origins(figures)
-    if origins and any(o.get("phase") in ("input", "loss") for o in origins):
-        return None  # a non-finite batch or loss overflows at any scale: `nonfinite_loss` says it
+    # overflows in backward (or of unknown origin) with the scale at its floor: a batch, a loss or a module's forward
+    # that makes inf/nan does so at any scale, and other codes say it
+    born = {o["step"]: o.get("phase") for o in _known_origins(figures) if "step" in o}
+    at_floor = [
+        s for s in figures.skipped if _scale_at(figures.curve, s) <= min_scale and born.get(s, "backward") == "backward"
+    ]
     if len(at_floor) >= 2:
         return Advice(
             "bf16",

@@ -169,3 +169,15 @@ def test_scales_are_written_paste_able(value, text):
 @pytest.mark.parametrize(("n", "nice"), [(1, 1), (4, 2), (17, 10), (99, 50), (100, 100), (260, 200)])
 def test_nice_intervals(n, nice):
     assert _nice(n) == nice
+
+
+@pytest.mark.parametrize(("phase", "fires"), [("backward", True), ("forward", False), ("input", False)])
+def test_bf16_at_min_scale_only_for_overflows_born_in_backward(phase, fires):
+    origins = [{"phase": phase, "module": "m", "kind": "inf", "step": s} for s in (3, 4)]
+    figures = run([(0, 1.0)], [3, 4], 10, origins=origins, bf16_available=True)
+    assert ("bf16" in codes(figures)) is fires
+
+
+def test_bf16_at_min_scale_needs_two_overflows():
+    assert "bf16" not in codes(run([(0, 1.0)], [3], 10, bf16_available=True))
+    assert "bf16" in codes(run([(0, 1.0)], [3, 7], 10, bf16_available=True))

@@ -150,17 +150,17 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
 
 
 def nonfinite_kind(value: Any) -> Optional[str]:
-    """``"nan"`` or ``"inf"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
+    """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
 
     ``-inf`` alone does not count: attention masks hold it by design (an overflow to ``-inf`` shows as ``nan`` or
     ``+inf`` one module later).
     """
     for tensor in _tensors(value):
         if tensor.is_floating_point():
-            if bool(torch.isnan(tensor).any()):
-                return "nan"
             if bool(torch.isposinf(tensor).any()):
                 return "inf"
+            if bool(torch.isnan(tensor).any()):
+                return "nan"
     return None
 
 

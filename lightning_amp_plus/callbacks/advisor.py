@@ -191,7 +191,9 @@ class AmpAdvisor(KnobsRepr, Callback):
         if curve and history.last_step is not None and curve[-1][0] < history.last_step:
             curve.append((history.last_step, curve[-1][1]))
         underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
-        origins = [r["origin"] for r in self._reporter.skips if r.get("origin")] if self._reporter is not None else None
+        origins = None
+        if self._reporter is not None:
+            origins = [{**r["origin"], "step": r["step"]} for r in self._reporter.skips if r.get("origin")]
         rows = None
         if self._report is not None and not self._report.skipped_reason:
             rows = [r for r in self._report.rows if r["flagged"]]

@@ -357,3 +357,20 @@ def test_the_advise_command_without_amp_series_is_one_error_line(tmp_path, capsy
     assert len(err) == 1
     assert err[0].startswith("error: ")
     assert "LossScaleMonitor" in err[0]
+
+
+def test_tensorboard_gets_the_count_and_the_text(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], logger=logger, max_steps=4
+    ).fit(TinyModel(optimizer="adamw"))
+    logger.experiment.flush()
+    acc = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("amp/advice")] == [(3, 1.0)]
+    (text,) = acc.Tensors("amp/advice/text_summary")
+    assert "## `fused_optimizer`" in text.tensor_proto.string_val[0].decode()
