@@ -108,6 +108,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self.prefix = check_prefix(owner, prefix)
         self.measurements: list[dict[str, Any]] = []
         self._private = False  # owned by another callback (AmpAdvisor): measurements only; no log, no warning
+        self._raw: Optional[dict[str, Any]] = None  # the counts of the update measured last, per parameter
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
@@ -167,17 +168,20 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         assert self._plugin.scaler is not None
         assert self._trainer is not None
         names: list[str] = []
+        keys: list[int] = []
         grads: list[Optional[Tensor]] = []
         if self._sharded:  # this rank's shard of every parameter (maybe empty), summed over the ranks below
             for name, param in self._params:
                 grad = None if param.grad is None or param.grad.is_sparse else local_tensor(param.grad)
                 names.append(name)
+                keys.append(id(param))
                 grads.append(grad)
         else:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if param.grad is not None and not param.grad.is_sparse:
                         names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
+                        keys.append(id(param))
                         grads.append(local_tensor(param.grad))
         present = [g for g in grads if g is not None and g.numel() > 0]
         if not present and not self._sharded:
@@ -208,7 +212,28 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             values = to_host(packed)  # the one host transfer of this measurement
         n = len(grads)
         largest_value, scale_value = values[0], values[1]
-        zero_counts, below_counts, numels = values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :]
+        measured = dict(
+            zip(
+                keys,
+                zip(names, values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :], strict=True),
+                strict=True,
+            )
+        )
+        raw = self._raw
+        if raw is not None and raw["step"] == step:
+            # another optimizer's measurement at the same update (manual optimization with several optimizers): one
+            # record of the update, over every parameter measured in it (a parameter measured again: the latest)
+            raw["per"].update(measured)
+            largest_value = max(raw["largest"], largest_value) if math.isfinite(raw["largest"]) else raw["largest"]
+            self.measurements.pop()
+            self._high = raw["high_before"]
+        else:
+            raw = self._raw = {"step": step, "per": measured, "high_before": self._high}
+        raw["largest"] = largest_value
+        names = [v[0] for v in raw["per"].values()]
+        zero_counts = [v[1] for v in raw["per"].values()]
+        below_counts = [v[2] for v in raw["per"].values()]
+        numels = [v[3] for v in raw["per"].values()]
         total = sum(numels)
         if not total:
             return

@@ -177,3 +177,54 @@ def test_the_warning_fires_at_the_patience_th_high_measurement_and_not_before():
     with pytest.warns(AmpPlusWarning, match=r"\(step 2\)"):
         make_trainer(plugins=[plugin], callbacks=[monitor, Probe()], max_steps=3).fit(TinyGrads())
     assert steps == [0, 0, 1]
+
+
+class TwoOptimizers(TinyModel):
+    """Manual optimization: ``a`` (normal gradients) and ``b`` (float16-subnormal gradients) step in one batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.b = torch.nn.Linear(8, 64)
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        loss_a = torch.nn.functional.mse_loss(self.net(x).float(), y)
+        self.manual_backward(loss_a)
+        opt_a.step()
+        opt_a.zero_grad()
+        loss_b = self.b(x).float().pow(2).mean() * 1e-3
+        self.manual_backward(loss_b)
+        opt_b.step()
+        opt_b.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.01), torch.optim.SGD(self.b.parameters(), lr=0.01)
+
+
+def test_two_optimizers_stepping_in_one_update_give_one_measurement_of_both(tmp_path):
+    from tests.callbacks.test_loss_scale_monitor import read_csv
+
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)
+    monitor = GradUnderflowMonitor(every_n_steps=1, patience=2)
+    seen = {}
+
+    def capture(optimizer, step):
+        grads = [p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen.setdefault(step, []).extend(grads)
+
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = make_trainer(plugins=[plugin], callbacks=[monitor], logger=logger, max_steps=6)  # 3 batches
+    plugin.before_unscale_listeners.append(capture)
+    with pytest.warns(AmpPlusWarning, match=r"\(step 1\)"):  # the second measurement of b's underflow in a row
+        trainer.fit(TwoOptimizers())
+    assert [m["step"] for m in monitor.measurements] == [0, 1, 2]  # one record per update, not one per optimizer
+    for m in monitor.measurements:
+        grads = seen[m["step"]]
+        zeros = sum(int((g == 0).sum()) for g in grads)
+        subnormal = sum(int(((g != 0) & (g.abs() < 2.0**-14)).sum()) for g in grads)
+        assert m["underflow_fraction"] == pytest.approx(subnormal / (sum(g.numel() for g in grads) - zeros))
+    rows = read_csv(logger.experiment.metrics_file_path)
+    last = {int(r["step"]): float(r["amp/underflow_fraction"]) for r in rows if r.get("amp/underflow_fraction")}
+    assert last == {m["step"]: pytest.approx(m["underflow_fraction"]) for m in monitor.measurements}
