@@ -60,7 +60,7 @@ def _advise(path: str) -> int:
 
     try:
         figures = figures_from_series(read_series(path))
-    except (OSError, ValueError) as err:
+    except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not figures.curve and figures.skipped is None:

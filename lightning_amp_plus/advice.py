@@ -26,6 +26,7 @@ CODES = (
     "hysteresis",
     "silent_fp32",
     "fused_optimizer",
+    "skip_rate",
 )
 #: codes that need figures only the live callback gathers (origins of skips, dtypes per module, the optimizers)
 LIVE_ONLY = ("nonfinite_loss", "fp32_module", "silent_fp32", "fused_optimizer")
@@ -36,6 +37,12 @@ HIGH_UNDERFLOW = 0.5
 MIN_UPDATES_AFTER_BACKOFF = 50
 #: isolated overflows (each halving the scale, with regrowth in between) before hysteresis is worth advice
 MIN_ISOLATED_BACKOFFS = 3
+#: mean underflow fraction after a backoff from which the lower scale costs gradient bits (growth_interval)
+GROWTH_UNDERFLOW = 0.05
+#: skip rate from which a run that no other code explains is reported (skip_rate)
+HIGH_SKIP_RATE = 0.5
+#: the highest scale a fix proposes (float32 holds up to 2**127; beyond 2**64 no gradient is that small)
+MAX_PROPOSED_SCALE = 2.0**64
 
 
 @dataclass
@@ -100,6 +107,10 @@ def advise(figures: RunFigures) -> list[Advice]:
         advice = rule(figures)
         if advice is not None:
             found.append(advice)
+    if not found:
+        unexplained = _skip_rate(figures)
+        if unexplained is not None:
+            found.append(unexplained)
     found.sort(key=lambda a: CODES.index(a.code))
     return found
 
@@ -122,7 +133,10 @@ def healthy_line(figures: RunFigures) -> str:
     """One line with the run's figures, for a run that got no advice."""
     skipped = len(figures.skipped or [])
     rate = skipped / figures.num_updates if figures.num_updates else 0.0
-    parts = [f"{figures.num_updates} updates", f"skip rate {100 * rate:.1f}% ({skipped} skipped)"]
+    parts = [
+        f"{figures.num_updates} update{'' if figures.num_updates == 1 else 's'}",
+        f"skip rate {100 * rate:.1f}% ({skipped} skipped)",
+    ]
     headroom = [m["headroom_bits"] for m in (figures.underflow or []) if m.get("headroom_bits") is not None]
     if headroom:
         parts.append(f"headroom {headroom[-1]:.1f} bits")
@@ -134,6 +148,14 @@ def healthy_line(figures: RunFigures) -> str:
 # ---------------------------------------------------------------------------------------------- the rules
 def _known_origins(figures: RunFigures) -> list[dict[str, Any]]:
     return [o for o in figures.origins or [] if o]
+
+
+def _scaling_skips(figures: RunFigures) -> list[int]:
+    """The skipped steps a loss scale could have avoided: all but those born in the batch, the loss or a forward."""
+    not_scaling = {
+        o["step"] for o in _known_origins(figures) if "step" in o and o.get("phase") in ("input", "loss", "forward")
+    }
+    return [s for s in figures.skipped or [] if s not in not_scaling]
 
 
 def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
@@ -240,7 +262,8 @@ def _max_scale(figures: RunFigures) -> Optional[Advice]:
     assert figures.knobs is not None
     max_scale = figures.knobs["max_scale"]
     room = min(m["headroom_bits"] for m in pinned)
-    new = max_scale * 2.0 ** math.floor(room - 1)  # one doubling of margin below the largest gradient's overflow
+    # one doubling of margin below the largest gradient's overflow; never beyond what a fix can sensibly hold
+    new = min(max_scale * 2.0 ** math.floor(room - 1), max(MAX_PROPOSED_SCALE, max_scale))
     return Advice(
         "max_scale",
         f"The scale sits at max_scale={_scale(max_scale)} with {room:.1f} bits of headroom left while"
@@ -252,12 +275,15 @@ def _max_scale(figures: RunFigures) -> Optional[Advice]:
 
 
 def _leading_skips(figures: RunFigures) -> int:
-    """Skipped updates in a row from the run's first recorded update."""
+    """Skipped updates in a row from the run's first recorded update, each one a loss scale could have avoided."""
     if not figures.skipped or not figures.curve:
         return 0
     first = figures.curve[0][0]
+    scaling = set(_scaling_skips(figures))
     count = 0
     for expected, step in enumerate(figures.skipped, start=first):
+        if step not in scaling:
+            break
         if step != expected:
             break
         count += 1
@@ -294,12 +320,20 @@ def _growth_interval(figures: RunFigures) -> Optional[Advice]:
         return None
     leading = _leading_skips(figures)
     start = figures.curve[0][0] + leading + 1  # backoffs of the initial calibration are `init_scale`'s business
-    backoffs = [(s, a, b) for s, a, b in _changes(figures.curve) if b < a and s > start]
+    scaling = set(_scaling_skips(figures)) if figures.skipped is not None else None
+    backoffs = [
+        (s, a, b)
+        for s, a, b in _changes(figures.curve)
+        if b < a and s > start and (scaling is None or s - 1 in scaling)  # caused by an overflow a scale can avoid
+    ]
     if not backoffs:
         return None
     step, before, after = backoffs[0]
     if any(b > a for s, a, b in _changes(figures.curve) if s > step):
         return None  # it grew back
+    after_backoff = [m["underflow_fraction"] for m in figures.underflow or [] if m["step"] >= step]
+    if not after_backoff or sum(after_backoff) / len(after_backoff) < GROWTH_UNDERFLOW:
+        return None  # the lower scale costs nothing measured: no reason to grow back sooner
     skipped_after = [s for s in figures.skipped or [] if s >= step]
     clean_after = figures.last_step - step + 1 - len(skipped_after)
     if clean_after < MIN_UPDATES_AFTER_BACKOFF:
@@ -312,9 +346,16 @@ def _growth_interval(figures: RunFigures) -> Optional[Advice]:
     return Advice(
         "growth_interval",
         f"After the backoff at step {step} ({_scale(before)} -> {_scale(after)}) the scale never grew back in"
-        f" {clean_after} clean updates{what}: the run is shorter than a few growth intervals.",
+        f" {clean_after} clean updates{what}, while {100 * sum(after_backoff) / len(after_backoff):.0f}% of the"
+        " non-zero gradient elements sat below float16's smallest normal: the run is shorter than a few growth"
+        " intervals.",
         f'AmpPlusPrecision("16-mixed", growth_interval={suggested})',
-        {"backoff_step": step, "clean_updates_after": clean_after, "growth_interval": interval},
+        {
+            "backoff_step": step,
+            "clean_updates_after": clean_after,
+            "growth_interval": interval,
+            "underflow_after": sum(after_backoff) / len(after_backoff),
+        },
     )
 
 
@@ -326,9 +367,11 @@ def _hysteresis(figures: RunFigures) -> Optional[Advice]:
     skipped = set(figures.skipped)
     leading = _leading_skips(figures)
     halved = {s: (a, b) for s, a, b in _changes(figures.curve) if b < a}
+    scaling = set(_scaling_skips(figures))
     isolated = [
         s
         for s in figures.skipped[leading:]
+        if s in scaling
         if s - 1 not in skipped and s + 1 not in skipped and s + 1 in halved  # one overflow, one halving
     ]
     if len(isolated) < MIN_ISOLATED_BACKOFFS:
@@ -379,6 +422,21 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
         " flag on the host (one sync per step); the fused step checks it on the device.",
         f"torch.optim.{first['name']}(self.parameters(), lr=..., fused=True)",
         {"optimizers": list(figures.non_fused)},
+    )
+
+
+def _skip_rate(figures: RunFigures) -> Optional[Advice]:
+    """A run that skipped many of its updates, which no other code explains: never called healthy."""
+    skipped = len(figures.skipped or [])
+    if not figures.num_updates or skipped < 2 or skipped / figures.num_updates < HIGH_SKIP_RATE:
+        return None
+    rate = skipped / figures.num_updates
+    return Advice(
+        "skip_rate",
+        f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.0f}%) and no rule here explains why:"
+        " the weights moved on the rest only.",
+        'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
+        {"skipped": skipped, "updates": figures.num_updates, "rate": rate},
     )
 
 
@@ -440,6 +498,8 @@ def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigure
     if scale_key is not None:
         previous = None
         for step, value in sorted(series[scale_key]):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{scale_key} at step {step} is {value!r}: not a loss scale.")
             steps.add(step)
             if value != previous:
                 figures.curve.append((step, value))

@@ -54,11 +54,39 @@ def test_init_scale_is_silent_when_every_update_was_skipped():
 def test_growth_interval_from_enough_clean_updates_after_a_backoff(clean_after, fires):
     # skip at 10, the halved scale from 11 on; clean updates 11..last
     last = 10 + clean_after
-    figures = run([(0, 1024.0), (11, 512.0)], [10], last)
+    underflow = [{"step": 30, "scale": 512.0, "underflow_fraction": 0.3, "headroom_bits": 9.0}]
+    figures = run([(0, 1024.0), (11, 512.0)], [10], last, underflow=underflow)
     assert ("growth_interval" in codes(figures)) is fires
     if fires:
         (advice,) = advise(figures)
         assert advice.fix == f'AmpPlusPrecision("16-mixed", growth_interval={_nice(clean_after // 4)})'
+
+
+@pytest.mark.parametrize(("underflow", "fires"), [(None, False), (0.049, False), (0.05, True)])
+def test_growth_interval_only_when_the_lower_scale_costs_underflow(underflow, fires):
+    measured = None if underflow is None else [{"step": 40, "scale": 512.0, "underflow_fraction": underflow}]
+    figures = run([(0, 1024.0), (11, 512.0)], [10], 300, underflow=measured)
+    assert ("growth_interval" in codes(figures)) is fires
+
+
+def test_growth_interval_ignores_a_backoff_from_a_bad_batch():
+    underflow = [{"step": 40, "scale": 512.0, "underflow_fraction": 0.5}]
+    origins = [{"phase": "input", "step": 10}]
+    figures = run([(0, 1024.0), (11, 512.0)], [10], 300, underflow=underflow, origins=origins)
+    assert "growth_interval" not in codes(figures)
+
+
+@pytest.mark.parametrize(("skipped", "fires"), [(1, False), (4, False), (5, True)])
+def test_a_run_skipping_half_its_updates_is_never_healthy(skipped, fires):
+    figures = run([(0, 1024.0)], list(range(1, 2 * skipped, 2)), 9)  # 10 updates
+    figures.curve = [(0, 1024.0)]
+    assert codes(figures) == (["skip_rate"] if fires else [])
+
+
+def test_init_scale_ignores_leading_skips_from_bad_batches():
+    origins = [{"phase": "input", "step": s} for s in (0, 1, 2)]
+    figures = run([(0, 2.0**10), (1, 2.0**9), (2, 2.0**8), (3, 2.0**7)], [0, 1, 2], 20, origins=origins)
+    assert "init_scale" not in codes(figures)
 
 
 def test_growth_interval_is_silent_when_the_scale_grew_back():

@@ -149,19 +149,24 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                     buffer.copy_(saved)
 
 
-def nonfinite_kind(value: Any) -> Optional[str]:
+def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
 
-    ``-inf`` alone does not count: attention masks hold it by design (an overflow to ``-inf`` shows as ``nan`` or
-    ``+inf`` one module later).
+    With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design (an overflow to
+    ``-inf`` shows as ``nan`` or ``+inf`` one module later). A batch is checked without.
     """
     for tensor in _tensors(value):
         if tensor.is_floating_point():
-            if bool(torch.isposinf(tensor).any()):
+            if bool(torch.isposinf(tensor).any()) or (not masks and bool(torch.isneginf(tensor).any())):
                 return "inf"
             if bool(torch.isnan(tensor).any()):
                 return "nan"
     return None
+
+
+def versions(value: Any) -> list[int]:
+    """The version counters of the tensors in ``value``: an in-place change later shows as a different number."""
+    return [t._version for t in _tensors(value)]
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

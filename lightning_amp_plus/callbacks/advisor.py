@@ -165,8 +165,11 @@ class AmpAdvisor(KnobsRepr, Callback):
     # ------------------------------------------------------------------ advice
     def _finish(self, trainer: pl.Trainer) -> None:
         self._advised = True
-        if isinstance(self._reporter, NaNSkipReporter) and self._reporter in self._own:
-            self._reporter._collect_device_skips()
+        if self._plugin.history.num_steps == 0:
+            return  # nothing ran (a failed setup, max_steps=0): nothing to advise on
+        if self._reporter is not None:  # theirs or ours: the skips a fused optimizer decided, whatever hook runs first
+            self._reporter._read_probe(wait=True)
+            self._reporter._collect_device_skips(check=False)  # reported; the collapse check stays its own
         self.figures = self.gather(trainer)
         self.advice = advise(self.figures)
         text = self.format()

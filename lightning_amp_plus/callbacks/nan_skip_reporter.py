@@ -31,6 +31,7 @@ from lightning_amp_plus.callbacks._common import (
     named_parameters,
     nonfinite_kind,
     shards_gradients,
+    versions,
     write_json_atomically,
 )
 from lightning_amp_plus.engine import EngineView, SkipEvent
@@ -118,12 +119,16 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self.max_records = max_records
         self.find_origin = check_bool(owner, "find_origin", find_origin)
         self._private = False  # owned by another callback (AmpAdvisor): records only; no log, print, error or file
-        self._calls: list[tuple[str, torch.nn.Module, Any, Any]] = []  # this batch's calls of the module's children
+        # this batch's calls of the module's children: name, module, args, kwargs, the tensors' version counters
+        self._calls: list[tuple[str, torch.nn.Module, Any, Any, list[int]]] = []
+        self._in_batch = False
+        self._losses: list[Tensor] = []  # this batch's losses (a GAN backpropagates two)
+        self._stepped_from = 0  # the history's update count when the batch started
         self._call_hooks: list[Any] = []
         self._batch: Any = None
         self._module: Optional[torch.nn.Module] = None
         # a fused optimizer's skip, told one batch late without a sync: (step, flag copy, event, calls, batch, loss)
-        self._probe: Optional[tuple[int, FlagPeek, Any, Any, Optional[Tensor]]] = None
+        self._probe: Optional[tuple[int, FlagPeek, Any, Any, list[Tensor]]] = None
         self._device_origins: dict[int, Optional[dict[str, Any]]] = {}
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
@@ -220,7 +225,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         for name, child in pl_module.named_children():
 
             def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                self._calls.append((name, mod, args, kwargs))
+                if self._in_batch:  # training batches only (not validation inside fit)
+                    self._calls.append((name, mod, args, kwargs, versions((args, kwargs))))
 
             self._call_hooks.append(child.register_forward_pre_hook(keep, with_kwargs=True))
 
@@ -238,40 +244,45 @@ class NaNSkipReporter(KnobsRepr, Callback):
     ) -> None:
         self._read_probe(wait=False)  # the previous batch's fused skip: its parameters are still the ones it used
         self._calls = []
+        self._losses = []
+        self._in_batch = self.find_origin
         self._batch = batch if self.find_origin else None
+        self._stepped_from = self._plugin.history.num_steps if self._plugin is not None else 0
 
     def _probe_device_skip(self) -> None:
         """After a batch whose skip a fused optimizer decides on the device: copy its flag without waiting."""
         assert self._plugin is not None
+        if self._plugin.history.num_steps == self._stepped_from:
+            return  # this (micro-)batch recorded no update: the last flag is an earlier batch's
         last = self._plugin.history.last_flag()
         if last is None or self._batch is None:
             return
         step, found = last
         if not isinstance(found, Tensor):
             return
-        self._probe = (step, FlagPeek(found), self._calls, self._batch, self._loss)
+        self._probe = (step, FlagPeek(found), self._calls, self._batch, list(self._losses))
 
     def _read_probe(self, wait: bool) -> None:
         """Tell the probed batch's origin if its flag is on the host (``wait``: at the end of fit, read it anyway)."""
         if self._probe is None:
             return
-        step, peek, calls, batch, loss = self._probe
+        step, peek, calls, batch, losses = self._probe
         self._probe = None
         flag = peek.value(wait=wait)
         if flag is None:
             return  # the device is still busy with that step: no sync for an origin
         if flag > 0:
-            self._device_origins[step] = self._origin(calls, batch, loss)
+            self._device_origins[step] = self._origin(calls, batch, losses)
 
     def _origin(
-        self, calls: Optional[list[Any]] = None, batch: Any = None, loss: Optional[Tensor] = None
+        self, calls: Optional[list[Any]] = None, batch: Any = None, losses: Optional[list[Tensor]] = None
     ) -> Optional[dict[str, Any]]:
         """Where a batch's non-finite values were born (see the class docstring); None when it cannot be told.
 
-        Without arguments: this batch's (its children's calls, the batch, the loss).
+        Without arguments: this batch's (its children's calls, the batch, its losses).
         """
         if calls is None:
-            calls, batch, loss = self._calls, self._batch, self._loss
+            calls, batch, losses = self._calls, self._batch, self._losses
         if not self.find_origin or self._trainer is None or batch is None:
             return None
         if nonfinite_kind(batch) is not None:
@@ -279,13 +290,17 @@ class NaNSkipReporter(KnobsRepr, Callback):
         if self._sharded or self._module is None:
             return None
         born = self._replay(calls)
+        if born is _UNKNOWN:
+            return None
         if born is not None:
             return born
-        if loss is not None and nonfinite_kind(loss.detach()) is not None:
+        if any(nonfinite_kind(loss.detach()) is not None for loss in losses or []):
             return {"phase": "loss"}
+        if getattr(self._trainer, "accumulate_grad_batches", 1) > 1:
+            return None  # an earlier micro-batch of the update may have made them: not replayed
         return {"phase": "backward"}
 
-    def _replay(self, calls: list[Any]) -> Optional[dict[str, Any]]:
+    def _replay(self, calls: list[Any]) -> Any:
         """Replay the batch's children calls with every module hooked; the first module that made inf/nan."""
         assert self._trainer is not None
         assert self._module is not None
@@ -296,13 +311,13 @@ class NaNSkipReporter(KnobsRepr, Callback):
         def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if found:
                 return
-            kind = nonfinite_kind(output)
-            if kind is not None and nonfinite_kind((args, kwargs)) is None:
+            kind = nonfinite_kind(output, masks=True)
+            if kind is not None and nonfinite_kind((args, kwargs), masks=True) is None:
                 found.append({"phase": "forward", "module": owners[id(mod)], "kind": kind})
 
         calls = list(calls)
         try:
-            for child_name, child, _, _ in calls:
+            for child_name, child, _, _, _ in calls:
                 inner = resolve_module(child)  # a compiled child replays eagerly: no hook inside its graph
                 for name, module in inner.named_modules():
                     if id(module) not in owners:
@@ -311,9 +326,12 @@ class NaNSkipReporter(KnobsRepr, Callback):
             device_type = getattr(self._module, "device", torch.device("cpu")).type
             forward_context = self._trainer.precision_plugin.forward_context
             with leaves_no_trace(self._module, device_type), torch.no_grad(), forward_context():
-                for _, child, args, kwargs in calls:
-                    if nonfinite_kind((args, kwargs)) is not None:  # made between the children: the module's own code
-                        return {"phase": "forward", "module": "", "kind": nonfinite_kind((args, kwargs))}
+                for _, child, args, kwargs, kept in calls:
+                    if versions((args, kwargs)) != kept:
+                        return _UNKNOWN  # changed in place after the call (by the child itself, maybe): not as it ran
+                    kind = nonfinite_kind((args, kwargs), masks=True)
+                    if kind is not None:  # made between the children: the module's own code
+                        return {"phase": "forward", "module": "", "kind": kind}
                     resolve_module(child)(*args, **kwargs)
                     if found:
                         return found[0]
@@ -325,6 +343,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._loss = loss  # the true loss (the plugin scales after this hook); read (detached) only on skips
+        if self._in_batch:
+            self._losses.append(loss)
 
     # ------------------------------------------------------------------ host-known skips
     def _on_skip(self, event: SkipEvent) -> None:
@@ -390,7 +410,9 @@ class NaNSkipReporter(KnobsRepr, Callback):
             self._probe_device_skip()  # the batch's inputs move into the probe until its flag is on the host
             self._read_probe(wait=False)  # at once when it is (host memory, or the device is done)
         self._calls = []  # the kept inputs are released when the batch ends
+        self._losses = []
         self._batch = None
+        self._in_batch = False
         history = self._plugin.history
         if (
             not self._plugin.skip_known_on_host
@@ -399,7 +421,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         ):
             self._collect_device_skips()
 
-    def _collect_device_skips(self, upto: Optional[int] = None) -> None:
+    def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True) -> None:
         """Report the skips in the history not reported yet (decided on the device), up to ``upto`` (default: all)."""
         assert self._plugin is not None
         history = self._plugin.history
@@ -420,11 +442,11 @@ class NaNSkipReporter(KnobsRepr, Callback):
                 "offenders": None,  # decided on the device by a fused optimizer; sync_fused=True names them
                 "origin": self._device_origins.pop(step, None),
             }
-            self._add(record, history.streak_at(step))
+            self._add(record, history.streak_at(step), check=check)
         self._reported_upto = last
 
     # ------------------------------------------------------------------ bookkeeping
-    def _add(self, record: dict[str, Any], consecutive: int) -> None:
+    def _add(self, record: dict[str, Any], consecutive: int, check: bool = True) -> None:
         """Keep, log and print one skip; ``consecutive`` is the history's count of skipped updates in a row."""
         assert self._plugin is not None
         self._consecutive = consecutive
@@ -446,7 +468,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
                     " counted in"
                     " `.skips` and summarised at the end of fit."
                 )
-        self._check_collapse(record)
+        if check:
+            self._check_collapse(record)
 
     def _check_collapse(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None
@@ -612,6 +635,9 @@ def _describe(record: dict[str, Any]) -> str:
     if record["new_scale"] is not None:
         scale += f" -> {record['new_scale']:g}"
     return f"step {record['step']} skipped: {where}, {scale}"
+
+
+_UNKNOWN = object()  # a replay that cannot tell (inputs changed in place since the call)
 
 
 def _describe_origin(origin: Optional[dict[str, Any]]) -> str:

@@ -152,14 +152,18 @@ def test_init_scale_gives_the_scale_the_run_settled_at():
 
 
 def test_growth_interval_after_a_backoff_that_never_grows_back():
-    model = TinyModel(optimizer="fused_sgd", grad_poison={10: "net.0.weight"})
-    advisor, plugin = fit(model, AmpPlusPrecision("16-mixed", init_scale=1024.0), max_steps=80)
+    # tiny gradients (float16 subnormals at this scale): the halved scale costs bits, and it never grows back
+    model = Tiny(optimizer="fused_sgd", grad_poison={10: "net.0.weight"})
+    advisor, plugin = fit(model, AmpPlusPrecision("16-mixed", init_scale=1024.0), max_steps=80, log_every_n_steps=20)
     advice = only(advisor, "growth_interval")
     assert advice.evidence["backoff_step"] == 11  # the halved scale is first used by the next update
     assert advice.evidence["clean_updates_after"] == 69
+    assert advice.evidence["underflow_after"] > 0.05
     assert advice.fix == 'AmpPlusPrecision("16-mixed", growth_interval=10)'
-    model = TinyModel(optimizer="fused_sgd", grad_poison={10: "net.0.weight"})
-    fixed, fixed_plugin = fit(model, AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=10), max_steps=80)
+    model = Tiny(optimizer="fused_sgd", grad_poison={10: "net.0.weight"})
+    fixed, fixed_plugin = fit(
+        model, AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=10), max_steps=80, log_every_n_steps=20
+    )
     assert fixed_plugin.history.scale_at(79) > plugin.history.scale_at(79)  # it grew back
     assert "growth_interval" not in codes(fixed)
 
@@ -374,3 +378,33 @@ def test_tensorboard_gets_the_count_and_the_text(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("amp/advice")] == [(3, 1.0)]
     (text,) = acc.Tensors("amp/advice/text_summary")
     assert "## `fused_optimizer`" in text.tensor_proto.string_val[0].decode()
+
+
+@pytest.mark.parametrize("advisor_first", [True, False])
+def test_the_advice_does_not_depend_on_the_callback_order(advisor_first):
+    advisor, reporter = AmpAdvisor(print_advice=False), NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    callbacks = [advisor, reporter] if advisor_first else [reporter, advisor]
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=callbacks, max_steps=6).fit(
+        Overflowing()  # fused: every skip decided on the device
+    )
+    assert codes(advisor) == ["fp32_module"]
+    assert only(advisor, "fp32_module").evidence["told"] == 6
+
+
+def test_a_run_that_skipped_every_update_is_not_healthy():
+    poison = {i: "net.0.weight" for i in range(8)}
+    advisor, plugin = fit(TinyModel(optimizer="fused_sgd", grad_poison=poison), max_steps=8)
+    assert plugin.history.num_skipped == 8
+    assert codes(advisor) == ["skip_rate"]
+    assert only(advisor, "skip_rate").evidence == {"skipped": 8, "updates": 8, "rate": 1.0}
+
+
+def test_a_failed_setup_prints_no_advice(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="lightning_amp_plus")
+    target = tmp_path / "folder.md"
+    target.mkdir()  # a folder where the report should go: refused at setup
+    with pytest.raises(ValueError, match="report_path"):
+        make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed")], callbacks=[AmpAdvisor(report_path=target)], max_steps=2
+        ).fit(TinyModel())
+    assert not [r for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]

@@ -4,11 +4,11 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
-from tests.helpers.models import TinyModel
+from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
 
@@ -297,3 +297,121 @@ def test_a_minus_inf_mask_is_not_an_origin():
         _Masked(grad_poison={2: "net.0.weight"})
     )
     assert [r["origin"] for r in reporter.skips] == [{"phase": "backward"}]
+
+
+class _BatchPoison(TinyModel):
+    """``x[0, 0]`` set to ``value`` in the batches whose index is in ``at`` (as the data pipeline would)."""
+
+    def __init__(self, at, value=float("-inf"), **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.value = set(at), value
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx in self.at:
+            batch[0][0, 0] = self.value
+
+
+def _origins(model, **trainer_kwargs):
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], **trainer_kwargs).fit(
+        model
+    )
+    return [(r["step"], r["origin"]) for r in reporter.skips]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
+def test_minus_inf_in_the_batch_is_an_input(optimizer):
+    assert _origins(_BatchPoison({1}, optimizer=optimizer), max_steps=3) == [(1, {"phase": "input"})]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
+def test_accumulation_tells_the_last_micro_batch_and_nothing_it_cannot_see(optimizer):
+    # batches 0,1 -> update 0; 2,3 -> update 1; 4,5 -> update 2
+    first = _origins(_BatchPoison({2}, value=float("inf"), optimizer=optimizer), max_steps=3, accumulate_grad_batches=2)
+    assert first == [(1, None)]  # an earlier micro-batch: not replayed, not called "backward"
+    last = _origins(_BatchPoison({3}, value=float("inf"), optimizer=optimizer), max_steps=3, accumulate_grad_batches=2)
+    assert last == [(1, {"phase": "input"})]  # the fused probe reads the stepping micro-batch, not the next one
+
+
+class _GanLoss(TinyModel):
+    """Manual optimization, two backward passes; the second loss is inf with every module output finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        self.manual_backward(torch.nn.functional.mse_loss(self.net(x).float(), y))
+        opt_a.step()
+        opt_a.zero_grad()
+        loss_b = torch.nn.functional.mse_loss(self.other(x).float(), y)
+        if batch_idx == 1:
+            loss_b = loss_b * float("inf")
+        self.manual_backward(loss_b)
+        opt_b.step()
+        opt_b.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.01), torch.optim.SGD(self.other.parameters(), lr=0.01)
+
+
+def test_every_loss_of_the_batch_is_checked():
+    assert _origins(_GanLoss(), max_steps=6) == [(1, {"phase": "loss"})]
+
+
+class _InPlace(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.boom = _Boom()
+
+    def forward(self, x):
+        return self.net(self.boom(x))
+
+
+class _Boom(torch.nn.Module):
+    def forward(self, x):
+        if x.abs().max() > 0 and getattr(self, "armed", False):
+            x.mul_(1e30)  # changes its own input in place: the replay cannot see the call as it ran
+        return x
+
+
+def test_an_input_changed_in_place_is_not_misattributed():
+    model = _InPlace()
+
+    class Arm(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            model.boom.armed = batch_idx == 1
+
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[Arm(), reporter], max_steps=3
+    ).fit(model)
+    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(1, None)]
+
+
+def test_validation_calls_are_not_kept():
+    kept = []
+
+    class Probe(Callback):
+        def on_validation_end(self, trainer, pl_module):
+            kept.append(len(reporter._calls))
+
+    class WithVal(TinyModel):
+        def validation_step(self, batch, batch_idx):
+            return self(batch[0]).sum()
+
+        def val_dataloader(self):
+            return make_loader(n=16)
+
+    reporter = NaNSkipReporter()
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[reporter, Probe()],
+        max_steps=4,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+    ).fit(WithVal())
+    assert kept == [0, 0]
