@@ -209,3 +209,154 @@ def test_bf16_at_min_scale_only_for_overflows_born_in_backward(phase, fires):
 def test_bf16_at_min_scale_needs_two_overflows():
     assert "bf16" not in codes(run([(0, 1.0)], [3], 10, bf16_available=True))
     assert "bf16" in codes(run([(0, 1.0)], [3, 7], 10, bf16_available=True))
+
+
+# ---------------------------------------------------------------------------------------------- every word of the advice
+def test_nonfinite_loss_in_full():
+    origins = [{"phase": "input", "step": 1}, {"phase": "input", "step": 3}, {"phase": "loss", "step": 5}]
+    (advice,) = advise(run([(0, 1024.0)], [1, 3, 5], 9, origins=origins))
+    assert advice.message == (
+        "The batch held inf/nan in 2 of 3 skipped updates: not a scaling problem (no loss scale or fp32 island fixes"
+        " it)."
+    )
+    assert advice.fix.startswith("assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t)")
+    assert advice.evidence == {"input": 2, "loss": 1, "told": 3}
+    origins = [{"phase": "loss", "step": 1}, {"phase": "loss", "step": 3}, {"phase": "input", "step": 5}]
+    (advice,) = advise(run([(0, 1024.0)], [1, 3, 5], 9, origins=origins))
+    assert advice.message == (
+        "The loss was inf/nan with every module output finite in 2 of 3 skipped updates: not a scaling problem (no"
+        " loss scale or fp32 island fixes it)."
+    )
+    assert advice.fix.startswith("loss = loss_fn(logits.float(), target)")
+    tie = [{"phase": "loss", "step": 1}, {"phase": "input", "step": 3}]
+    assert advise(run([(0, 1024.0)], [1, 3], 9, origins=tie))[0].evidence["input"] == 1
+    assert advise(run([(0, 1024.0)], [1, 3], 9, origins=tie))[0].message.startswith("The batch held")
+
+
+def test_fp32_module_in_full():
+    origins = [
+        {"phase": "forward", "module": "enc.3.ff", "kind": "inf", "step": 1},
+        {"phase": "forward", "module": "enc.3.ff", "kind": "nan", "step": 2},
+        {"phase": "forward", "module": "enc.3.ff", "kind": "inf", "step": 3},
+        {"phase": "forward", "module": "head", "kind": "inf", "step": 4},
+        {"phase": "forward", "module": "", "kind": "inf", "step": 5},
+    ]
+    found = advise(run([(0, 1024.0)], [1, 2, 3, 4, 5], 9, origins=origins))
+    (advice,) = [a for a in found if a.code == "fp32_module"]
+    assert advice.message == (
+        "Non-finite values were born in the forward of enc.3.ff in 3 of 5 skipped updates (2 inf, 1 nan): its output"
+        " overflows float16."
+    )
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", fp32_modules=["enc.3.ff"])'
+    assert advice.evidence == {"module": "enc.3.ff", "skips": 3, "told": 5, "kinds": {"inf": 2, "nan": 1}}
+    own_code = [{"phase": "forward", "module": "", "kind": "inf", "step": s} for s in (1, 2, 3)]
+    assert "fp32_module" not in codes(run([(0, 1024.0)], [1, 2, 3], 9, origins=own_code))  # no module to name
+
+
+def test_bf16_and_max_scale_in_full():
+    squeezed = [_measure(0.8, 0.5), _measure(0.6, 0.25), _measure(0.1, 5.0)]
+    (advice,) = advise(run([(0, 2.0**24)], [], 20, underflow=squeezed, bf16_available=True))
+    assert advice.code == "bf16"
+    assert advice.message == (
+        "The gradients span more range than float16 has: in 2 of 3 measurements up to 80% of the non-zero gradient"
+        " elements were below float16's smallest normal while the largest was less than one doubling from overflow,"
+        " so no loss scale fits."
+    )
+    assert advice.evidence == {"measurements": 3, "squeezed": 2, "worst_underflow": 0.8}
+    (advice,) = advise(run([(0, 1.0)], [3, 7], 10, bf16_available=True))
+    assert advice.message == (
+        "2 updates overflowed with the loss scale already at min_scale=2.0**0: the gradients exceed float16's range"
+        " even unscaled."
+    )
+    assert advice.evidence == {"overflows_at_min_scale": 2, "first": 3, "min_scale": 1.0}
+    pinned = [_measure(0.7, 5.5), _measure(0.9, 3.2)]
+    (advice,) = advise(run([(0, 2.0**24)], [], 20, underflow=pinned))
+    assert advice.message == (
+        "The scale sits at max_scale=2.0**24 with 3.2 bits of headroom left while 90% of the non-zero gradient elements"
+        " sit below float16's smallest normal: the cap holds the scale down."
+    )
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", max_scale=2.0**26, init_scale=2.0**26)'
+    assert advice.evidence == {"max_scale": 2.0**24, "headroom_bits": 3.2, "measurements": 2, "pinned": 2}
+    huge = [_measure(0.9, 110.0)] * 2
+    assert advise(run([(0, 2.0**24)], [], 20, underflow=huge))[0].fix == (
+        'AmpPlusPrecision("16-mixed", max_scale=2.0**64, init_scale=2.0**64)'  # within what float32 holds
+    )
+
+
+def test_growth_interval_and_hysteresis_in_full():
+    underflow = [{"step": 40, "scale": 512.0, "underflow_fraction": 0.25}]
+    (advice,) = advise(run([(0, 1024.0), (11, 512.0)], [10], 210, underflow=underflow))
+    assert advice.message == (
+        "After the backoff at step 11 (2.0**10 -> 2.0**9) the scale never grew back in 200 clean updates"
+        " (growth_interval=2000), while 25% of the non-zero gradient elements sat below float16's smallest normal:"
+        " the run is shorter than a few growth intervals."
+    )
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", growth_interval=50)'
+    assert advice.evidence == {
+        "backoff_step": 11,
+        "clean_updates_after": 200,
+        "growth_interval": 2000,
+        "underflow_after": 0.25,
+    }
+    curve, skipped = [(0, 1024.0)], []
+    for at in (10, 30, 60):
+        skipped.append(at)
+        curve += [(at + 1, 512.0), (at + 6, 1024.0)]
+    (advice,) = advise(run(curve, skipped, 80))
+    assert advice.message == (
+        "3 isolated overflows (at step 10, 30, 60) each halved the scale, which then took 20 to 30 updates to grow"
+        " back."
+    )
+    assert advice.evidence == {"isolated_overflows": [10, 30, 60], "growths_between": 3}
+
+
+def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
+    rows = [
+        {"name": "head", "type": "Linear", "time_share": 0.3, "cause": "an explicit cast to float32", "island": None},
+        {"name": "enc", "type": "Linear", "time_share": 0.5, "cause": "autocast disabled around it", "island": None},
+    ]
+    (advice,) = advise(run([(0, 1024.0)], [], 5, fp32_rows=rows))
+    assert advice.message == (
+        "2 heavy module(s) ran in float32 under 16-mixed: enc (50%), head (30%); enc: autocast disabled around it."
+    )
+    assert advice.fix == "# run enc under autocast: remove the `with torch.autocast(..., enabled=False)` around it"
+    assert advice.evidence["modules"][0] == {
+        "name": "enc",
+        "type": "Linear",
+        "time_share": 0.5,
+        "cause": "autocast disabled around it",
+    }
+    (advice,) = advise(run([(0, 1024.0)], [], 5, fp32_rows=rows[:1]))
+    assert advice.fix == "# drop the `.float()` (or the float32 op) before head: let autocast choose its dtype"
+    optimizers = [{"name": "AdamW", "device": "cuda"}, {"name": "SGD", "device": "cuda"}]
+    (advice,) = advise(run([(0, 1024.0)], [], 5, non_fused=optimizers))
+    assert advice.message.startswith("AdamW on cuda, SGD on cuda runs non-fused")
+    assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=..., fused=True)"
+    assert advice.evidence == {"optimizers": optimizers}
+    (advice,) = advise(run([(0, 1024.0)], [1, 3, 5, 7, 9], 9))
+    assert advice.message == (
+        "5 of 10 updates were skipped (50%) and no rule here explains why: the weights moved on the rest only."
+    )
+
+
+def test_the_healthy_line():
+    from lightning_amp_plus.advice import healthy_line
+
+    figures = run([(0, 2.0**10), (5, 2.0**11)], [3], 9, underflow=[_measure(0.1, 7.0), _measure(0.1, 6.25)])
+    assert healthy_line(figures) == (
+        "the run looks healthy: 10 updates, skip rate 10.0% (1 skipped), headroom 6.2 bits, loss scale 2.0**11."
+    )
+    one = RunFigures(precision="bf16-mixed", num_updates=1, last_step=0, curve=[(0, 1.0)], skipped=[])
+    assert healthy_line(one) == "the run looks healthy: 1 update, skip rate 0.0% (0 skipped)."
+    assert healthy_line(RunFigures()) == "the run looks healthy: 0 updates, skip rate 0.0% (0 skipped)."
+
+
+def test_what_the_offline_figures_cannot_tell():
+    live = RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=[], knobs={})
+    assert needs_live(live) == []
+    assert needs_live(RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=None, knobs={})) == ["max_scale"]
+    assert needs_live(RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=[], knobs=None)) == ["max_scale"]
+    with pytest.raises(ValueError, match=r"amp/loss_scale at step 2 is -5.0: not a loss scale"):
+        figures_from_series({"amp/loss_scale": [(0, 4.0), (2, -5.0)]})
+    bf16 = figures_from_series({"amp/skipped_steps": [(0, 0.0), (3, 1.0)], "amp/step_skipped": [(3, 1.0)]})
+    assert (bf16.precision, bf16.curve, bf16.skipped) == ("bf16-mixed", [], [3])
