@@ -211,7 +211,7 @@ def test_bf16_at_min_scale_needs_two_overflows():
     assert "bf16" in codes(run([(0, 1.0)], [3, 7], 10, bf16_available=True))
 
 
-# ---------------------------------------------------------------------------------------------- every word of the advice
+# ------------------------------------------------------------------------------------------ every word of the advice
 def test_nonfinite_loss_in_full():
     origins = [{"phase": "input", "step": 1}, {"phase": "input", "step": 3}, {"phase": "loss", "step": 5}]
     (advice,) = advise(run([(0, 1024.0)], [1, 3, 5], 9, origins=origins))
