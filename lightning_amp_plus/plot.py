@@ -126,7 +126,12 @@ def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") 
 
 def plot_history(history: ScaleHistory, output: PathLike, loss: Optional[list[tuple[int, float]]] = None) -> str:
     """Plot a :class:`ScaleHistory` (and optionally ``(step, loss)`` pairs) to a PNG; returns its path."""
-    scaled = getattr(history, "scaled", True)
+    return plot_curves(history_curves(history, loss), output)
+
+
+def history_curves(history: ScaleHistory, loss: Optional[list[tuple[int, float]]] = None) -> RunCurves:
+    """What :func:`plot_history` draws: the change points up to the last recorded step, the skips, the loss."""
+    scaled = history.scaled
     curves = RunCurves(
         scale=history.curve() if scaled else [],
         skipped=history.skipped_steps,
@@ -136,7 +141,7 @@ def plot_history(history: ScaleHistory, output: PathLike, loss: Optional[list[tu
     )
     if history.last_step is not None and curves.scale and curves.scale[-1][0] < history.last_step:
         curves.scale.append((history.last_step, curves.scale[-1][1]))
-    return plot_curves(curves, output)
+    return curves
 
 
 def read_run(path: PathLike) -> RunCurves:

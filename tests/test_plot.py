@@ -1,4 +1,5 @@
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -251,3 +252,90 @@ def _bf16_run_history():
     plugin = AmpPlusPrecision("bf16-mixed")
     make_trainer(plugins=[plugin], max_steps=3).fit(TinyModel(poison={1: "nan"}))
     return plugin
+
+
+def test_what_plot_history_draws():
+    from lightning_amp_plus import ScaleHistory
+    from lightning_amp_plus.plot import history_curves
+
+    history = ScaleHistory()
+    for step, (scale, found) in enumerate([(8.0, 0), (8.0, 1), (4.0, 0), (4.0, 0)]):
+        history.record(step, scale, float(found))
+    curves = history_curves(history, loss=[(0, 1.0), (3, 0.5)])
+    assert (curves.scale, curves.skipped, curves.loss, curves.scaled, curves.last_step) == (
+        [(0, 8.0), (2, 4.0), (3, 4.0)],  # held to the last recorded step
+        [1],
+        [(0, 1.0), (3, 0.5)],
+        True,
+        3,
+    )
+    history.record(4, 8.0, 0.0)  # a change at the last step: nothing appended
+    assert history_curves(history).scale == [(0, 8.0), (2, 4.0), (4, 8.0)]
+    bf16 = ScaleHistory(scaled=False)
+    bf16.record(0, 1.0, 1.0)
+    assert (history_curves(bf16).scale, history_curves(bf16).scaled) == ([], False)
+
+
+def test_the_png_size_and_title(tmp_path):
+    from lightning_amp_plus.plot import plot_curves, plot_run
+
+    one = plot_curves(RunCurves(scale=[(0, 2.0), (5, 4.0)]), tmp_path / "one")
+    assert one == str(tmp_path / "one.png")  # the extension added, and said
+    assert png_size(one) == (880, 352)  # 8 x 3.2 inches at 110 dpi
+    two = plot_curves(RunCurves(scale=[(0, 2.0)], loss=[(0, 1.0), (1, 0.5)]), tmp_path / "two.png")
+    assert png_size(two) == (880, 704)  # a second panel for the loss
+    fig = draw(RunCurves(scale=[(0, 2.0)], skipped=[0]), title="my run")
+    try:
+        assert fig.axes[0].get_title() == "my run"
+        assert fig.axes[0].get_legend().get_texts()[0].get_text() == "loss scale"
+        assert fig.axes[0].get_legend().get_texts()[1].get_text() == "skipped (1)"
+    finally:
+        fig.clf()
+    logger = CSVLogger(tmp_path, name="csv")
+    _run(tmp_path, logger)
+    out = plot_run(logger.log_dir)
+    assert out == os.path.join(logger.log_dir, "loss_scale.png")  # beside the metrics by default
+    out = plot_run(logger.experiment.metrics_file_path)
+    assert out == os.path.join(logger.log_dir, "loss_scale.png")
+
+
+def test_a_tensorboard_parent_folder_is_read_recursively(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    plugin = _run(tmp_path, logger)
+    logger.experiment.flush()
+    curves = read_run(tmp_path / "tb")  # the folder above version_0
+    assert curves.skipped == plugin.history.skipped_steps == [2, 6]
+
+
+def test_the_command_line_help(monkeypatch):
+    import contextlib
+    import io
+
+    def help_of(*argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+            main([*argv, "--help"])
+        assert done.value.code == 0
+        return out.getvalue()
+
+    monkeypatch.setenv("COLUMNS", "200")  # one line per help text
+    top = help_of()
+    assert top.startswith("usage: lightning-amp-plus [-h] [--version] COMMAND ...")
+    assert "plot PATH [-o OUT.png]   draw the loss-scale curve" in top
+    assert "advise PATH              what the logged series say went wrong" in top
+    assert "plot the loss-scale curve of a CSVLogger or TensorBoard run" in top
+    assert "advice from a logged run (scale curve, skips, underflow, headroom)" in top
+    plot = help_of("plot")
+    assert plot.startswith("usage: lightning-amp-plus plot [-h] [-o OUTPUT] path")
+    assert "a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder" in plot
+    assert "the PNG to write (default: loss_scale.png beside PATH)" in plot
+    advise = help_of("advise")
+    assert advise.startswith("usage: lightning-amp-plus advise [-h] path")
+    assert "a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder" in advise
+    with pytest.raises(SystemExit) as done:
+        main([])  # a command is required
+    assert done.value.code == 2
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["--version"])
+    assert out.getvalue().strip().startswith("lightning-amp-plus 0.")
