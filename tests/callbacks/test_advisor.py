@@ -408,3 +408,100 @@ def test_a_failed_setup_prints_no_advice(tmp_path, caplog):
             plugins=[AmpPlusPrecision("16-mixed")], callbacks=[AmpAdvisor(report_path=target)], max_steps=2
         ).fit(TinyModel())
     assert not [r for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]
+
+
+def test_the_printed_and_markdown_text(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="lightning_amp_plus")
+    advisor = AmpAdvisor(report_path=tmp_path / "a.md")
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=3).fit(
+        TinyModel(optimizer="adamw", poison={1: "inf", 2: "nan"})
+    )
+    assert codes(advisor) == ["nonfinite_loss", "fused_optimizer"]
+    first, second = advisor.advice
+    (printed,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]
+    assert printed == "\n".join(
+        [
+            "AmpAdvisor: 2 findings, most important first:",
+            f"1. [nonfinite_loss] {first.message}\n    fix: {first.fix}",
+            f"2. [fused_optimizer] {second.message}\n    fix: {second.fix}",
+        ]
+    )
+    assert (tmp_path / "a.md").read_text() == "\n".join(
+        [
+            "# AmpAdvisor",
+            "",
+            "## `nonfinite_loss`",
+            "",
+            first.message,
+            "",
+            "```python",
+            first.fix,
+            "```",
+            "",
+            "Evidence: `input`: 0, `loss`: 2, `told`: 2",
+            "",
+            "## `fused_optimizer`",
+            "",
+            second.message,
+            "",
+            "```python",
+            second.fix,
+            "```",
+            "",
+            "Evidence: `optimizers`: [{'name': 'AdamW', 'device': 'cpu'}]",
+            "",
+        ]
+    )
+    one = AmpAdvisor(print_advice=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[one], max_steps=2).fit(
+        TinyModel(optimizer="adamw")
+    )
+    assert one.format().splitlines()[0] == "AmpAdvisor: 1 finding, most important first:"
+    assert one.format().splitlines()[1].startswith("1. [fused_optimizer]")
+
+
+def test_what_the_advisor_gathers_in_bf16():
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(plugins=[AmpPlusPrecision("bf16-mixed")], callbacks=[advisor], max_steps=3).fit(
+        TinyModel(optimizer="fused_sgd")
+    )
+    figures = advisor.figures
+    assert (figures.precision, figures.curve, figures.knobs, figures.underflow) == ("bf16-mixed", [], None, None)
+    assert (figures.num_updates, figures.last_step, figures.skipped, figures.bf16_available) == (3, 2, [], True)
+    assert figures.fp32_rows == []  # inspected: nothing heavy in float32
+    assert figures.non_fused == []
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "plugin", "expected"),
+    [
+        ("adamw", AmpPlusPrecision("bf16-mixed", skip_nonfinite=False), []),  # no flag read per step: no sync to save
+        ("adamw", AmpPlusPrecision("bf16-mixed"), [{"name": "AdamW", "device": "cpu"}]),
+        ("adam", AmpPlusPrecision("16-mixed"), [{"name": "Adam", "device": "cpu"}]),
+        ("sgd", AmpPlusPrecision("16-mixed"), [{"name": "SGD", "device": "cpu"}]),
+    ],
+)
+def test_which_optimizers_count_as_non_fused(optimizer, plugin, expected):
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=2).fit(TinyModel(optimizer=optimizer))
+    assert advisor.figures.non_fused == expected
+
+
+def test_a_users_own_optimizer_class_is_not_told_to_fuse():
+    class MyAdamW(torch.optim.AdamW):  # defined outside torch.optim: its step is the user's
+        pass
+
+    class Model(TinyModel):
+        def configure_optimizers(self):
+            return MyAdamW(self.parameters(), lr=0.01)
+
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[advisor], max_steps=2).fit(Model())
+    assert advisor.figures.non_fused == []
+
+
+def test_bf16_availability_by_device():
+    from lightning_amp_plus.callbacks.advisor import _bf16_available
+
+    assert [_bf16_available(d) for d in ("cpu", "xpu", "mps", "hpu", "meta")] == [True, True, True, True, False]
+    assert _bf16_available("cuda") == bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
