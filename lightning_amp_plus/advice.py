@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from lightning_amp_plus._series import skipped_steps, value_at
+
 #: the codes, most important first: a non-finite batch is no scaling problem; an fp32 island fixes a module that
 #: overflows; bf16 when no scale fits; then the knobs; then speed
 CODES = (
@@ -237,7 +239,7 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
     # that makes inf/nan does so at any scale, and other codes say it
     born = {o["step"]: o.get("phase") for o in _known_origins(figures) if "step" in o}
     at_floor = [
-        s for s in figures.skipped if _scale_at(figures.curve, s) <= min_scale and born.get(s, "backward") == "backward"
+        s for s in figures.skipped if value_at(figures.curve, s) <= min_scale and born.get(s, "backward") == "backward"
     ]
     if len(at_floor) >= 2:
         return Advice(
@@ -298,7 +300,7 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
         return None  # one skip is calibration; all skipped: the scale never settled (other codes say why)
     first_step, init = figures.curve[0]
     assert figures.skipped is not None
-    settled = _scale_at(figures.curve, figures.skipped[leading - 1] + 1)
+    settled = value_at(figures.curve, figures.skipped[leading - 1] + 1)
     if settled >= init:
         return None
     return Advice(
@@ -454,15 +456,6 @@ _RULES = (
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _scale_at(curve: list[tuple[int, float]], step: int) -> float:
-    value = curve[0][1]
-    for s, v in curve:
-        if s > step:
-            break
-        value = v
-    return value
-
-
 def _scale(value: float) -> str:
     """``2.0**16`` for powers of two (paste-able, exact), else the number."""
     if value > 0:
@@ -506,24 +499,14 @@ def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigure
                 previous = value
     elif skip_key is not None:
         figures.precision = "bf16-mixed"
-    marked = series.get(prefix + "step_skipped")
-    counts = series.get(prefix + "skipped_steps")
-    if marked:
-        figures.skipped = sorted({s for s, v in marked if v})
-    elif counts is not None:
-        figures.skipped = []
-        count = 0.0
-        for step, value in sorted(counts):
-            if value > count:
-                figures.skipped.append(step)
-                count = value
+    figures.skipped = skipped_steps(series, prefix)
     underflow = dict(series.get(prefix + "underflow_fraction", []))
     headroom = dict(series.get(prefix + "headroom_bits", []))
     if underflow and figures.curve:
         figures.underflow = [
             {
                 "step": step,
-                "scale": _scale_at(figures.curve, step),
+                "scale": value_at(figures.curve, step),
                 "underflow_fraction": value,
                 "headroom_bits": headroom.get(step),
             }

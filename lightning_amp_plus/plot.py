@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY
+from lightning_amp_plus._series import skipped_steps, value_at
 
 if TYPE_CHECKING:
     from lightning_amp_plus.history import ScaleHistory
@@ -79,14 +80,14 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
         ax.step([*steps, last], [*values, values[-1]], where="post", color="tab:blue", label="loss scale")
         ax.set_yscale("log", base=2)
         if curves.skipped:
-            at = [_value_at(curves.scale, s) for s in curves.skipped]
+            at = [value_at(curves.scale, s) for s in curves.skipped]
             ax.scatter(curves.skipped, at, marker="x", color="tab:red", zorder=3, label=label)
         ax.set_ylabel("loss scale (log2)")
         ax.set_title(title)
     elif curves.loss:
         ax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green", label="training loss")
         if curves.skipped:
-            at = [_value_at(curves.loss, s) for s in curves.skipped]
+            at = [value_at(curves.loss, s) for s in curves.skipped]
             ax.scatter(curves.skipped, at, marker="x", color="tab:red", zorder=3, label=label)
         ax.set_ylabel("training loss")
         ax.set_title(f"{title} (bf16-mixed: no loss scale)")
@@ -215,15 +216,7 @@ def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
 
 
 def _read_skips(series: dict[str, list[tuple[int, float]]], prefix: str, curves: RunCurves) -> None:
-    marked = series.get(prefix + "step_skipped")
-    if marked:
-        curves.skipped = sorted({s for s, v in marked if v})
-        return
-    count = 0.0
-    for step, value in sorted(series.get(prefix + "skipped_steps", [])):
-        if value > count:
-            curves.skipped.append(step)
-            count = value
+    curves.skipped = skipped_steps(series, prefix) or []
 
 
 def _read_loss(series: dict[str, list[tuple[int, float]]], curves: RunCurves) -> None:
@@ -281,12 +274,3 @@ def _read_tensorboard(folder: str) -> dict[str, list[tuple[int, float]]]:
             values = ((e.step, float(e.value)) for e in acc.Scalars(tag))
             series.setdefault(tag, []).extend((s, v) for s, v in values if math.isfinite(v))  # as the CSV reader
     return series
-
-
-def _value_at(curve: list[tuple[int, float]], step: int) -> float:
-    value = curve[0][1]
-    for s, v in curve:
-        if s > step:
-            break
-        value = v
-    return value
