@@ -149,6 +149,15 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                     buffer.copy_(saved)
 
 
+def all_eager() -> Any:
+    """Every compiled function runs eagerly inside (``torch.compiler.set_stance("force_eager")``, torch >= 2.6).
+
+    A replay hooks modules that may sit inside a compiled graph: there the hooks must run eagerly, never be traced.
+    """
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
 

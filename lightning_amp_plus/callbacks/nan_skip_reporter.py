@@ -21,6 +21,7 @@ from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
+    all_eager,
     all_reduce_,
     check_writable,
     distributed,
@@ -325,7 +326,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
                         handles.append(module.register_forward_hook(post, with_kwargs=True))
             device_type = getattr(self._module, "device", torch.device("cpu")).type
             forward_context = self._trainer.precision_plugin.forward_context
-            with leaves_no_trace(self._module, device_type), torch.no_grad(), forward_context():
+            with leaves_no_trace(self._module, device_type), torch.no_grad(), forward_context(), all_eager():
                 for _, child, args, kwargs, kept in calls:
                     if versions((args, kwargs)) != kept:
                         return _UNKNOWN  # changed in place after the call (by the child itself, maybe): not as it ran

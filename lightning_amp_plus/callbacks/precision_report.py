@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Optional
 
@@ -17,7 +16,7 @@ from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.callbacks._common import leaves_no_trace
+from lightning_amp_plus.callbacks._common import all_eager, leaves_no_trace
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -68,12 +67,6 @@ def _copied(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _copied(v) for k, v in value.items()}
     return value
-
-
-def _all_eager() -> Any:
-    """Every compiled function runs eagerly inside (``torch.compiler.set_stance("force_eager")``, torch >= 2.6)."""
-    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _name(dtype: Optional[torch.dtype]) -> str:
@@ -257,7 +250,7 @@ class PrecisionReport(KnobsRepr, Callback):
                         self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
                 # eager, in the compiled call's autocast and grad mode (a forward may call autograd.grad), with every
                 # nested compiled module eager too (no hook may end up inside a graph)
-                with leaves_no_trace(inner, device_type), torch.set_grad_enabled(grad), _all_eager():
+                with leaves_no_trace(inner, device_type), torch.set_grad_enabled(grad), all_eager():
                     inner(*call_args, **call_kwargs)
             except Exception as error:  # the report never stops training
                 self.skipped_reason = (

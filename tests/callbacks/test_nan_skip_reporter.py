@@ -415,3 +415,39 @@ def test_validation_calls_are_not_kept():
         num_sanity_val_steps=0,
     ).fit(WithVal())
     assert kept == [0, 0]
+
+
+class _CompiledNested(TinyModel):
+    """A compiled child holding a compiled grandchild whose Linear overflows float16 at step 2."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        self.enc = torch.compile(
+            torch.nn.Sequential(torch.nn.Identity(), torch.compile(inner, backend="aot_eager")), backend="aot_eager"
+        )
+
+    def forward(self, x):
+        if self.trainer.global_step == 2:
+            x = x * 1e6
+        return self.net(self.enc(x))
+
+
+def test_a_compiled_child_is_replayed_eagerly_and_adds_no_graph():
+    def run(find_origin):
+        torch._dynamo.reset()
+        before = dict(torch._dynamo.utils.counters["stats"])
+        reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=find_origin)
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
+            _CompiledNested()
+        )
+        after = torch._dynamo.utils.counters["stats"]
+        return reporter, {k: after[k] - before.get(k, 0) for k in after}
+
+    plain, plain_graphs = run(False)
+    told, told_graphs = run(True)
+    assert [(r["step"], r["origin"]) for r in told.skips] == [
+        (2, {"phase": "forward", "module": "enc.1.0", "kind": "inf"})
+    ]
+    assert told_graphs == plain_graphs  # no hook traced into a graph, nothing recompiled
