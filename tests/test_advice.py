@@ -342,9 +342,10 @@ def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
 def test_the_healthy_line():
     from lightning_amp_plus.advice import healthy_line
 
-    figures = run([(0, 2.0**10), (5, 2.0**11)], [3], 9, underflow=[_measure(0.1, 7.0), _measure(0.1, 6.25)])
+    measured = [_measure(0.1, 7.0), _measure(0.1, 5.0), _measure(0.1, 6.25)]
+    figures = run([(0, 2.0**10), (5, 2.0**11), (8, 2.0**12)], [3], 9, underflow=measured)
     assert healthy_line(figures) == (
-        "the run looks healthy: 10 updates, skip rate 10.0% (1 skipped), headroom 6.2 bits, loss scale 2.0**11."
+        "the run looks healthy: 10 updates, skip rate 10.0% (1 skipped), headroom 6.2 bits, loss scale 2.0**12."
     )
     one = RunFigures(precision="bf16-mixed", num_updates=1, last_step=0, curve=[(0, 1.0)], skipped=[])
     assert healthy_line(one) == "the run looks healthy: 1 update, skip rate 0.0% (0 skipped)."
@@ -360,3 +361,136 @@ def test_what_the_offline_figures_cannot_tell():
         figures_from_series({"amp/loss_scale": [(0, 4.0), (2, -5.0)]})
     bf16 = figures_from_series({"amp/skipped_steps": [(0, 0.0), (3, 1.0)], "amp/step_skipped": [(3, 1.0)]})
     assert (bf16.precision, bf16.curve, bf16.skipped) == ("bf16-mixed", [], [3])
+
+
+# ------------------------------------------------------------------------------------------ boundaries the rules draw
+@pytest.mark.parametrize(("squeezed", "fires"), [(2, False), (3, True)])
+def test_bf16_range_needs_more_than_half_the_measurements(squeezed, fires):
+    measured = [_measure(0.8, 0.5)] * squeezed + [_measure(0.8, 5.0, scale=2.0**10)] * (4 - squeezed)
+    assert ("bf16" in codes(run([(0, 2.0**24)], [], 20, underflow=measured, bf16_available=True))) is fires
+
+
+@pytest.mark.parametrize(("pinned", "fires"), [(2, False), (3, True)])
+def test_max_scale_needs_more_than_half_the_measurements(pinned, fires):
+    measured = [_measure(0.8, 3.0)] * pinned + [_measure(0.8, 3.0, scale=2.0**10)] * (4 - pinned)
+    assert ("max_scale" in codes(run([(0, 2.0**24)], [], 20, underflow=measured))) is fires
+
+
+def test_no_scale_advice_for_a_bf16_run_or_without_the_figures():
+    figures = run([(0, 1.0)], [3, 7], 10, bf16_available=True)
+    figures.precision = "bf16-mixed"
+    assert codes(figures) == []
+    no_skips_known = run([(0, 1.0)], [3, 7], 10, bf16_available=True)
+    no_skips_known.skipped = None
+    assert codes(no_skips_known) == []
+    offline = run([(0, 1.0)], [3, 7], 10, bf16_available=True)
+    offline.knobs = None
+    assert "bf16" not in codes(offline)
+    bf16 = run([(0, 2.0**16), (1, 2.0**15), (2, 2.0**14)], [0, 1], 20)
+    bf16.precision = "bf16-mixed"
+    assert codes(bf16) == []
+
+
+def test_growth_interval_boundaries():
+    underflow = [{"step": 11, "scale": 512.0, "underflow_fraction": 0.3}]  # measured at the backoff step itself
+    base = run([(0, 1024.0), (11, 512.0)], [10], 210, underflow=underflow)
+    assert only_code(base, "growth_interval").evidence["clean_updates_after"] == 200
+    with_skips = run([(0, 1024.0), (11, 512.0)], [10, 100, 150], 210, underflow=underflow)  # later skips not clean
+    assert only_code(with_skips, "growth_interval").evidence["clean_updates_after"] == 198
+    calibration = run([(0, 1024.0), (1, 512.0)], [0], 210, underflow=underflow)  # the first update's backoff
+    assert "growth_interval" not in codes(calibration)
+    right_after = run([(0, 1024.0), (1, 512.0), (3, 256.0)], [0, 2], 210, underflow=underflow)
+    assert only_code(right_after, "growth_interval").evidence["backoff_step"] == 3
+    regrown_at_once = run([(0, 1024.0), (11, 512.0), (12, 1024.0)], [10], 210, underflow=underflow)
+    assert "growth_interval" not in codes(regrown_at_once)
+    short_interval = run([(0, 1024.0), (11, 512.0)], [10], 210, underflow=underflow)
+    short_interval.knobs["growth_interval"] = 50  # what it would suggest: no advice
+    assert "growth_interval" not in codes(short_interval)
+    offline = run([(0, 1024.0), (11, 512.0)], [10], 210, underflow=underflow)
+    offline.knobs = None
+    assert "(growth_interval=" not in only_code(offline, "growth_interval").message
+    assert "never grew back in 200 clean updates, while" in only_code(offline, "growth_interval").message
+
+
+def test_hysteresis_boundaries():
+    def spikes(at, regrow=5):
+        curve, skipped = [(0, 1024.0)], []
+        for s in at:
+            skipped.append(s)
+            curve += [(s + 1, 512.0), (s + 1 + regrow, 1024.0)]
+        return curve, skipped
+
+    curve, skipped = spikes([10, 30, 50, 70, 90, 110])
+    advice = only_code(run(curve, skipped, 130), "hysteresis")
+    assert advice.message.startswith("6 isolated overflows (at step 10, 30, 50, 70, 90, ...) each halved")
+    curve, skipped = spikes([10, 30, 50])
+    pair = run(curve + [(71, 512.0)], [*skipped, 69, 70], 90)  # two overflows in a row are not isolated
+    assert only_code(pair, "hysteresis").evidence["isolated_overflows"] == [10, 30, 50]
+    no_regrowth = run([(0, 1024.0), (11, 512.0), (31, 256.0), (51, 128.0), (52, 256.0)], [10, 30, 50], 90)
+    assert "hysteresis" not in codes(no_regrowth)  # not rare spikes: the scale did not grow back between them
+    one_regrowth = run([(0, 1024.0), (11, 512.0), (16, 1024.0), (31, 512.0), (51, 256.0)], [10, 30, 50], 90)
+    assert "hysteresis" not in codes(one_regrowth)
+    unknown_knobs = run(*spikes([10, 30, 50]), 90)
+    unknown_knobs.knobs = None  # offline: hysteresis taken as torch's 1
+    assert "hysteresis" in codes(unknown_knobs)
+
+
+def test_init_scale_needs_the_scale_to_have_come_down():
+    held = run([(0, 2.0**10)], [0, 1], 20)  # hysteresis: skips without a backoff
+    assert "init_scale" not in codes(held)
+    assert (
+        only_code(run([(0, 2.0**10), (1, 2.0**9), (2, 2.0**8)], [0, 1], 20), "init_scale").evidence["settled_scale"]
+        == 2.0**8
+    )
+    late = run([(0, 2.0**10), (4, 2.0**9), (5, 2.0**8)], [3, 4], 20)  # not from the first update: not calibration
+    assert "init_scale" not in codes(late)
+
+
+@pytest.mark.parametrize(("skipped", "updates", "fires"), [(1, 1, False), (2, 2, True), (2, 5, False)])
+def test_skip_rate_boundaries(skipped, updates, fires):
+    figures = run([(0, 1024.0)], list(range(skipped)), updates - 1)
+    figures.curve = [(0, 1024.0)]
+    figures.knobs["hysteresis"] = 99  # the scale held: no other code
+    assert (codes(figures) == ["skip_rate"]) is fires
+    if fires:
+        assert only_code(figures, "skip_rate").evidence == {"skipped": skipped, "updates": updates, "rate": 1.0}
+
+
+def test_silent_fp32_lists_five_by_time_share():
+    rows = [
+        {"name": f"m{i}", "type": "Linear", "time_share": share, "cause": "an explicit cast", "island": None}
+        for i, share in enumerate([0.05, 0.3, 0.1, 0.2, 0.15, 0.12])
+    ]
+    figures = run([(0, 1024.0)], [], 5, fp32_rows=rows + [{"name": "x", "type": "Linear", "island": None}])
+    figures.precision = None
+    advice = only_code(figures, "silent_fp32")
+    assert advice.message.startswith(
+        "7 heavy module(s) ran in float32 under mixed precision: m1 (30%), m3 (20%), m4 (15%), m5 (12%), m2 (10%);"
+    )
+    assert advice.message.endswith("m1: an explicit cast.")
+
+
+def test_offline_figures_in_detail():
+    series = {
+        "train/amp_loss_scale": [(10, 4.0), (12, 4.0), (13, 2.0)],
+        "train/amp_log2_loss_scale": [(10, 2.0)],
+        "train/amp_step_skipped": [(12, 1.0), (13, 0.0)],
+        "train/amp_underflow_fraction": [(12, 0.2)],
+        "train/amp_headroom_bits": [(12, 3.0)],
+    }
+    figures = figures_from_series(series)
+    assert (figures.precision, figures.curve, figures.skipped) == ("16-mixed", [(10, 4.0), (13, 2.0)], [12])
+    assert (figures.num_updates, figures.last_step) == (4, 13)
+    assert figures.underflow == [{"step": 12, "scale": 4.0, "underflow_fraction": 0.2, "headroom_bits": 3.0}]
+    for bad in (0.0, float("inf")):
+        with pytest.raises(ValueError, match="not a loss scale"):
+            figures_from_series({"amp/loss_scale": [(0, bad)]})
+    skips_only = figures_from_series({"x/skipped_steps": [(0, 0.0), (4, 1.0)], "x/underflow_fraction": [(0, 0.9)]})
+    assert (skips_only.precision, skips_only.skipped, skips_only.underflow) == ("bf16-mixed", [4], None)
+    nothing = figures_from_series({"train_loss": [(0, 1.0)]})
+    assert (nothing.precision, nothing.curve, nothing.skipped) == (None, [], None)
+
+
+def only_code(figures, code):
+    (advice,) = [a for a in advise(figures) if a.code == code]
+    return advice
