@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._identity import clean_name, resolve_module
+from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolve_module
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
@@ -149,13 +149,27 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                     buffer.copy_(saved)
 
 
-def all_eager() -> Any:
-    """Every compiled function runs eagerly inside (``torch.compiler.set_stance("force_eager")``, torch >= 2.6).
+@contextlib.contextmanager
+def all_eager(module: torch.nn.Module) -> Iterator[None]:
+    """Every compiled module in ``module`` runs eagerly inside: a replay's hooks must run, never be traced.
 
-    A replay hooks modules that may sit inside a compiled graph: there the hooks must run eagerly, never be traced.
+    ``torch.compiler.set_stance("force_eager")`` where torch has it (>= 2.6); before, each ``torch.compile`` wrapper's
+    compiled ``forward`` is set aside for its module's own call, and put back.
     """
     set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+    if set_stance is not None:
+        with set_stance("force_eager"):
+            yield
+        return
+    swapped = [m for m in module.modules() if is_compiled_wrapper(m) and "forward" in vars(m)]
+    saved = [vars(m)["forward"] for m in swapped]
+    try:
+        for wrapper in swapped:
+            wrapper.forward = wrapper._orig_mod.__call__  # type: ignore[method-assign,operator]
+        yield
+    finally:
+        for wrapper, forward in zip(swapped, saved, strict=True):
+            wrapper.forward = forward  # type: ignore[method-assign]
 
 
 def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:

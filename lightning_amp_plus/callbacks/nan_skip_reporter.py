@@ -326,7 +326,12 @@ class NaNSkipReporter(KnobsRepr, Callback):
                         handles.append(module.register_forward_hook(post, with_kwargs=True))
             device_type = getattr(self._module, "device", torch.device("cpu")).type
             forward_context = self._trainer.precision_plugin.forward_context
-            with leaves_no_trace(self._module, device_type), torch.no_grad(), forward_context(), all_eager():
+            with (
+                leaves_no_trace(self._module, device_type),
+                torch.no_grad(),
+                forward_context(),
+                all_eager(self._module),
+            ):
                 for _, child, args, kwargs, kept in calls:
                     if versions((args, kwargs)) != kept:
                         return _UNKNOWN  # changed in place after the call (by the child itself, maybe): not as it ran

@@ -250,7 +250,7 @@ class PrecisionReport(KnobsRepr, Callback):
                         self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
                 # eager, in the compiled call's autocast and grad mode (a forward may call autograd.grad), with every
                 # nested compiled module eager too (no hook may end up inside a graph)
-                with leaves_no_trace(inner, device_type), torch.set_grad_enabled(grad), all_eager():
+                with leaves_no_trace(inner, device_type), torch.set_grad_enabled(grad), all_eager(inner):
                     inner(*call_args, **call_kwargs)
             except Exception as error:  # the report never stops training
                 self.skipped_reason = (

@@ -434,7 +434,11 @@ class _CompiledNested(TinyModel):
         return self.net(self.enc(x))
 
 
-def test_a_compiled_child_is_replayed_eagerly_and_adds_no_graph():
+@pytest.mark.parametrize("stance", [True, False])
+def test_a_compiled_child_is_replayed_eagerly_and_adds_no_graph(monkeypatch, stance):
+    if not stance or not hasattr(torch.compiler, "set_stance"):  # torch < 2.6: the compiled forwards set aside
+        monkeypatch.delattr(torch.compiler, "set_stance", raising=False)
+
     def run(find_origin):
         torch._dynamo.reset()
         before = dict(torch._dynamo.utils.counters["stats"])
