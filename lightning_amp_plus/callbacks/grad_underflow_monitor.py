@@ -126,6 +126,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             self.measurements = []
             self._high = 0
             self._warned = 0
+            self._raw = None  # an update of the earlier fit is not one of this fit's
         self._trainer = trainer
         self._interval = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", None) or 50)
         self._params = named_parameters(pl_module)

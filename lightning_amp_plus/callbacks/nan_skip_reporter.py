@@ -151,6 +151,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._consecutive = 0
         self._reported_upto = -1
         self._warned = 0
+        self._probe = None
+        self._device_origins = {}  # origins told for skips not collected yet: per fit
 
     # ------------------------------------------------------------------ wiring
     @property

@@ -228,3 +228,12 @@ def test_two_optimizers_stepping_in_one_update_give_one_measurement_of_both(tmp_
     rows = read_csv(logger.experiment.metrics_file_path)
     last = {int(r["step"]): float(r["amp/underflow_fraction"]) for r in rows if r.get("amp/underflow_fraction")}
     assert last == {m["step"]: pytest.approx(m["underflow_fraction"]) for m in monitor.measurements}
+
+
+def test_a_second_trainer_starts_its_measurements_afresh():
+    monitor = GradUnderflowMonitor(every_n_steps=1)
+    for _ in range(2):  # each fit measures step 0 only: the second must not merge into the first's record
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1).fit(
+            TinyModel()
+        )
+        assert [m["step"] for m in monitor.measurements] == [0]

@@ -455,3 +455,12 @@ def test_a_compiled_child_is_replayed_eagerly_and_adds_no_graph(monkeypatch, sta
         (2, {"phase": "forward", "module": "enc.1.0", "kind": "inf"})
     ]
     assert told_graphs == plain_graphs  # no hook traced into a graph, nothing recompiled
+
+
+def test_a_second_trainer_does_not_inherit_an_origin_told_in_the_first():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=False)
+    reporter._device_origins[2] = {"phase": "input"}  # left by a fit that failed before collecting it
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
+        TinyModel(optimizer="fused_sgd", grad_poison={2: "net.0.weight"})
+    )
+    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(2, None)]
