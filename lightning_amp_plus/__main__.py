@@ -36,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plot = sub.add_parser("plot", help="plot the loss-scale curve of a CSVLogger or TensorBoard run")
     plot.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
-    plot.add_argument("-o", "--output", default=None, help="the PNG to write (default: loss_scale.png beside PATH)")
+    plot.add_argument("-o", "--output", help="the PNG to write (default: loss_scale.png beside PATH)")
     advise = sub.add_parser("advise", help="advice from a logged run (scale curve, skips, underflow, headroom)")
     advise.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
     args = parser.parse_args(argv)

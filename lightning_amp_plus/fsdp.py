@@ -67,7 +67,7 @@ class AmpPlusFSDPPrecision(AmpPlusPrecision, FSDPPrecision):  # type: ignore[mis
     ) -> None:
         given = given_arguments(AmpPlusFSDPPrecision.__init__, locals())
         super().__init__(precision, device, **kwargs)
-        self._given = {**{k: v for k, v in given.items() if k != "kwargs"}, **self._given, **kwargs}
+        self._given = {**given, **self._given, **kwargs}  # given_arguments leaves **kwargs out
         owner = type(self).__name__
         check_choice(owner, "param_dtype", param_dtype, tuple(_DTYPES))
         check_choice(owner, "reduce_dtype", reduce_dtype, tuple(_DTYPES))

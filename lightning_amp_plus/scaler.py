@@ -696,7 +696,7 @@ class NonFiniteChecker(DynamicLossScaler):
             return loss
 
         with torch.no_grad():
-            saved_params = [p.detach().clone() for p in params]
+            saved_params = {p: p.detach().clone() for p in params}
             saved_state = {p: copy.deepcopy(s) for p, s in optimizer.state.items()}
         retval = optimizer.step(checked, **kwargs)
         if not flags:
@@ -705,7 +705,7 @@ class NonFiniteChecker(DynamicLossScaler):
         skipped = bool(found.item())  # a closure optimizer reads its loss on the host anyway
         if skipped:
             with torch.no_grad():
-                for param, saved in zip(params, saved_params, strict=True):
+                for param, saved in saved_params.items():
                     param.copy_(saved)
             optimizer.state.clear()
             optimizer.state.update(saved_state)

@@ -309,3 +309,20 @@ def test_fsdp2_fully_shard_skips_names_and_measures_across_shards(tmp_path):
     assert len(zero["underflow"]) == 6  # measured every step, the empty shard included
     applied = [n for i, n in enumerate(zero["norms"]) if i not in (1, 4)]
     assert all(n == pytest.approx(0.05, rel=1e-3) for n in applied)  # the global norm, clipped
+
+
+def test_fsdp_plugin_hands_on_every_argument():
+    """device, the FSDP dtypes and the scaler knobs each reach what uses them, and the repr shows what was given."""
+    plugin = AmpPlusFSDPPrecision(
+        "16-mixed", device="cpu", param_dtype="float16", reduce_dtype="bfloat16", growth_interval=5
+    )
+    assert plugin.device == "cpu"
+    assert plugin.scaler.get_growth_interval() == 5
+    config = plugin.mixed_precision_config
+    assert (config.param_dtype, config.reduce_dtype) == (torch.float16, torch.bfloat16)
+    assert repr(plugin) == (
+        "AmpPlusFSDPPrecision(device='cpu', param_dtype='float16', reduce_dtype='bfloat16', growth_interval=5)"
+    )
+    # FSDPPrecision's input rule: floating inputs reach the model in float32 (autocast casts per op)
+    assert plugin.convert_input(torch.ones(2, dtype=torch.float64)).dtype == torch.float32
+    assert plugin.convert_input(torch.ones(2, dtype=torch.int64)).dtype == torch.int64

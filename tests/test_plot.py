@@ -1,5 +1,6 @@
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -318,20 +319,24 @@ def test_the_command_line_help(monkeypatch):
         assert done.value.code == 0
         return out.getvalue()
 
+    def rows(text):  # each help line as its columns: ("plot", "plot the loss-scale curve ...")
+        return {tuple(re.split(r"\s{2,}", line.strip())) for line in text.splitlines() if line.strip()}
+
     monkeypatch.setenv("COLUMNS", "200")  # one line per help text
     top = help_of()
     assert top.startswith("usage: lightning-amp-plus [-h] [--version] COMMAND ...")
     assert "plot PATH [-o OUT.png]   draw the loss-scale curve" in top
     assert "advise PATH              what the logged series say went wrong" in top
-    assert "plot the loss-scale curve of a CSVLogger or TensorBoard run" in top
-    assert "advice from a logged run (scale curve, skips, underflow, headroom)" in top
+    assert ("plot", "plot the loss-scale curve of a CSVLogger or TensorBoard run") in rows(top)
+    assert ("advise", "advice from a logged run (scale curve, skips, underflow, headroom)") in rows(top)
+    folder = "a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder"
     plot = help_of("plot")
     assert plot.startswith("usage: lightning-amp-plus plot [-h] [-o OUTPUT] path")
-    assert "a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder" in plot
-    assert "the PNG to write (default: loss_scale.png beside PATH)" in plot
+    assert ("path", folder) in rows(plot)
+    assert ("the PNG to write (default: loss_scale.png beside PATH)",) in rows(plot)  # under "-o OUTPUT, ..."
     advise = help_of("advise")
     assert advise.startswith("usage: lightning-amp-plus advise [-h] path")
-    assert "a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder" in advise
+    assert ("path", folder) in rows(advise)
     with pytest.raises(SystemExit) as done:
         main([])  # a command is required
     assert done.value.code == 2

@@ -395,3 +395,88 @@ def test_loads_a_tracker_of_zero_and_a_tensor_scale():
     scaler.load_state_dict(state)
     assert scaler.get_scale() == 32.0
     assert scaler._get_hysteresis_tracker() == 0
+
+
+def test_sharded_scaler_skips_on_the_other_ranks_overflow_and_reduces_over_the_given_group(monkeypatch):
+    """One rank's shard is clean, the other's overflowed: the flag is summed over the group the scaler was given,
+    so this rank skips and backs off too; a plain DynamicLossScaler does not reduce."""
+    import torch
+
+    from lightning_amp_plus import ShardedDynamicLossScaler
+    from tests.helpers.sharded import FakePeer
+
+    peer = FakePeer(monkeypatch, lambda tensor, op: torch.ones_like(tensor))  # the other rank found inf
+    group = object()
+    scaler = ShardedDynamicLossScaler("cpu", 1024.0, process_group=group)  # init_scale by position, as torch's
+    model, opt = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    _cycle(scaler, model, opt, torch.ones(3, 4), overflow=False)
+    assert scaler.step_was_skipped(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == 512.0
+    assert [c["group"] for c in peer.calls] == [group]
+    assert float(peer.calls[0]["mine"]) == 0.0  # this rank's own shard was clean
+
+    peer.calls.clear()
+    plain = DynamicLossScaler("cpu", init_scale=1024.0)
+    _cycle(plain, model, opt, torch.ones(3, 4), overflow=False)
+    assert not plain.step_was_skipped(opt)
+    assert plain.get_scale() == 1024.0
+    assert peer.calls == []
+
+
+def test_sharded_checker_reduces_and_a_plain_checker_does_not(monkeypatch):
+    import torch
+
+    from lightning_amp_plus import NonFiniteChecker
+    from tests.helpers.sharded import FakePeer
+
+    FakePeer(monkeypatch, lambda tensor, op: torch.ones_like(tensor))
+    for sharded in (True, False):
+        model, opt = _setup()
+        checker = NonFiniteChecker(sharded=sharded)
+        checker.scale(model(torch.ones(3, 4)).sum()).backward()
+        checker.step(opt)
+        checker.update()
+        assert checker.step_was_skipped(opt) is sharded
+
+
+class _KwargSGD(torch.optim.SGD):
+    """A closure optimizer whose step takes an extra keyword, recording what it received."""
+
+    def step(self, closure=None, *, tag=None):
+        self.tags = [*getattr(self, "tags", []), tag]
+        return super().step(closure)
+
+
+def test_checker_closure_steps_pass_keywords_on_refuse_a_second_step_and_take_fp16_gradients():
+    from lightning_amp_plus import NonFiniteChecker
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).half()  # float16 parameters and gradients: scale 1 may "unscale" them
+    opt = _KwargSGD(model.parameters(), lr=0.5)
+    checker = NonFiniteChecker()
+    x = torch.ones(3, 4, dtype=torch.float16)
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = []
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        grads[:] = [p.grad.clone() for p in model.parameters()]
+        return loss
+
+    checker.step(opt, closure=closure, tag="mine")
+    assert opt.tags == ["mine"]
+    assert not checker.step_was_skipped(opt)
+    for b, p, g in zip(before, model.parameters(), grads, strict=True):
+        assert torch.equal(p.detach(), b - 0.5 * g)  # what the optimizer consumed: the gradients, unchanged
+    with pytest.raises(RuntimeError, match=r"^step\(\) has already been called since the last update\(\)\.$"):
+        checker.step(opt, closure=closure)
+    checker.update()
+    checker.step(opt, closure)  # the closure by position
+    assert opt.tags == ["mine", None]
+    other = _KwargSGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    checker.step(other, closure=lambda: torch.zeros(()))  # another optimizer in the same cycle steps too
+    assert other.tags == [None]

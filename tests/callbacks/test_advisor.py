@@ -505,3 +505,38 @@ def test_bf16_availability_by_device():
 
     assert [_bf16_available(d) for d in ("cpu", "xpu", "mps", "hpu", "meta")] == [True, True, True, True, False]
     assert _bf16_available("cuda") == bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def _write_series(path, columns):
+    """A metrics.csv of `columns` ({key: [(step, value)]}), one row per step, as CSVLogger writes it."""
+    steps = sorted({s for values in columns.values() for s, _ in values})
+    table = {k: dict(v) for k, v in columns.items()}
+    lines = ["step," + ",".join(columns)]
+    lines += [f"{s}," + ",".join(str(table[k].get(s, "")) for k in columns) for s in steps]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_the_advise_command_counts_its_findings_and_reads_a_curve_without_skips(tmp_path, capsys):
+    from lightning_amp_plus.__main__ import main
+
+    scale, curve, skips, isolated = 2.0**40, [], [], (100, 170, 240)
+    for step in range(300):  # 10 leading skips, then three spikes, each regrown 31 updates later
+        if step - 31 in isolated:
+            scale *= 2
+        curve.append((step, scale))
+        skipped = step < 10 or step in isolated
+        skips.append((step, float(skipped)))
+        scale /= 2 if skipped else 1
+    _write_series(tmp_path / "metrics.csv", {"amp/loss_scale": curve, "amp/step_skipped": skips})
+    assert main(["advise", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "2 findings from the logged series, most important first:"
+    assert out[1].startswith("1. [init_scale]")
+    assert any(line.startswith("2. [hysteresis]") for line in out)
+
+    stock = tmp_path / "stock"  # a stock plugin's sampled curve: a scale series and no skip series
+    stock.mkdir()
+    _write_series(stock / "metrics.csv", {"amp/loss_scale": [(1, 1024.0), (3, 1024.0), (6, 2048.0)]})
+    assert main(["advise", str(stock)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("no finding in the logged series: ")

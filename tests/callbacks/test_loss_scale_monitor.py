@@ -316,3 +316,54 @@ def test_repr_shows_the_knobs_that_differ_from_the_defaults():
     assert repr(AmpPlusFSDPPrecision(init_scale=8.0)) == "AmpPlusFSDPPrecision(init_scale=8.0)"
     assert repr(LossScaleMonitor()) == "LossScaleMonitor()"
     assert repr(NaNSkipReporter(max_consecutive_skips=None)) == "NaNSkipReporter(max_consecutive_skips=None)"
+
+
+def test_stock_plugin_sampling_under_accumulation_counts_by_comparing_samples(tmp_path):
+    """Stock scaler, 2 batches per update: the first batch end and then every 3rd update, each once; a sample equal
+    to the previous one is neither growth nor backoff, and every rise counts; the bar shows the sampled scale."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    bar = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            bar.append(trainer.progress_bar_metrics.get("amp/scale"))
+
+    # growth_interval 6: two rises 6 updates apart, equal samples between them, one backoff at update 13
+    model = TinyModel(poison={13: "inf"})
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=6)
+    logger = CSVLogger(tmp_path, name="stock")
+    make_trainer(
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        callbacks=[LossScaleMonitor(logging_interval=3), Probe(), TQDMProgressBar()],
+        logger=logger,
+        enable_progress_bar=True,
+        accumulate_grad_batches=2,
+        max_steps=16,
+        limit_train_batches=40,
+    ).fit(model)
+    rows = [r for r in read_csv(logger.experiment.metrics_file_path) if r.get("amp/loss_scale")]
+    steps = [int(r["step"]) for r in rows]
+    assert steps == [0, 3, 6, 9, 12, 15]  # once each, though two batch ends share every update's step
+    values = [float(r["amp/loss_scale"]) for r in rows]
+    assert values == [256.0, 256.0, 512.0, 512.0, 1024.0, 512.0]  # grown after updates 6 and 12, backed off at 13
+    assert [float(r["amp/growths"]) for r in rows] == [0, 0, 1, 1, 2, 2]
+    assert [float(r["amp/backoffs"]) for r in rows] == [0, 0, 0, 0, 0, 1]
+    assert bar[0] == 256.0  # the bar shows the samples
+    assert bar[-1] == 512.0
+
+
+def test_stock_bf16_plugin_logs_no_scale(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    logger = CSVLogger(tmp_path, name="bf16")
+    make_trainer(
+        plugins=[MixedPrecision("bf16-mixed", "cpu")],
+        callbacks=[LossScaleMonitor(logging_interval=1)],
+        logger=logger,
+        max_steps=3,
+    ).fit(TinyModel())
+    path = tmp_path / "bf16" / "version_0" / "metrics.csv"
+    logged = {k for r in read_csv(path) for k, v in r.items() if v} if path.exists() else set()
+    assert not logged & {"amp/loss_scale", "amp/log2_loss_scale", "amp/growths", "amp/backoffs"}

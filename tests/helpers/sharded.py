@@ -43,3 +43,32 @@ def run_script(script: str, out: Any, *args: str, timeout: int = 300) -> list[di
             ranks.append(json.load(f))
     ranks[0]["_stderr"] = done.stderr
     return ranks
+
+
+class FakePeer:
+    """One process standing for rank 0 of two: ``torch.distributed`` says a 2-rank group is up, and every
+    ``all_reduce`` combines this rank's tensor with what the other rank holds, ``peer(tensor, op)`` (a tensor of the
+    same shape), by the reduce op. Tests the reduction rules on one rank with exact values from "the other".
+    """
+
+    def __init__(self, monkeypatch: Any, peer: Any) -> None:
+        import torch
+
+        self.peer = peer
+        self.calls: list[dict[str, Any]] = []
+        monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+        monkeypatch.setattr(torch.distributed, "all_reduce", self.all_reduce)
+
+    def all_reduce(self, tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        import torch
+
+        op = torch.distributed.ReduceOp.SUM if op is None else op
+        other = self.peer(tensor, op).to(tensor)
+        self.calls.append({"op": op, "group": group, "mine": tensor.clone(), "theirs": other})
+        if op == torch.distributed.ReduceOp.MAX:
+            torch.maximum(tensor, other, out=tensor)
+        else:
+            tensor.add_(other)
