@@ -55,14 +55,16 @@ class UpdateCycle:
         step: the step the update is recorded at (in Lightning the logger's step, in Fabric the count of updates).
         unscaled: optimizers whose gradients were unscaled (checked, in bf16) in this cycle.
         stepped: optimizers that stepped (or skipped) in this cycle.
+        failed: optimizers whose step raised after their gradients were unscaled, with the backward count then.
     """
 
-    __slots__ = ("step", "stepped", "unscaled")
+    __slots__ = ("failed", "step", "stepped", "unscaled")
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.unscaled: list[Optimizer] = []
         self.stepped: list[Optimizer] = []
+        self.failed: dict[Optimizer, int] = {}
 
     # optimizers define no __eq__: `in` is identity, in C
     def did_step(self, optimizer: Optimizer) -> bool:
@@ -204,6 +206,7 @@ class AmpEngine:
     def unscale(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients once per update (bf16: check them for inf/nan once)."""
         cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
+        self._after_failure(cycle, optimizer)
         if cycle.did_unscale(optimizer):
             return
         cycle.unscaled.append(optimizer)
@@ -219,10 +222,11 @@ class AmpEngine:
         """Step ``optimizer`` unless its gradients hold inf/nan (parameters and state then stay bit-identical).
 
         A closure (``closure=``, LBFGS) is evaluated inside the step and checked after each evaluation (bf16-mixed).
-        A step that raises is not counted: the optimizer leaves the cycle (its unscale is forgotten) and the
-        exception propagates.
+        A step that raises is not counted and the exception propagates. Gradients it had already unscaled stay
+        unscaled: a retry applies them once; a backward before the retry makes new gradients, unscaled anew.
         """
         cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
+        self._after_failure(cycle, optimizer)
         cycle.stepped.append(optimizer)
         try:
             if self.checker is None:
@@ -230,10 +234,22 @@ class AmpEngine:
             return self.checker.step(optimizer, **kwargs)
         except BaseException:
             cycle.stepped.remove(optimizer)
-            self._forget(optimizer)
+            if self.checker is not None and self.checker.is_unscaled(optimizer):
+                # divided in place before the failure: the same gradients must not be divided again
+                if not cycle.did_unscale(optimizer):
+                    cycle.unscaled.append(optimizer)
+                cycle.failed[optimizer] = self._backwards
+            else:
+                self._forget(optimizer)
             raise
         finally:
             self._stepped_at[id(optimizer)] = self._backwards  # a closure's backward is part of this step
+
+    def _after_failure(self, cycle: UpdateCycle, optimizer: Optimizer) -> None:
+        """Before ``optimizer`` unscales or steps again after a failed step: new gradients since? unscale anew."""
+        failed_at = cycle.failed.pop(optimizer, None)
+        if failed_at is not None and failed_at != self._backwards:
+            self._forget(optimizer)
 
     def _forget(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s unscale (and step outcome) in the open cycle: its next step unscales again."""

@@ -529,3 +529,51 @@ def test_an_unpickled_scaler_keeps_the_fast_path_and_claims_nothing():
         copy.update()
     assert counter.count == 0  # the host still knows the tracker: no read back
     assert copy.state_dict()["_growth_tracker"] == 3
+
+
+class _Flaky(torch.optim.SGD):
+    """Plain SGD whose step raises while ``fail`` is set (after the scaler unscaled its gradients)."""
+
+    fail = True
+
+    def step(self, closure=None):
+        if self.fail:
+            raise RuntimeError("step failed")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("unscale", ["no", "first", "before_retry"])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-unchecked"])
+def test_a_step_that_raises_propagates_and_a_retry_applies_the_true_gradients_once(precision, unscale):
+    """The retry without a backward applies the gradients unscaled once (not divided twice, and an unscale before
+    it is no error); after a new backward it applies the new gradients, unscaled anew. What the optimizer consumed:
+    the delta against -lr * grad."""
+    model = nn.Linear(2, 1)
+    opt = _Flaky(model.parameters(), lr=0.5)
+    if precision == "16-mixed":
+        engine = AmpEngine(precision, DynamicLossScaler("cpu", init_scale=8.0))
+    else:
+        engine = AmpEngine("bf16-mixed", None, skip_nonfinite=precision == "bf16-mixed")
+    for new_backward in (False, True):
+        opt.fail = True
+        opt.zero_grad()
+        engine.scale(model(torch.ones(1, 2)).sum()).backward()  # true gradient of the weight: [1, 1]
+        engine.begin(opt, int(new_backward))
+        if unscale == "first":
+            engine.unscale(opt)
+        with pytest.raises(RuntimeError, match="^step failed$"):
+            engine.step(opt)
+        opt.fail = False
+        true_grad = torch.ones(1, 2)
+        if new_backward:
+            opt.zero_grad()
+            engine.scale(model(torch.full((1, 2), 3.0)).sum()).backward()
+            true_grad = torch.full((1, 2), 3.0)
+        if unscale != "no" and (new_backward or unscale == "before_retry"):
+            engine.unscale(opt)  # e.g. clipping before the retried step
+        before = model.weight.detach().clone()
+        engine.step(opt)
+        engine.end_cycle()
+        assert torch.equal(model.weight.detach(), before - 0.5 * true_grad)
+    assert engine.history.num_steps == 2
+    assert engine.history.skipped_steps == []
