@@ -32,8 +32,7 @@ _MODULE_WRAPPERS = (
 def _types(table: tuple[tuple[str, ...], ...]) -> tuple[type, ...]:
     found = []
     for module_name, class_name, *_ in table:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
+        cls = getattr(sys.modules.get(module_name), class_name, None)  # None where the module is not imported
         if isinstance(cls, type):
             found.append(cls)
     return tuple(found)

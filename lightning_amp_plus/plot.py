@@ -270,7 +270,7 @@ def _read_tensorboard(folder: str) -> dict[str, list[tuple[int, float]]]:
     for events in sorted(glob.glob(os.path.join(folder, "**", "events.out.tfevents*"), recursive=True)):
         acc = EventAccumulator(events, size_guidance={"scalars": 0})
         acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
+        for tag in acc.Tags()["scalars"]:
             values = ((e.step, float(e.value)) for e in acc.Scalars(tag))
             series.setdefault(tag, []).extend((s, v) for s, v in values if math.isfinite(v))  # as the CSV reader
     return series

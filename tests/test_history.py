@@ -118,3 +118,22 @@ def test_an_empty_history_state_loads():
     loaded.load_state_dict(ScaleHistory().state_dict())
     assert loaded.last_step is None
     assert loaded.num_steps == 0
+
+
+def test_last_flag_is_the_last_records_own_outcome():
+    history = ScaleHistory()
+    assert history.last_flag() is None
+    history.record(0, 8.0, 0.0)
+    assert history.last_flag() == (0, 0.0)
+    history.record(1, 8.0, 1.0)
+    assert history.last_flag() == (1, 1.0)
+    history.record(4, 4.0, 0.0)  # skipped before, clean now
+    assert history.last_flag() == (4, 0.0)
+    history.record(5, 4.0, 1.0)
+    history.record(6, 2.0, 1.0)
+    assert history.last_flag() == (6, 1.0)
+    flag = torch.tensor(1.0)
+    history.record(7, torch.tensor(2.0), flag)  # pending on the device: handed back as it is, not read
+    step, pending = history.last_flag()
+    assert step == 7
+    assert pending is flag

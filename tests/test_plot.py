@@ -344,3 +344,37 @@ def test_the_command_line_help(monkeypatch):
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         main(["--version"])
     assert out.getvalue().strip().startswith("lightning-amp-plus 0.")
+
+
+def test_plot_history_draws_the_given_loss_and_extends_the_last_scale(tmp_path, monkeypatch):
+    from lightning_amp_plus import ScaleHistory, plot
+
+    history = ScaleHistory()
+    for step, (scale, found) in enumerate([(8.0, 0.0), (8.0, 1.0), (4.0, 0.0), (8.0, 0.0), (8.0, 0.0)]):
+        history.record(step, scale, found)
+    drawn = []
+    monkeypatch.setattr(plot, "plot_curves", lambda curves, output: drawn.append(curves) or str(output))
+    loss = [(0, 1.0), (4, 0.5)]
+    assert plot_history(history, tmp_path / "x.png", loss=loss) == str(tmp_path / "x.png")
+    (curves,) = drawn
+    assert curves.loss == loss
+    assert curves.scale == [(0, 8.0), (2, 4.0), (3, 8.0), (4, 8.0)]  # the last value held to the last step
+    assert curves.skipped == [1]
+
+
+def test_tensorboard_is_read_whole_beside_other_files(tmp_path):
+    """Every point of a long run (TensorBoard's reader keeps 10,000 scalars per tag unless told otherwise), from
+    the event files only."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_amp_plus.plot import read_series
+
+    writer = SummaryWriter(tmp_path / "version_0")
+    for step in range(10_050):
+        writer.add_scalar("amp/loss_scale", 2.0 ** (step % 7), step)
+    writer.close()
+    (tmp_path / "version_0" / "hparams.yaml").write_text("lr: 0.1\n")
+    series = read_series(tmp_path)
+    assert list(series) == ["amp/loss_scale"]
+    assert len(series["amp/loss_scale"]) == 10_050
+    assert series["amp/loss_scale"][-1] == (10_049, 2.0 ** (10_049 % 7))

@@ -120,7 +120,7 @@ def distributed() -> bool:
 def all_reduce_(tensor: Tensor, op: str = "sum") -> Tensor:
     """Reduce ``tensor`` over every rank in place (a no-op in one process); every rank must call it."""
     if distributed():
-        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+        reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
         torch.distributed.all_reduce(tensor, op=reduce_op)
     return tensor
 

@@ -464,3 +464,47 @@ def test_a_second_trainer_does_not_inherit_an_origin_told_in_the_first():
         TinyModel(optimizer="fused_sgd", grad_poison={2: "net.0.weight"})
     )
     assert [(r["step"], r["origin"]) for r in reporter.skips] == [(2, None)]
+
+
+def test_the_skip_line_word_for_word():
+    from lightning_amp_plus.callbacks.nan_skip_reporter import _describe
+
+    def line(offenders, origin=None, new_scale=512.0):
+        return _describe({"step": 7, "offenders": offenders, "origin": origin, "scale": 1024.0, "new_scale": new_scale})
+
+    def off(name, inf=0, nan=0):
+        return {"name": name, "inf": inf, "nan": nan}
+
+    assert line(None) == (
+        "step 7 skipped: gradients non-finite (found by a fused optimizer; `NaNSkipReporter(sync_fused=True)` names"
+        " them), loss scale 1024 -> 512"
+    )
+    assert line([], new_scale=None) == "step 7 skipped: gradients non-finite, loss scale 1024"
+    three = [off("a", inf=2), off("b", nan=1), off("c", inf=1, nan=3)]
+    assert line(three) == (
+        "step 7 skipped: gradients non-finite in a (2 inf), b (1 nan), c (1 inf and 3 nan), loss scale 1024 -> 512"
+    )
+    assert line([*three, off("d", inf=1), off("e", nan=1)]) == (
+        "step 7 skipped: gradients non-finite in a (2 inf), b (1 nan), c (1 inf and 3 nan) and 2 more,"
+        " loss scale 1024 -> 512"
+    )
+    origins = {
+        "step 7 skipped: born in forward of enc.3 (inf); gradients non-finite, loss scale 1024 -> 512": {
+            "phase": "forward",
+            "module": "enc.3",
+            "kind": "inf",
+        },
+        "step 7 skipped: born in forward of the LightningModule's own code (nan); gradients non-finite, loss scale"
+        " 1024 -> 512": {"phase": "forward", "module": None, "kind": "nan"},
+        "step 7 skipped: born in the batch (the inputs held inf/nan); gradients non-finite, loss scale 1024 -> 512": {
+            "phase": "input"
+        },
+        "step 7 skipped: born in the loss (every module output was finite); gradients non-finite, loss scale 1024 ->"
+        " 512": {"phase": "loss"},
+        "step 7 skipped: born in backward (forward and loss finite: the gradients overflowed); gradients non-finite,"
+        " loss scale 1024 -> 512": {"phase": "backward"},
+        "step 7 skipped: gradients non-finite, loss scale 1024 -> 512": {"phase": "unheard-of"},
+    }
+    for expected, origin in origins.items():
+        assert line([], origin) == expected
+    assert line([], {}) == line([], None) == "step 7 skipped: gradients non-finite, loss scale 1024 -> 512"
