@@ -40,21 +40,19 @@ class RunCurves:
     last_step: Optional[int] = None
 
 
-def _pyplot() -> Any:
+def _figure_class() -> Any:
+    """matplotlib's ``Figure``: drawn and saved without pyplot, so the user's backend and figures stay untouched."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(
             "plotting needs matplotlib: install the plot extra with `pip install 'lightning-amp-plus[plot]'`."
         ) from err
-    return plt
+    return Figure
 
 
 def draw(curves: RunCurves, title: str = "loss scale") -> Any:
-    """The matplotlib ``Figure`` of ``curves`` (closed by the caller): what :func:`plot_curves` writes.
+    """The matplotlib ``Figure`` of ``curves`` (not registered with pyplot): what :func:`plot_curves` writes.
 
     16-mixed: the scale as a step curve on a log2 axis with the skipped steps marked, and the loss below when logged.
     bf16-mixed (``curves.scaled`` False): no scale panel (there is no scale); the loss with the skipped steps
@@ -67,9 +65,9 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
             "nothing to plot: a bf16-mixed run has no loss scale, and neither its updates nor a training loss"
             " (`train_loss`) were logged."
         )
-    plt = _pyplot()
     panels = 2 if (curves.scaled and curves.loss) else 1
-    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), sharex=True, squeeze=False)
+    fig = _figure_class()(figsize=(8, 3.2 * panels))
+    axes = fig.subplots(panels, sharex=True, squeeze=False)
     ax = axes[0][0]
     last = max([*(s for s, _ in curves.scale), *curves.skipped, *(s for s, _ in curves.loss), curves.last_step or 0])
     count = len(curves.skipped)
@@ -97,7 +95,7 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
         )
         ax.set_ylabel("skipped updates")
         ax.set_title(f"{title} (bf16-mixed: no loss scale)")
-    ax.legend(loc="best")
+    ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     if panels == 2:
         lax = axes[1][0]
@@ -118,10 +116,7 @@ def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") 
     out = os.fspath(output)
     if not os.path.splitext(out)[1]:
         out += ".png"  # what matplotlib would write anyway: say the path actually written
-    try:
-        fig.savefig(out, dpi=110)
-    finally:
-        _pyplot().close(fig)
+    fig.savefig(out, dpi=110)
     return out
 
 

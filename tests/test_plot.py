@@ -378,3 +378,96 @@ def test_tensorboard_is_read_whole_beside_other_files(tmp_path):
     assert list(series) == ["amp/loss_scale"]
     assert len(series["amp/loss_scale"]) == 10_050
     assert series["amp/loss_scale"][-1] == (10_049, 2.0 ** (10_049 % 7))
+
+
+def _describe_figure(fig):
+    """Everything a reader sees in ``fig``, as plain values: per panel its labels, scale, grid, legend and artists."""
+    from matplotlib.colors import to_hex
+    from matplotlib.markers import MarkerStyle
+
+    x = MarkerStyle("x")
+    x_marker = x.get_path().transformed(x.get_transform()).vertices.tolist()
+    panels = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        panels.append(
+            {
+                "title": ax.get_title(),
+                "ylabel": ax.get_ylabel(),
+                "xlabel": ax.get_xlabel(),
+                "yscale": ax.get_yscale(),
+                "log_base": getattr(ax.yaxis.get_transform(), "base", None),
+                "grid": [ax.xaxis.get_gridlines()[0].get_visible(), ax.xaxis.get_gridlines()[0].get_alpha()],
+                "minor_grid": ax.yaxis._minor_tick_kw.get("gridOn", False),  # which="both" (matplotlib keeps it here)
+                "legend": None if legend is None else [t.get_text() for t in legend.get_texts()],
+                "lines": [
+                    {
+                        "x": [float(v) for v in line.get_xdata()],
+                        "y": [float(v) for v in line.get_ydata()],
+                        "color": to_hex(line.get_color()),
+                        "drawstyle": line.get_drawstyle(),
+                        "label": line.get_label(),
+                    }
+                    for line in ax.get_lines()
+                ],
+                "marks": [
+                    {
+                        "at": c.get_offsets().tolist(),
+                        "color": to_hex(c.get_facecolor()[0] if len(c.get_facecolor()) else c.get_edgecolor()[0]),
+                        "x_marker": c.get_paths()[0].vertices.tolist() == x_marker,
+                        "zorder": c.get_zorder(),
+                        "label": c.get_label(),
+                    }
+                    for c in ax.collections
+                ],
+            }
+        )
+    shared = len(fig.axes) < 2 or fig.axes[0].get_shared_x_axes().joined(fig.axes[0], fig.axes[1])
+    return {"size": [float(v) for v in fig.get_size_inches()], "shared_x": shared, "panels": panels}
+
+
+BLUE, RED, GREEN = "#1f77b4", "#d62728", "#2ca02c"  # matplotlib's tab:blue, tab:red, tab:green
+
+
+def test_the_figure_item_by_item():
+    """16-mixed with a loss: the scale panel (log2 step curve held to the last step, skips marked on it) over the
+    loss panel, x shared; bf16 with a loss: the loss with the skips on it; bf16 without: the skip count."""
+    fig = draw(RunCurves(scale=[(0, 8.0), (2, 4.0)], skipped=[1], loss=[(0, 3.0), (5, 1.0)], last_step=6), "run")
+    scale, loss = _describe_figure(fig)["panels"]
+    assert _describe_figure(fig)["size"] == [8.0, 6.4]
+    assert _describe_figure(fig)["shared_x"] is True
+    assert scale == {
+        "title": "run",
+        "ylabel": "loss scale (log2)",
+        "xlabel": "",
+        "yscale": "log",
+        "log_base": 2,
+        "grid": [True, 0.3],
+        "minor_grid": True,
+        "legend": ["loss scale", "skipped (1)"],
+        "lines": [{"x": [0, 2, 6], "y": [8, 4, 4], "color": BLUE, "drawstyle": "steps-post", "label": "loss scale"}],
+        "marks": [{"at": [[1.0, 8.0]], "color": RED, "x_marker": True, "zorder": 3, "label": "skipped (1)"}],
+    }
+    assert loss["ylabel"] == "training loss"
+    assert loss["xlabel"] == "global step"
+    assert loss["grid"] == [True, 0.3]
+    assert loss["lines"] == [{"x": [0, 5], "y": [3, 1], "color": GREEN, "drawstyle": "default", "label": "_child0"}]
+
+    (bf16,) = _describe_figure(draw(RunCurves(skipped=[2], loss=[(0, 3.0), (4, 1.0)], scaled=False)))["panels"]
+    assert bf16["title"] == "loss scale (bf16-mixed: no loss scale)"
+    assert bf16["ylabel"] == "training loss"
+    assert bf16["yscale"] == "linear"
+    assert bf16["legend"] == ["training loss", "skipped (1)"]
+    assert bf16["lines"] == [
+        {"x": [0, 4], "y": [3, 1], "color": GREEN, "drawstyle": "default", "label": "training loss"}
+    ]
+    assert bf16["marks"] == [{"at": [[2.0, 3.0]], "color": RED, "x_marker": True, "zorder": 3, "label": "skipped (1)"}]
+
+    (count,) = _describe_figure(draw(RunCurves(skipped=[2, 5], scaled=False, last_step=7)))["panels"]
+    assert count["title"] == "loss scale (bf16-mixed: no loss scale)"
+    assert count["ylabel"] == "skipped updates"
+    assert count["xlabel"] == "global step"
+    assert count["grid"] == [True, 0.3]
+    assert count["lines"] == [
+        {"x": [0, 2, 5, 7], "y": [0, 1, 2, 2], "color": RED, "drawstyle": "steps-post", "label": "skipped (2)"}
+    ]
