@@ -41,7 +41,7 @@ class RunCurves:
 
 
 def _figure_class() -> Any:
-    """matplotlib's ``Figure``: drawn and saved without pyplot, so the user's backend and figures stay untouched."""
+    """The matplotlib ``Figure`` class: drawn and saved without pyplot (the user's backend and figures untouched)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
