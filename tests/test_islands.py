@@ -81,3 +81,96 @@ def test_unmatched_class_is_refused():
 def test_bad_entries(bad):
     with pytest.raises(TypeError, match=r"`AmpPlusPrecision\(fp32_modules="):
         AmpPlusPrecision("16-mixed", fp32_modules=bad)
+
+
+def test_an_island_hands_its_module_float32_floats_and_leaves_the_rest_as_they_came():
+    """The dtype each argument arrives in inside an island: half floats float32; float64, ints, bools as given;
+    through lists, tuples, named tuples and dicts, their types kept."""
+    from collections import namedtuple
+
+    from lightning_amp_plus.islands import Fp32Islands
+
+    Pair = namedtuple("Pair", "a b")
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, x, items, pair, table):
+            seen.update(
+                x=x.dtype,
+                items=[t.dtype for t in items],
+                items_type=type(items),
+                pair=(type(pair), pair.a.dtype, pair.b.dtype),
+                table={k: v.dtype for k, v in table.items()},
+                autocast=torch.is_autocast_enabled("cpu") if hasattr(torch, "get_autocast_dtype") else None,
+            )
+            return x
+
+    model = nn.Module()
+    model.probe = Probe()
+    islands = Fp32Islands(["probe"])
+    assert islands.install(model, "cpu") == ["probe"]
+    half = torch.ones(2, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model.probe(
+            half,
+            (half, torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.long)),
+            Pair(half, torch.ones(2, dtype=torch.bool)),
+            {"h": half, "d": torch.ones(2, dtype=torch.float64)},
+        )
+    assert seen["x"] == torch.float32
+    assert seen["items"] == [torch.float32, torch.float64, torch.int64]
+    assert seen["items_type"] is tuple
+    assert seen["pair"] == (Pair, torch.float32, torch.bool)
+    assert seen["table"] == {"h": torch.float32, "d": torch.float64}
+    assert seen["autocast"] in (False, None)
+
+
+def test_an_unmatched_island_entry_names_the_closest_modules():
+    from lightning_amp_plus.islands import Fp32Islands
+
+    model = nn.Sequential()
+    for i in range(1, 8):
+        model.add_module(f"layer{i}", nn.Identity())
+
+    def message(entry, on=model):
+        with pytest.raises(ValueError) as err:
+            Fp32Islands([entry]).match(on)
+        return str(err.value)
+
+    assert message("layr") == (
+        "`AmpPlusPrecision(fp32_modules=...)`: the pattern 'layr' matches no module of Sequential. Close module names:"
+        " layer7, layer6, layer5, layer4, layer3."
+    )
+    assert message("ly").endswith("Close module names: layer7, layer6, layer5, layer4, layer3.")  # similarity 0.5
+    assert message("zzzz").endswith("Close module names: layer1, layer2, layer3, layer4, layer5.")  # the first five
+    assert message("qq", nn.Module()).endswith("matches no module of Module. Close module names: (none).")
+    assert Fp32Islands(["*"]).match(model) == [f"layer{i}" for i in range(1, 8)]  # never the root itself
+
+
+def test_removing_islands_restores_a_forward_the_user_set_on_the_instance():
+    from lightning_amp_plus.islands import Fp32Islands
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    mine = model[0].forward
+    model[0].forward = lambda x: mine(x) * 2  # the user's own patch, on the instance
+    patched = model[0].__dict__["forward"]
+    islands = Fp32Islands(["0"])
+    islands.install(model, "cpu")
+    assert model[0].__dict__["forward"] is not patched
+    islands.remove()
+    assert model[0].__dict__["forward"] is patched
+    plain = nn.Sequential(nn.Linear(2, 2))
+    islands.install(plain, "cpu")
+    islands.remove()
+    assert "forward" not in plain[0].__dict__
+
+
+def test_fp32_module_class_entries_resolve_only_to_module_classes():
+    from lightning_amp_plus.islands import _resolve_class
+
+    assert _resolve_class("torch.nn.LayerNorm") is nn.LayerNorm
+    assert _resolve_class("collections.OrderedDict") is None  # a class, not a module class
+    assert _resolve_class("torch.nn.functional.relu") is None
+    assert _resolve_class("torch.nn.NoSuchLayer") is None
+    assert _resolve_class("LayerNorm") is None
+    assert _resolve_class("torch.nn.Layer*") is None
