@@ -133,7 +133,7 @@ def test_an_unmatched_island_entry_names_the_closest_modules():
         model.add_module(f"layer{i}", nn.Identity())
 
     def message(entry, on=model):
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(ValueError, match="matches no module") as err:
             Fp32Islands([entry]).match(on)
         return str(err.value)
 
