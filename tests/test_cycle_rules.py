@@ -577,3 +577,19 @@ def test_a_step_that_raises_propagates_and_a_retry_applies_the_true_gradients_on
         assert torch.equal(model.weight.detach(), before - 0.5 * true_grad)
     assert engine.history.num_steps == 2
     assert engine.history.skipped_steps == []
+
+
+def test_a_bf16_update_records_with_no_device_op_of_its_own():
+    """bf16's checker keeps its scale of 1: after the first record, a clean update costs no device op."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("bf16-mixed", None)
+    counts = []
+    for step in range(4):
+        _engine_cycle(engine, model, opt, step, bad=step == 2)
+        with OpCounter() as counter:
+            engine.end_cycle()
+        counts.append(dict(counter.ops))
+        opt.zero_grad()
+    assert counts[1] == counts[3] == {}  # clean updates after the first
+    assert engine.history.skipped_steps == [2]

@@ -480,3 +480,39 @@ def test_checker_closure_steps_pass_keywords_on_refuse_a_second_step_and_take_fp
     other = _KwargSGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     checker.step(other, closure=lambda: torch.zeros(()))  # another optimizer in the same cycle steps too
     assert other.tags == [None]
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_a_pickled_scaler_continues_exactly_as_the_original(hysteresis):
+    """Pickled between iterations (mid-hysteresis, mid-growth): the copy makes the same decisions from there on, and
+    knows nothing of steps it did not make."""
+    import copy
+    import pickle
+
+    scaler = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=3, hysteresis=hysteresis)
+    model, opt = _setup()
+    for overflow in (False, True, False):
+        _cycle(scaler, model, opt, torch.ones(3, 4), overflow)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.step_was_skipped(opt) is None
+    clone_model = copy.deepcopy(model)
+    clone_opt = torch.optim.SGD(clone_model.parameters(), lr=0.01)
+    pattern = [False, True, True, False, False, False, True, False, False, False, False]
+    seen = {"original": [], "clone": []}
+    for overflow in pattern:
+        for key, s, m, o in (("original", scaler, model, opt), ("clone", clone, clone_model, clone_opt)):
+            _cycle(s, m, o, torch.ones(3, 4), overflow)
+            seen[key].append((s.get_scale(), s._get_growth_tracker(), s._get_hysteresis_tracker()))
+    assert seen["clone"] == seen["original"]
+    assert len({scale for scale, _, _ in seen["original"]}) > 2  # it backed off and grew in the continuation
+
+
+def test_setter_errors_and_repr_name_the_class_the_user_holds():
+    from lightning_amp_plus import ShardedDynamicLossScaler
+
+    with pytest.raises(ValueError, match=r"^`ShardedDynamicLossScaler\.set_growth_interval\(growth_interval=0\)` is"):
+        ShardedDynamicLossScaler("cpu").set_growth_interval(0)
+    group = "group-a"  # what a user passes is shown as given, beside the knobs that differ from the defaults
+    assert repr(ShardedDynamicLossScaler("cpu", process_group=group, growth_interval=7)) == (
+        "ShardedDynamicLossScaler(process_group='group-a', device='cpu', growth_interval=7)"
+    )
