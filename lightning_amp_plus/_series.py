@@ -4,7 +4,34 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY
+
 Series = dict[str, list[tuple[int, float]]]
+
+
+def scale_key(series: Series) -> Optional[str]:
+    """The logged loss-scale series' key (``amp/loss_scale``, any prefix), or None (bf16, or not logged)."""
+    return next((k for k in series if k.endswith("loss_scale") and "log2" not in k), None)
+
+
+def scale_changes(series: Series, key: str) -> list[tuple[int, float]]:
+    """The change points ``[(step, scale)]`` of the logged scale; a value no float32 scale can hold is an error.
+
+    Example:
+        >>> scale_changes({"amp/loss_scale": [(2, 4.0), (0, 8.0), (1, 8.0)]}, "amp/loss_scale")
+        [(0, 8.0), (2, 4.0)]
+    """
+    points = sorted(series[key])
+    changes: list[tuple[int, float]] = []
+    for step, value in points:
+        if not FLOAT32_TINY <= value <= FLOAT32_MAX:  # what a device-side float32 scale can be
+            raise ValueError(
+                f"{key} at step {step} is {value!r}: not a loss scale (expected a float32 scale in"
+                f" [{FLOAT32_TINY!r}, {FLOAT32_MAX!r}])."
+            )
+        if not changes or value != changes[-1][1]:
+            changes.append((step, value))
+    return changes
 
 
 def value_at(curve: list[tuple[int, float]], step: int) -> float:

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from lightning_amp_plus._series import skipped_steps, value_at
+from lightning_amp_plus._series import scale_changes, scale_key, skipped_steps, value_at
 
 #: the codes, most important first: a non-finite batch is no scaling problem; an fp32 island fixes a module that
 #: overflows; bf16 when no scale fits; then the knobs; then speed
@@ -479,25 +479,16 @@ def _nice(n: int) -> int:
 # ---------------------------------------------------------------------------------------------- offline
 def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigures:
     """The figures a logged run supports (the ``advise`` command): scale curve, skips, underflow, headroom."""
-    scale_key = next((k for k in series if k.endswith("loss_scale") and "log2" not in k), None)
+    key = scale_key(series)
     skip_key = next((k for k in series if k.endswith("skipped_steps") or k.endswith("step_skipped")), None)
     prefix = ""
-    if scale_key is not None:
-        prefix = scale_key[: -len("loss_scale")]
+    figures = RunFigures()
+    if key is not None:
+        prefix = key[: -len("loss_scale")]
+        figures.precision = "16-mixed"
+        figures.curve = scale_changes(series, key)
     elif skip_key is not None:
         prefix = skip_key[: skip_key.rindex("/") + 1] if "/" in skip_key else ""
-    figures = RunFigures(precision="16-mixed" if scale_key is not None else None)
-    steps: set[int] = set()
-    if scale_key is not None:
-        previous = None
-        for step, value in sorted(series[scale_key]):
-            if not 0 < value < math.inf:
-                raise ValueError(f"{scale_key} at step {step} is {value!r}: not a loss scale.")
-            steps.add(step)
-            if value != previous:
-                figures.curve.append((step, value))
-                previous = value
-    elif skip_key is not None:
         figures.precision = "bf16-mixed"
     figures.skipped = skipped_steps(series, prefix)
     underflow = dict(series.get(prefix + "underflow_fraction", []))
@@ -512,8 +503,7 @@ def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigure
             }
             for step, value in sorted(underflow.items())
         ]
-    for values in series.values():
-        steps.update(s for s, _ in values)
+    steps = {s for values in series.values() for s, _ in values}
     if steps:
         figures.last_step = max(steps)
         figures.num_updates = figures.last_step - min(steps) + 1

@@ -13,8 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY
-from lightning_amp_plus._series import skipped_steps, value_at
+from lightning_amp_plus._series import scale_changes, scale_key, skipped_steps, value_at
 
 if TYPE_CHECKING:
     from lightning_amp_plus.history import ScaleHistory
@@ -175,8 +174,8 @@ def plot_run(path: PathLike, output: Optional[PathLike] = None) -> str:
 
 
 def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
-    scale_key = next((k for k in series if k.endswith(_SCALE_KEY) and "log2" not in k), None)
-    if scale_key is None:
+    key = scale_key(series)
+    if key is None:
         bf16_key = next((k for k in sorted(series) for end in _BF16_KEYS if k.endswith(end)), None)
         if bf16_key is None:
             raise ValueError(
@@ -188,24 +187,12 @@ def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
         _read_skips(series, prefix, curves)
         _read_loss(series, curves)
         return curves
-    prefix = scale_key[: -len(_SCALE_KEY)]
-    for step, value in series[scale_key]:
-        if not FLOAT32_TINY <= value <= FLOAT32_MAX:  # what a device-side float32 scale can be
-            raise ValueError(
-                f"{scale_key} at step {step} is {value!r}: not a loss scale (expected a float32 scale in"
-                f" [{FLOAT32_TINY!r}, {FLOAT32_MAX!r}])."
-            )
-    curves = RunCurves()
-    previous = None
-    for step, value in sorted(series[scale_key]):
-        if value != previous:
-            curves.scale.append((step, value))
-            previous = value
-    if curves.scale and series[scale_key]:
-        last = max(s for s, _ in series[scale_key])
-        if last > curves.scale[-1][0]:
+    curves = RunCurves(scale=scale_changes(series, key))
+    if curves.scale:
+        last = max(s for s, _ in series[key])
+        if last > curves.scale[-1][0]:  # the last value held to the last logged step
             curves.scale.append((last, curves.scale[-1][1]))
-    _read_skips(series, prefix, curves)
+    _read_skips(series, key[: -len(_SCALE_KEY)], curves)
     _read_loss(series, curves)
     return curves
 
