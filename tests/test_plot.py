@@ -494,7 +494,7 @@ def test_the_logged_scale_series_rules_shared_by_plot_and_advise(tmp_path):
             figures_from_series({"amp/loss_scale": [(0, 8.0), (1, bad)]})
     assert value_at([(3, 4.0), (5, 2.0)], 1) == 4.0  # before the first change point: the first value
     keys = {f"k{i:02d}": [(0, 1.0)] for i in range(12)}
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="no loss-scale series found") as err:
         _from_series(keys)
     assert str(err.value) == (
         f"no loss-scale series found (keys: {[f'k{i:02d}' for i in range(10)]}); log it with `LossScaleMonitor`."
