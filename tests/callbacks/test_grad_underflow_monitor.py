@@ -237,3 +237,35 @@ def test_a_second_trainer_starts_its_measurements_afresh():
             TinyModel()
         )
         assert [m["step"] for m in monitor.measurements] == [0]
+
+
+def test_the_warning_rule_boundaries_and_its_words():
+    """At the floor and at >= warn_fraction a measurement is high; `patience` high ones in a row warn, then count
+    again; above the floor resets; at most `max_warnings` warnings. The message word for word."""
+    import warnings
+    from types import SimpleNamespace
+
+    monitor = GradUnderflowMonitor(every_n_steps=1, warn_fraction=0.5, patience=2, max_warnings=2)
+    monitor._plugin = SimpleNamespace(scaler=SimpleNamespace(min_scale=1.0))
+    fractions = [0.5, 0.6, 0.49, 0.5, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9]
+    warned_at = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, fraction in enumerate(fractions):
+            before = len(caught)
+            monitor._check({"scale": 1.0, "underflow_fraction": fraction, "step": step})
+            if len(caught) > before:
+                warned_at.append(step)
+    assert warned_at == [1, 4]  # 0.49 broke the run at step 2; the third warning is never given
+    assert str(caught[0].message) == (
+        "`GradUnderflowMonitor`: 60% of gradient elements underflow float16 while the loss scale sits at"
+        " min_scale=1 (step 1). HINT: raise `min_scale` or `init_scale`, use precision='bf16-mixed', or keep the"
+        " layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`)."
+    )
+    monitor = GradUnderflowMonitor(every_n_steps=1, warn_fraction=0.5, patience=2)
+    monitor._plugin = SimpleNamespace(scaler=SimpleNamespace(min_scale=1.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, scale in enumerate([1.0, 2.0, 1.0, 1.0]):  # above the floor at step 1: not high
+            monitor._check({"scale": scale, "underflow_fraction": 0.8, "step": step})
+    assert [str(w.message).split("(step ")[1][:1] for w in caught] == ["3"]
