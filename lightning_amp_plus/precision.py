@@ -323,7 +323,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         optimizer = getattr(scheduler, "optimizer", None)
         if optimizer is None:
             return False
-        return bool(self.step_was_skipped(optimizer, sync=True))
+        return bool(self.step_was_skipped(optimizer))  # a fused optimizer's flag is read: one sync
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -593,3 +593,57 @@ def test_a_bf16_update_records_with_no_device_op_of_its_own():
         opt.zero_grad()
     assert counts[1] == counts[3] == {}  # clean updates after the first
     assert engine.history.skipped_steps == [2]
+
+
+def test_asking_a_fused_optimizers_outcome_without_a_sync_costs_none():
+    """`step_was_skipped(opt, sync=False)`: None while the flag is on the device, and no sync; with the sync: the
+    answer, at one host read."""
+    plugin = AmpPlusPrecision("16-mixed", device="cpu", init_scale=8.0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    engine = plugin.engine
+    for bad in (False, True):
+        engine.scale(model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)).backward()
+        engine.begin(opt)
+        engine.step(opt)
+        with HostSyncCounter() as quiet:
+            assert plugin.step_was_skipped(opt, sync=False) is None
+        with HostSyncCounter() as read:
+            assert plugin.step_was_skipped(opt) is bad
+        assert (quiet.count, read.count) == (0, 1)
+        engine.end_cycle()
+        opt.zero_grad()
+
+
+class _ExtraScheduler(TinyModel):
+    """Steps a scheduler of its own (not returned by configure_optimizers) through `lr_scheduler_step`."""
+
+    def on_train_start(self):
+        self.extra = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0), 1, 0.5)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.lr_scheduler_step(self.extra, None)
+
+
+def test_a_scheduler_lightning_does_not_know_steps_through_the_hook():
+    model = _ExtraScheduler(poison={1: "inf"})
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0)], max_steps=3).fit(model)
+    assert model.extra.last_epoch == 3  # the skip rule is for the schedulers Lightning steps, per optimizer
+
+
+def test_with_sync_skips_a_fused_update_is_known_on_the_host_after_it():
+    plugin = AmpPlusPrecision("16-mixed", device="cpu", init_scale=8.0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    engine = plugin.engine
+    engine.sync_skips = True  # what NaNSkipReporter(sync_fused=True) asks for
+    for bad in (False, True, False):
+        engine.scale(model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)).backward()
+        engine.begin(opt)
+        engine.step(opt)
+        engine.end_cycle()
+        assert engine.skip_known_on_host
+        with HostSyncCounter() as counter:
+            assert plugin.optimizer_step_was_skipped is bad
+        assert counter.count == 0
+        opt.zero_grad()
