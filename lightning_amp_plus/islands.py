@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
+from lightning_amp_plus._tree import map_tensors
 
 Fp32Entry = Union[str, type]
 
@@ -57,15 +58,13 @@ def check_entries(owner: str, entries: Any) -> list[Fp32Entry]:
     return out
 
 
+def _to_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """Half floats to float32; float64, integers and bools as they came."""
+    return tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float64 else tensor
+
+
 def _cast_inputs(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() and value.dtype != torch.float64 else value
-    if isinstance(value, (list, tuple)):
-        cast = [_cast_inputs(v) for v in value]
-        return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
-    if isinstance(value, dict):
-        return {k: _cast_inputs(v) for k, v in value.items()}
-    return value
+    return map_tensors(_to_float32, value)
 
 
 def _fp32_forward(original: Any, device_type: str) -> Any:

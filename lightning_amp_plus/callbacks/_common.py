@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolve_module
+from lightning_amp_plus._tree import tensors
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
@@ -178,7 +179,7 @@ def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design (an overflow to
     ``-inf`` shows as ``nan`` or ``+inf`` one module later). A batch is checked without.
     """
-    for tensor in _tensors(value):
+    for tensor in tensors(value):
         if tensor.is_floating_point():
             if bool(torch.isposinf(tensor).any()) or (not masks and bool(torch.isneginf(tensor).any())):
                 return "inf"
@@ -189,15 +190,4 @@ def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
 
 def versions(value: Any) -> list[int]:
     """The version counters of the tensors in ``value``: an in-place change later shows as a different number."""
-    return [t._version for t in _tensors(value)]
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+    return [t._version for t in tensors(value)]

@@ -15,6 +15,7 @@ from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
+from lightning_amp_plus._tree import map_tensors, tensors
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
 from lightning_amp_plus.callbacks._common import all_eager, leaves_no_trace
 
@@ -36,16 +37,7 @@ HEAVY_TYPES: tuple[type[nn.Module], ...] = (
 
 
 def _first_dtype(value: Any) -> Optional[torch.dtype]:
-    if isinstance(value, torch.Tensor):
-        return value.dtype if value.is_floating_point() else None
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            found = _first_dtype(v)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return _first_dtype(list(value.values()))
-    return None
+    return next((t.dtype for t in tensors(value) if t.is_floating_point()), None)
 
 
 def _island_of(name: str, islands: list[str]) -> Optional[str]:
@@ -59,14 +51,7 @@ def _island_of(name: str, islands: list[str]) -> Optional[str]:
 
 def _copied(value: Any) -> Any:
     """``value`` with every tensor copied (``requires_grad`` kept): what a call received, safe from in-place change."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    if isinstance(value, (list, tuple)):
-        items = [_copied(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return value
+    return map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), value)
 
 
 def _name(dtype: Optional[torch.dtype]) -> str:
@@ -338,7 +323,7 @@ class PrecisionReport(KnobsRepr, Callback):
         ]
         widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        out = [title, fmt.format(*header)]
+        out = [title, fmt.format(*header).rstrip()]
         out.extend(fmt.format(*line).rstrip() for line in lines)
         islands = sorted({r["island"] for r in self.rows if r["island"] is not None})
         if islands:

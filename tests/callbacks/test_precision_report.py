@@ -149,3 +149,51 @@ def test_works_with_any_precision_plugin(precision, flag_head):
     assert rows["net.0"]["output_dtype"] == ("bfloat16" if precision == "bf16-mixed" else "float32")
     assert rows["head"]["flagged"] is flag_head  # fp32 heavy work is news only under mixed precision
     assert all(r["island"] is None for r in report.rows)
+
+
+def test_the_table_word_for_word():
+    from lightning_amp_plus import PrecisionReport
+
+    def row(name, share, *, island=None, compiled=False, cause=None, flagged=False, kind="Linear"):
+        return {
+            "name": name,
+            "type": kind,
+            "input_dtype": "float16",
+            "output_dtype": "float32" if flagged or island else "float16",
+            "param_dtype": "float32",
+            "time_ms": share * 10,
+            "time_share": share,
+            "island": island,
+            "compiled": compiled,
+            "cause": cause,
+            "flagged": flagged,
+        }
+
+    report = PrecisionReport(print_table=False)
+    report.rows = [
+        row("enc.0", 0.5),
+        row("head", 0.25, island="head", kind="LayerNorm"),
+        row("body.1", 0.125, compiled=True),
+        row("slow", 0.125, cause="autocast disabled around it", flagged=True),
+    ]
+    report._batches = 0
+    assert report.format_table() == "\n".join(
+        [
+            "PrecisionReport (first inspected batch)",
+            "module             type       in       out      param    time ms  share  island  flag",
+            "enc.0              Linear     float16  float16  float32  5.000    50.0%",
+            "head               LayerNorm  float16  float32  float32  2.500    25.0%  fp32",
+            "body.1 [compiled]  Linear     float16  float16  float32  1.250    12.5%",
+            "slow               Linear     float16  float32  float32  1.250    12.5%          autocast disabled around it",
+            "fp32 islands: head",
+            "[compiled]: inside a torch.compile'd submodule: dtypes and times from an eager replay of the inspected call"
+            " (no grad, random state and buffers restored); the compiled kernels' own times are not measured.",
+            "1 module(s) do heavy work in float32 under mixed precision: slow",
+        ]
+    )
+    report._batches = 3
+    report.rows = [row("a", 0.5, flagged=True), row("b", 0.5, flagged=True)]
+    lines = report.format_table().splitlines()
+    assert lines[0] == "PrecisionReport"
+    assert lines[-1] == "2 module(s) do heavy work in float32 under mixed precision: a, b"
+    assert len(lines) == 5

@@ -1,0 +1,39 @@
+"""One walk over a call's arguments: tensors mapped, containers rebuilt as they came (named tuples included)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``, in order, through lists, tuples (named ones too) and dicts."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors(v)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, through lists, tuples, named tuples and dicts.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> Pair = namedtuple("Pair", "a b")
+        >>> map_tensors(lambda t: t * 2, {"x": [torch.tensor(1), Pair(torch.tensor(2), "b")]})
+        {'x': [tensor(2), Pair(a=tensor(4), b='b')]}
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        items = [map_tensors(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    return value

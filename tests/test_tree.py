@@ -1,0 +1,40 @@
+"""The one walk over a call's arguments (islands cast through it, PrecisionReport copies and reads through it)."""
+
+from collections import namedtuple
+
+import torch
+
+from lightning_amp_plus._tree import map_tensors, tensors
+
+Pair = namedtuple("Pair", "a b")
+
+
+def test_map_rebuilds_every_container_as_it_came_and_leaves_other_values():
+    a, b, c = torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)
+    value = {"list": [a, "s"], "tuple": (b, 4), "pair": Pair(c, None), "none": None}
+    out = map_tensors(lambda t: t * 10, value)
+    assert list(out) == ["list", "tuple", "pair", "none"]
+    assert type(out["list"]) is list
+    assert type(out["tuple"]) is tuple
+    assert type(out["pair"]) is Pair
+    assert out["list"][1] == "s"
+    assert out["tuple"][1] == 4
+    assert out["pair"].b is None
+    assert out["none"] is None
+    assert [float(t) for t in tensors(out)] == [10.0, 20.0, 30.0]
+    assert [float(t) for t in tensors(value)] == [1.0, 2.0, 3.0]  # the original untouched, in order
+
+
+def test_the_reports_copy_keeps_requires_grad_and_its_dtype_reading_skips_integers():
+    from lightning_amp_plus.callbacks.precision_report import _copied, _first_dtype
+
+    w = torch.ones(2, requires_grad=True)
+    copied = _copied(Pair(w, [torch.zeros(1)]))
+    assert type(copied) is Pair
+    assert copied.a.requires_grad
+    assert copied.a is not w
+    assert not copied.b[0].requires_grad
+    assert _first_dtype({"ids": torch.ones(2, dtype=torch.long), "x": [torch.ones(1, dtype=torch.float16)]}) == (
+        torch.float16
+    )
+    assert _first_dtype((torch.ones(1, dtype=torch.long), "x")) is None
