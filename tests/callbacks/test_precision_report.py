@@ -184,10 +184,11 @@ def test_the_table_word_for_word():
             "enc.0              Linear     float16  float16  float32  5.000    50.0%",
             "head               LayerNorm  float16  float32  float32  2.500    25.0%  fp32",
             "body.1 [compiled]  Linear     float16  float16  float32  1.250    12.5%",
-            "slow               Linear     float16  float32  float32  1.250    12.5%          autocast disabled around it",
+            "slow               Linear     float16  float32  float32  1.250    12.5%          autocast disabled"
+            " around it",
             "fp32 islands: head",
-            "[compiled]: inside a torch.compile'd submodule: dtypes and times from an eager replay of the inspected call"
-            " (no grad, random state and buffers restored); the compiled kernels' own times are not measured.",
+            "[compiled]: inside a torch.compile'd submodule: dtypes and times from an eager replay of the inspected"
+            " call (no grad, random state and buffers restored); the compiled kernels' own times are not measured.",
             "1 module(s) do heavy work in float32 under mixed precision: slow",
         ]
     )
