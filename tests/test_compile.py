@@ -298,3 +298,38 @@ def test_a_glob_island_selects_the_same_modules_with_or_without_compile():
     assert AmpPlusPrecision("16-mixed", fp32_modules=["net.*"])._islands.match(eager) == ["net.0", "net.1", "net.2"]
     names = AmpPlusPrecision("16-mixed", fp32_modules=["net.*"])._islands.match(compiled)
     assert names == ["net._orig_mod.0", "net._orig_mod.1", "net._orig_mod.2"]  # never `net` itself
+
+
+class _Gate(torch.nn.Module):
+    """A leaf whose keyword decides its precision: `fp32=True` runs it with autocast off."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, fp32=False):
+        if fp32:
+            with torch.autocast("cpu", enabled=False):
+                return self.lin(x.float())
+        return self.lin(x)
+
+
+class _CompiledParts(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.compile(_Gate(), backend="aot_eager")  # called with a keyword
+        self.leaf = torch.compile(torch.nn.Linear(8, 8), backend="aot_eager")  # a compiled leaf module
+
+    def forward(self, x):
+        return self.net(self.leaf(self.gate(x, fp32=True)))
+
+
+def test_the_reports_replay_passes_keywords_and_names_a_compiled_leaf_as_the_user_did():
+    report = PrecisionReport(print_table=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[report], max_steps=1).fit(_CompiledParts())
+    rows = {r["name"]: r for r in report.rows}
+    assert sorted(rows) == ["gate.lin", "leaf", "net.0", "net.1", "net.2"]
+    assert rows["gate.lin"]["output_dtype"] == "float32"  # replayed with fp32=True, as it was called
+    assert rows["gate.lin"]["compiled"]
+    assert rows["leaf"]["output_dtype"] == "float16"
+    assert rows["leaf"]["compiled"]

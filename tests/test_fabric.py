@@ -87,3 +87,29 @@ def test_bad_arguments():
         AmpPlusFabricPrecision(update="sometimes")
     with pytest.raises(ValueError, match=r"`AmpPlusFabricPrecision\(precision='bf16-mixed', hysteresis=2\)`"):
         AmpPlusFabricPrecision("bf16-mixed", hysteresis=2)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)])
+def test_the_dtypes_the_model_receives_computes_and_returns(precision, dtype):
+    """Fabric's adapter: floating inputs arrive in the autocast dtype, integers as they are; the matmul runs in
+    that dtype; the output comes back in the default dtype."""
+    seen = {}
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x, ids):
+            out = self.lin(x.float())
+            seen.update(x=x.dtype, ids=ids.dtype, out=out.dtype)
+            return out
+
+    plugin = AmpPlusFabricPrecision(precision)
+    assert plugin.precision == precision
+    assert plugin.device == "cpu"
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(Probe())
+    result = model(torch.ones(1, 2, dtype=torch.float64), torch.ones(1, dtype=torch.long))
+    assert seen == {"x": dtype, "ids": torch.int64, "out": dtype}
+    assert result.dtype == torch.float32

@@ -230,7 +230,7 @@ class PrecisionReport(KnobsRepr, Callback):
             handles: list[Any] = []
             try:
                 for name, module in inner.named_modules():
-                    if not list(module.children()) and not is_compiled_wrapper(module):
+                    if not list(module.children()):  # a compiled wrapper has its module as a child
                         full = clean_name(f"{raw_name}.{name}" if name else raw_name)
                         self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
                 # eager, in the compiled call's autocast and grad mode (a forward may call autograd.grad), with every
