@@ -137,3 +137,46 @@ def test_last_flag_is_the_last_records_own_outcome():
     step, pending = history.last_flag()
     assert step == 7
     assert pending is flag
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"skip_streaks": [1, 1]}, r"^`ckpt\['skip_streaks'\]=\[1, 1\]` is invalid: expected an int >= 1 per skipped"),
+        ({"skip_streaks": [0]}, r"^`ckpt\['skip_streaks'\]=\[0\]` is invalid"),
+        ({"skip_streaks": [True]}, r"^`ckpt\['skip_streaks'\]=\[True\]` is invalid"),
+        (
+            {"trailing_skips": 2},
+            r"^`ckpt\['trailing_skips'\]=2` is invalid: expected 0 or the last skip's streak \(1\)\.$",
+        ),
+        ({"trailing_skips": True}, r"^`ckpt\['trailing_skips'\]=True` is invalid"),
+        (
+            {"skipped_steps": [], "skip_streaks": [], "num_steps": 3, "trailing_skips": 1},
+            r"^`ckpt\['trailing_skips'\]=1` is invalid: expected 0 or the last skip's streak \(0\)\.$",
+        ),
+        ({"scaled": "yes"}, r"^`ckpt\['scaled'\]='yes'` is invalid: expected True or False\.$"),
+        ({"version": 3}, r"^`ckpt\['version'\]=3` is invalid: expected 1 or 2\.$"),
+        ({"change_steps": [True]}, r"^`ckpt\['change_steps'\]=\[True\]` is invalid"),
+    ],
+)
+def test_invalid_history_states_name_where_they_came_from(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ScaleHistory().load_state_dict(_history_state(**changes), where="ckpt")
+
+
+def test_history_states_of_every_kind_load():
+    with pytest.raises(TypeError, match=r"^`ScaleHistory.load_state_dict` is invalid: expected a dict, got list\.$"):
+        ScaleHistory().load_state_dict([])
+    old = _history_state(version=1)  # 0.1.x: no streaks, no `scaled`: each skip its own streak, a scaled run
+    for key in ("skip_streaks", "trailing_skips", "scaled"):
+        old.pop(key)
+    loaded = ScaleHistory(scaled=False)
+    loaded.load_state_dict(old)
+    assert loaded.scaled is True
+    assert loaded.skipped_steps == [1]
+    assert loaded.streak_at(1) == 1
+    clean = _history_state(change_steps=[], change_scales=[], skipped_steps=[], skip_streaks=[], num_steps=1)
+    clean["last_step"] = 0  # one clean update and no change point: every recorded step (none) is <= 0
+    loaded.load_state_dict(clean)
+    assert loaded.last_step == 0
+    assert loaded.num_steps == 1
