@@ -119,16 +119,14 @@ def advise(figures: RunFigures) -> list[Advice]:
 
 def needs_live(figures: RunFigures) -> list[str]:
     """The codes these figures cannot support (their figures were not measured)."""
-    missing = []
-    if figures.origins is None:
-        missing += ["nonfinite_loss", "fp32_module"]
-    if figures.fp32_rows is None:
-        missing.append("silent_fp32")
-    if figures.non_fused is None:
-        missing.append("fused_optimizer")
-    if figures.underflow is None or figures.knobs is None:
-        missing += ["max_scale"]  # needs the measurements and the cap
-    return [c for c in CODES if c in missing]
+    unmeasured = {
+        "nonfinite_loss": figures.origins is None,
+        "fp32_module": figures.origins is None,
+        "silent_fp32": figures.fp32_rows is None,
+        "fused_optimizer": figures.non_fused is None,
+        "max_scale": figures.underflow is None or figures.knobs is None,  # needs the measurements and the cap
+    }
+    return [c for c in CODES if unmeasured.get(c, False)]
 
 
 def healthy_line(figures: RunFigures) -> str:
@@ -468,7 +466,7 @@ def _scale(value: float) -> str:
 def _nice(n: int) -> int:
     """The largest of 1, 2, 5, 10, 20, 50, ... not above ``n``."""
     best = 1
-    for magnitude in range(0, 10):
+    for magnitude in range(10):
         for digit in (1, 2, 5):
             value = digit * 10**magnitude
             if value <= n:

@@ -494,3 +494,29 @@ def test_offline_figures_in_detail():
 def only_code(figures, code):
     (advice,) = [a for a in advise(figures) if a.code == code]
     return advice
+
+
+def test_skip_rate_advice_word_for_word_and_the_number_helpers():
+    from lightning_amp_plus.advice import _at_max, _nice, _scale
+
+    figures = RunFigures(
+        precision="16-mixed",
+        curve=[(0, 1024.0)],
+        skipped=[1, 3, 5, 7, 9],
+        num_updates=9,
+        origins={},
+        fp32_rows=[],
+        non_fused=[],
+        knobs={"max_scale": 2.0**24, "hysteresis": 2},
+    )
+    (found,) = advise(figures)
+    assert (found.code, found.message, found.fix) == (
+        "skip_rate",
+        "5 of 9 updates were skipped (56%) and no rule here explains why: the weights moved on the rest only.",
+        'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
+    )
+    assert [_nice(n) for n in (0, 1, 3, 7, 19, 20, 10**10)] == [1, 1, 2, 5, 10, 20, 5 * 10**9]
+    assert [_scale(v) for v in (0.0, 1.0, 2.0**-3, 3.0)] == ["0", "2.0**0", "2.0**-3", "3"]
+    assert _at_max(RunFigures(knobs={}), {"scale": 8.0}) is False  # no cap known: never "at the cap"
+    assert _at_max(RunFigures(knobs={"max_scale": 8.0}), {"scale": 8.0}) is True
+    assert _at_max(RunFigures(knobs={"max_scale": 16.0}), {"scale": 8.0}) is False
