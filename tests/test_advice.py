@@ -502,8 +502,8 @@ def test_skip_rate_advice_word_for_word_and_the_number_helpers():
     figures = RunFigures(
         precision="16-mixed",
         curve=[(0, 1024.0)],
-        skipped=[1, 3, 5, 7, 9],
-        num_updates=9,
+        skipped=[1, 3, 5, 6],
+        num_updates=7,
         origins={},
         fp32_rows=[],
         non_fused=[],
@@ -512,7 +512,7 @@ def test_skip_rate_advice_word_for_word_and_the_number_helpers():
     (found,) = advise(figures)
     assert (found.code, found.message, found.fix) == (
         "skip_rate",
-        "5 of 9 updates were skipped (56%) and no rule here explains why: the weights moved on the rest only.",
+        "4 of 7 updates were skipped (57%) and no rule here explains why: the weights moved on the rest only.",
         'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
     )
     assert [_nice(n) for n in (0, 1, 3, 7, 19, 20, 10**10)] == [1, 1, 2, 5, 10, 20, 5 * 10**9]
