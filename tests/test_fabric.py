@@ -113,3 +113,16 @@ def test_the_dtypes_the_model_receives_computes_and_returns(precision, dtype):
     result = model(torch.ones(1, 2, dtype=torch.float64), torch.ones(1, dtype=torch.long))
     assert seen == {"x": dtype, "ids": torch.int64, "out": dtype}
     assert result.dtype == torch.float32
+
+
+def test_fabric_plugin_defaults_arguments_and_repr():
+    plugin = AmpPlusFabricPrecision()
+    assert plugin.precision == "16-mixed"
+    assert plugin.engine.warn_skip_streak == 50
+    assert repr(plugin) == "AmpPlusFabricPrecision()"
+    plugin = AmpPlusFabricPrecision("bf16-mixed", "cpu", warn_skip_streak=3, update="manual")
+    assert plugin.engine.warn_skip_streak == 3
+    assert (
+        repr(plugin)
+        == "AmpPlusFabricPrecision(precision='bf16-mixed', device='cpu', warn_skip_streak=3, update='manual')"
+    )

@@ -313,6 +313,7 @@ def test_fsdp2_fully_shard_skips_names_and_measures_across_shards(tmp_path):
 
 def test_fsdp_plugin_hands_on_every_argument():
     """device, the FSDP dtypes and the scaler knobs each reach what uses them, and the repr shows what was given."""
+    assert AmpPlusFSDPPrecision().precision == "16-mixed"
     plugin = AmpPlusFSDPPrecision(
         "16-mixed", device="cpu", param_dtype="float16", reduce_dtype="bfloat16", growth_interval=5
     )
