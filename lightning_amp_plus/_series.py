@@ -49,6 +49,18 @@ def value_at(curve: list[tuple[int, float]], step: int) -> float:
     return value
 
 
+def held(curve: list[tuple[int, float]], last_step: Optional[int]) -> list[tuple[int, float]]:
+    """``curve`` with its last value held to ``last_step``: a step function read or drawn to the run's end.
+
+    Example:
+        >>> held([(0, 8.0), (3, 4.0)], 9), held([(0, 8.0), (3, 4.0)], 3)
+        ([(0, 8.0), (3, 4.0), (9, 4.0)], [(0, 8.0), (3, 4.0)])
+    """
+    if curve and last_step is not None and curve[-1][0] < last_step:
+        return [*curve, (last_step, curve[-1][1])]
+    return list(curve)
+
+
 def skipped_steps(series: Series, prefix: str) -> Optional[list[int]]:
     """The skipped steps a run logged: ``step_skipped`` marks (NaNSkipReporter), else where ``skipped_steps`` rose.
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_amp_plus._series import scale_changes, scale_key, skipped_steps, value_at
+from lightning_amp_plus._series import held, scale_changes, scale_key, skipped_steps, value_at
 
 if TYPE_CHECKING:
     from lightning_amp_plus.history import ScaleHistory
@@ -127,16 +127,13 @@ def plot_history(history: ScaleHistory, output: PathLike, loss: Optional[list[tu
 def history_curves(history: ScaleHistory, loss: Optional[list[tuple[int, float]]] = None) -> RunCurves:
     """What :func:`plot_history` draws: the change points up to the last recorded step, the skips, the loss."""
     scaled = history.scaled
-    curves = RunCurves(
-        scale=history.curve() if scaled else [],
+    return RunCurves(
+        scale=held(history.curve(), history.last_step) if scaled else [],
         skipped=history.skipped_steps,
         loss=list(loss or []),
         scaled=scaled,
         last_step=history.last_step,
     )
-    if history.last_step is not None and curves.scale and curves.scale[-1][0] < history.last_step:
-        curves.scale.append((history.last_step, curves.scale[-1][1]))
-    return curves
 
 
 def read_run(path: PathLike) -> RunCurves:
@@ -187,11 +184,8 @@ def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
         _read_skips(series, prefix, curves)
         _read_loss(series, curves)
         return curves
-    curves = RunCurves(scale=scale_changes(series, key))
-    if curves.scale:
-        last = max(s for s, _ in series[key])
-        if last > curves.scale[-1][0]:  # the last value held to the last logged step
-            curves.scale.append((last, curves.scale[-1][1]))
+    changes = scale_changes(series, key)
+    curves = RunCurves(scale=held(changes, max((s for s, _ in series[key]), default=None)))
     _read_skips(series, key[: -len(_SCALE_KEY)], curves)
     _read_loss(series, curves)
     return curves

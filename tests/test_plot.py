@@ -477,7 +477,7 @@ def test_the_logged_scale_series_rules_shared_by_plot_and_advise(tmp_path):
     """One rule reads a logged scale: change points, a float32 scale's range (both ends allowed), the last value held
     to the last logged step; the plot and the advise command both use it."""
     from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY
-    from lightning_amp_plus._series import scale_changes, value_at
+    from lightning_amp_plus._series import held, scale_changes, value_at
     from lightning_amp_plus.advice import figures_from_series
     from lightning_amp_plus.plot import _from_series
 
@@ -485,14 +485,18 @@ def test_the_logged_scale_series_rules_shared_by_plot_and_advise(tmp_path):
     assert scale_changes(ends, "amp/loss_scale") == [(0, FLOAT32_MAX), (2, FLOAT32_TINY)]
     assert _from_series(ends).scale == [(0, FLOAT32_MAX), (2, FLOAT32_TINY)]  # the last point is a change: no copy
     assert figures_from_series(ends).curve == [(0, FLOAT32_MAX), (2, FLOAT32_TINY)]
-    held = {"amp/loss_scale": [(0, 8.0), (3, 4.0), (4, 4.0), (9, 4.0)]}
-    assert _from_series(held).scale == [(0, 8.0), (3, 4.0), (9, 4.0)]
+    kept = {"amp/loss_scale": [(0, 8.0), (3, 4.0), (4, 4.0), (9, 4.0)]}
+    assert _from_series(kept).scale == [(0, 8.0), (3, 4.0), (9, 4.0)]
     for bad in (FLOAT32_TINY / 2, FLOAT32_MAX * 2, 0.0, -1.0):
         with pytest.raises(ValueError, match=r"^amp/loss_scale at step 1 is .*: not a loss scale \(expected a float32"):
             scale_changes({"amp/loss_scale": [(0, 8.0), (1, bad)]}, "amp/loss_scale")
         with pytest.raises(ValueError, match=r"^amp/loss_scale at step 1 is"):
             figures_from_series({"amp/loss_scale": [(0, 8.0), (1, bad)]})
     assert value_at([(3, 4.0), (5, 2.0)], 1) == 4.0  # before the first change point: the first value
+    assert held([], 5) == []
+    assert held([(0, 8.0)], None) == [(0, 8.0)]
+    assert held([(0, 8.0), (2, 4.0)], 2) == [(0, 8.0), (2, 4.0)]
+    assert held([(0, 8.0), (2, 4.0)], 3) == [(0, 8.0), (2, 4.0), (3, 4.0)]
     keys = {f"k{i:02d}": [(0, 1.0)] for i in range(12)}
     with pytest.raises(ValueError, match="no loss-scale series found") as err:
         _from_series(keys)

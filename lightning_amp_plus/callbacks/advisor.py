@@ -15,6 +15,7 @@ from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
+from lightning_amp_plus._series import held
 from lightning_amp_plus._validation import check_bool, check_path
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.advice import Advice, RunFigures, advise, healthy_line
@@ -190,9 +191,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         plugin = self._plugin
         history = plugin.history
         scaler = plugin.scaler
-        curve = history.curve() if history.scaled else []
-        if curve and history.last_step is not None and curve[-1][0] < history.last_step:
-            curve.append((history.last_step, curve[-1][1]))
+        curve = held(history.curve(), history.last_step) if history.scaled else []
         underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
         origins = None
         if self._reporter is not None:

@@ -326,6 +326,9 @@ def test_a_second_trainer_starts_afresh_and_the_monitor_is_not_disturbed(tmp_pat
     assert codes(advisor) == []
     assert advisor.figures is not None
     assert advisor.figures.num_updates == 4
+    assert advisor.figures.curve == [(0, 1024.0), (3, 1024.0)]  # the second run's scale, held to its last step
+    assert advisor.figures.skipped == []
+    assert advisor.figures.precision == "16-mixed"
 
 
 def test_the_advise_command_gives_what_the_logged_series_support(tmp_path, capsys):
