@@ -82,8 +82,7 @@ _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_modu
 
 def is_compiled_wrapper(module: Any) -> bool:
     """Whether ``module`` is ``torch.compile``'s ``OptimizedModule`` (by type; torch's dynamo need not be imported)."""
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    cls = getattr(dynamo, "OptimizedModule", None) if dynamo is not None else None
+    cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)  # None: not imported
     return isinstance(cls, type) and isinstance(module, cls)
 
 

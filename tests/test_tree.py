@@ -38,3 +38,14 @@ def test_the_reports_copy_keeps_requires_grad_and_its_dtype_reading_skips_intege
         torch.float16
     )
     assert _first_dtype((torch.ones(1, dtype=torch.long), "x")) is None
+
+
+def test_identity_by_type_tells_a_compiled_wrapper_and_unwraps_names():
+    from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
+
+    plain = torch.nn.Linear(1, 1)
+    compiled = torch.compile(plain, backend="eager")  # wrapping compiles nothing yet
+    assert is_compiled_wrapper(compiled)
+    assert not is_compiled_wrapper(plain)
+    assert not is_compiled_wrapper(object())
+    assert clean_name("net._orig_mod.0.weight") == "net.0.weight"
