@@ -122,3 +122,20 @@ def test_skip_aware_scheduler_with_fused_optimizer_costs_at_most_one_per_step():
         trainer.fit(model)
     # reading the device skip flag once per step, for the scheduler only; plus the history's flush at the end
     assert STEPS <= counter.count - FIXED <= STEPS + 1
+
+
+def test_the_counter_changes_no_result_and_leaves_no_registration_behind():
+    from lightning_amp_plus import syncs
+
+    x = torch.arange(4, dtype=torch.float32)
+    with HostSyncCounter() as outer:
+        with HostSyncCounter() as inner:
+            wide = x.to(torch.float64)  # a copy with arguments: they reach the op
+            into = torch.zeros(4, dtype=torch.float64).copy_(x)
+            value = float(x.sum())
+        assert syncs._ACTIVE == [outer]
+    assert syncs._ACTIVE == []
+    assert wide.dtype == torch.float64
+    assert torch.equal(into, x.double())
+    assert value == 6.0
+    assert (inner.count, outer.count) == (1, 1)  # the one host read; CPU copies are no sync
