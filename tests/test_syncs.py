@@ -133,7 +133,7 @@ def test_the_counter_changes_no_result_and_leaves_no_registration_behind():
             wide = x.to(torch.float64)  # a copy with arguments: they reach the op
             into = torch.zeros(4, dtype=torch.float64).copy_(x)
             value = float(x.sum())
-        assert syncs._ACTIVE == [outer]
+        assert [outer] == syncs._ACTIVE
     assert syncs._ACTIVE == []
     assert wide.dtype == torch.float64
     assert torch.equal(into, x.double())
