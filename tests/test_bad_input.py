@@ -259,3 +259,19 @@ def test_skip_records_are_bounded_and_every_skip_still_counted(tmp_path):
     restored.load_state_dict(state)
     assert restored.skips == reporter.skips
     assert restored.report()["worst_offenders"] == reporter.report()["worst_offenders"]
+
+
+def test_fractions_are_refused_outside_zero_exclusive_to_one_inclusive():
+    from lightning_amp_plus import GradUnderflowMonitor, PrecisionReport
+
+    assert GradUnderflowMonitor(warn_fraction=1).warn_fraction == 1.0
+    assert PrecisionReport(flag_share=1e-9).flag_share == 1e-9
+    for bad in (0.0, 1.0000001, 1.5, -0.5):
+        with pytest.raises(
+            ValueError, match=rf"^`GradUnderflowMonitor\(warn_fraction={bad!r}\)` is invalid: expected 0 <"
+        ):
+            GradUnderflowMonitor(warn_fraction=bad)
+    with pytest.raises(
+        TypeError, match=r"^`PrecisionReport\(flag_share='x'\)` is invalid: expected a real number, got str"
+    ):
+        PrecisionReport(flag_share="x")
