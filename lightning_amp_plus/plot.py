@@ -95,12 +95,12 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
         ax.set_ylabel("skipped updates")
         ax.set_title(f"{title} (bf16-mixed: no loss scale)")
     ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(which="both", alpha=0.3)  # on: matplotlib turns the grid on when given its style
     if panels == 2:
         lax = axes[1][0]
         lax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green")
         lax.set_ylabel("training loss")
-        lax.grid(True, alpha=0.3)
+        lax.grid(alpha=0.3)
     axes[-1][0].set_xlabel("global step")
     fig.tight_layout()
     return fig

@@ -512,3 +512,41 @@ def test_read_series_says_what_it_expected_where_nothing_is(tmp_path):
     for missing in (tmp_path / "missing.csv", tmp_path):
         with pytest.raises(FileNotFoundError, match=r"^no metrics found at .*: expected a CSVLogger version folder"):
             read_series(missing)
+
+
+def test_csv_columns_steps_and_the_titles_a_plot_gets(tmp_path, monkeypatch):
+    from lightning_amp_plus import plot
+    from lightning_amp_plus.plot import plot_curves, plot_run, read_series
+
+    (tmp_path / "metrics.csv").write_text(
+        "step,epoch,amp/loss_scale,note,train_loss\n0,0,8.0,a,1.5\n1,0,8.0,,inf\n2,1,4.0,b,\n"
+    )
+    series = read_series(tmp_path / "metrics.csv")
+    assert series == {"amp/loss_scale": [(0, 8.0), (1, 8.0), (2, 4.0)], "train_loss": [(0, 1.5)]}  # no epoch, no text
+    for bad, why in (("1.5", "is not a step index"), ("-1", "is not a step index"), ("inf", "is not a step index")):
+        (tmp_path / "bad.csv").write_text(f"step,amp/loss_scale\n{bad},8.0\n")
+        with pytest.raises(ValueError, match=rf"bad\.csv: step '{re.escape(bad)}' {why} \(expected an int >= 0\)\.$"):
+            read_series(tmp_path / "bad.csv")
+    titles = []
+    real_draw = plot.draw
+    monkeypatch.setattr(
+        plot, "draw", lambda curves, title="loss scale": titles.append(title) or real_draw(curves, title)
+    )
+    plot_curves(RunCurves(scale=[(0, 8.0)]), tmp_path / "a.png", title="mine")
+    plot_run(tmp_path, tmp_path / "b.png")
+    assert titles == ["mine", f"loss scale: {tmp_path}"]
+
+
+def test_an_event_file_itself_is_read_as_its_folder(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_amp_plus.plot import read_series
+
+    writer = SummaryWriter(tmp_path)
+    writer.add_scalar("amp/loss_scale", 8.0, 0)
+    writer.close()
+    (events,) = tmp_path.glob("events.out.tfevents*")
+    assert read_series(events) == {"amp/loss_scale": [(0, 8.0)]}
+    (tmp_path / "other.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="no metrics found"):
+        read_series(tmp_path / "other.txt")
