@@ -180,3 +180,53 @@ def test_history_states_of_every_kind_load():
     loaded.load_state_dict(clean)
     assert loaded.last_step == 0
     assert loaded.num_steps == 1
+
+
+def test_queries_at_their_edges():
+    history = ScaleHistory()
+    with pytest.raises(
+        ValueError,
+        match=r"^`ScaleHistory.scale_at\(step=0\)` is invalid: the history covers steps"
+        r" None to None\.$",
+    ):
+        history.scale_at(0)
+    for step, (scale, found) in enumerate([(8.0, 0.0), (8.0, 1.0), (4.0, 1.0), (2.0, 0.0)]):
+        history.record(step, scale, found)
+    assert [history.scale_at(s) for s in range(4)] == [8.0, 8.0, 4.0, 2.0]
+    with pytest.raises(ValueError, match=r"covers steps 0 to 3\.$"):
+        history.scale_at(4)
+    assert history.skipped_between(1, 2) == [1, 2]  # both ends included
+    assert history.skipped_between(2, 3) == [2]
+    assert history.streak_at(2) == 2
+    for clean in (0, 3, 9):  # before, between and after the skips
+        with pytest.raises(
+            ValueError, match=rf"^`ScaleHistory.streak_at\(step={clean}\)` is invalid: step {clean} was"
+        ):
+            history.streak_at(clean)
+
+
+@pytest.mark.parametrize("scales", [[True], [0.0], [-1.0], [float("inf")], ["8"]])
+def test_saved_scales_must_be_finite_positive_numbers(scales):
+    with pytest.raises(ValueError, match=r"\['change_scales'\]=.* is invalid: expected a list of finite numbers > 0"):
+        ScaleHistory().load_state_dict(_history_state(change_scales=scales))
+
+
+def test_a_saved_scale_of_one_loads():
+    loaded = ScaleHistory()
+    loaded.load_state_dict(_history_state(change_scales=[1.0]))
+    assert loaded.curve() == [(0, 1.0)]
+    assert loaded.trailing_skips == 0
+
+
+def test_repr_of_a_class_with_nothing_given():
+    from lightning_amp_plus._repr import KnobsRepr
+
+    class Plain(KnobsRepr):
+        pass
+
+    class Given(KnobsRepr):
+        def __init__(self):
+            self._given = {"a": 1, "b": "x"}
+
+    assert repr(Plain()) == "Plain()"
+    assert repr(Given()) == "Given(a=1, b='x')"
