@@ -157,6 +157,7 @@ def test_last_flag_is_the_last_records_own_outcome():
         ({"scaled": "yes"}, r"^`ckpt\['scaled'\]='yes'` is invalid: expected True or False\.$"),
         ({"version": 3}, r"^`ckpt\['version'\]=3` is invalid: expected 1 or 2\.$"),
         ({"change_steps": [True]}, r"^`ckpt\['change_steps'\]=\[True\]` is invalid"),
+        ({"skipped_steps": [1, 1]}, r"^`ckpt\['skipped_steps'\]=\[1, 1\]` is invalid"),
     ],
 )
 def test_invalid_history_states_name_where_they_came_from(changes, match):
@@ -175,6 +176,7 @@ def test_history_states_of_every_kind_load():
     assert loaded.scaled is True
     assert loaded.skipped_steps == [1]
     assert loaded.streak_at(1) == 1
+    assert loaded.trailing_skips == 0
     clean = _history_state(change_steps=[], change_scales=[], skipped_steps=[], skip_streaks=[], num_steps=1)
     clean["last_step"] = 0  # one clean update and no change point: every recorded step (none) is <= 0
     loaded.load_state_dict(clean)
@@ -193,6 +195,10 @@ def test_queries_at_their_edges():
     for step, (scale, found) in enumerate([(8.0, 0.0), (8.0, 1.0), (4.0, 1.0), (2.0, 0.0)]):
         history.record(step, scale, found)
     assert [history.scale_at(s) for s in range(4)] == [8.0, 8.0, 4.0, 2.0]
+    first = ScaleHistory()
+    first.record(0, 8.0, 0.0)
+    with pytest.raises(ValueError, match=r"covers steps 0 to 0\.$"):
+        first.scale_at(1)
     with pytest.raises(ValueError, match=r"covers steps 0 to 3\.$"):
         history.scale_at(4)
     assert history.skipped_between(1, 2) == [1, 2]  # both ends included
