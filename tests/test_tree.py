@@ -2,6 +2,7 @@
 
 from collections import namedtuple
 
+import pytest
 import torch
 
 from lightning_amp_plus._tree import map_tensors, tensors
@@ -49,3 +50,23 @@ def test_identity_by_type_tells_a_compiled_wrapper_and_unwraps_names():
     assert not is_compiled_wrapper(plain)
     assert not is_compiled_wrapper(object())
     assert clean_name("net._orig_mod.0.weight") == "net.0.weight"
+
+
+@pytest.mark.parametrize("key", ["RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"])
+def test_only_rank_zero_speaks_whichever_launcher_set_the_rank(monkeypatch, caplog, key):
+    from lightning_amp_plus._log import global_rank, say
+
+    for other in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        monkeypatch.delenv(other, raising=False)
+    assert global_rank() == 0
+    monkeypatch.setenv(key, "3")
+    assert global_rank() == 3
+    with caplog.at_level("WARNING", logger="lightning_amp_plus"):
+        say("from rank three")
+    assert "from rank three" not in caplog.text
+    monkeypatch.setenv(key, "0")
+    with caplog.at_level("WARNING", logger="lightning_amp_plus"):
+        say("from rank zero")
+    assert "from rank zero" in caplog.text
+    monkeypatch.setenv(key, "x")  # not a number: ignored
+    assert global_rank() == 0
