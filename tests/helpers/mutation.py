@@ -1,0 +1,131 @@
+"""Mutation testing by module group: ``python -m tests.helpers.mutation run GROUP`` and ``... stats DIR``.
+
+The whole package against the whole fast suite is about 6,600 mutants and more than four hours on 2 cores (a
+surviving mutant of a function every Trainer test reaches costs all of those tests). A group mutates a few modules
+against the test files written for them, in a fresh clone of HEAD (so edits in your tree cannot race the run),
+and prints killed of checked per module. A narrower selection can only kill fewer mutants: its figures are a lower
+bound of what the whole suite kills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: group -> (module patterns, test selection); every selection also runs the package's doctests
+GROUPS: dict[str, tuple[list[str], list[str]]] = {
+    "tools": (
+        ["plot", "__main__", "_series", "_tree", "_identity", "islands", "syncs", "fabric", "fsdp"],
+        [
+            "tests/test_plot.py",
+            "tests/test_islands.py",
+            "tests/test_tree.py",
+            "tests/test_fabric.py",
+            "tests/test_fsdp.py",
+            "tests/test_syncs.py",
+            "tests/test_history.py",
+            "tests/callbacks/test_advisor.py::test_the_advise_command_gives_what_the_logged_series_support",
+            "tests/callbacks/test_advisor.py::test_the_advise_command_without_amp_series_is_one_error_line",
+            "tests/callbacks/test_advisor.py::test_the_advise_command_counts_its_findings_and_reads_a_curve_without_skips",
+        ],
+    ),
+    "core": (
+        ["scaler", "history", "advice", "_validation", "_repr", "_scope", "_log", "_limits"],
+        [
+            "tests/test_scaler.py",
+            "tests/test_cycle_rules.py",
+            "tests/test_history.py",
+            "tests/test_advice.py",
+            "tests/test_bad_input.py",
+            "tests/test_properties.py",
+        ],
+    ),
+    "engine": (
+        ["engine", "precision"],
+        [
+            "tests/test_cycle_rules.py",
+            "tests/test_update_cycle.py",
+            "tests/test_precision.py",
+            "tests/test_faults.py",
+            "tests/test_checkpoints.py",
+            "tests/test_exactness.py",
+        ],
+    ),
+    "callbacks": (
+        ["callbacks"],
+        ["tests/callbacks/", "tests/test_tree.py", "tests/test_compile.py"],
+    ),
+}
+
+
+def run(group: str, workers: int, folder: str | None) -> str:
+    modules, selection = GROUPS[group]
+    folder = folder or tempfile.mkdtemp(prefix=f"mutation-{group}-")
+    subprocess.run(["git", "clone", "-q", ROOT, folder], check=True)
+    path = os.path.join(folder, "pyproject.toml")
+    with open(path) as f:
+        text = f.read()
+    line = 'pytest_add_cli_args_test_selection = ["tests/"]'
+    if line not in text:
+        raise SystemExit(f"{path}: expected the line {line!r} to narrow")
+    chosen = ", ".join(json.dumps(s) for s in [*selection, "lightning_amp_plus/"])
+    with open(path, "w") as f:
+        f.write(text.replace(line, f"pytest_add_cli_args_test_selection = [{chosen}]"))
+    patterns = [f"lightning_amp_plus.{m}*" for m in modules]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(workers), *patterns]
+    subprocess.run(cmd, cwd=folder, env=env, check=False)
+    return folder
+
+
+def stats(folder: str) -> list[dict[str, Any]]:
+    """Per module: mutants, checked, killed, survived (no tests counts as survived), from mutmut's ``.meta`` files."""
+    rows = []
+    root = os.path.join(folder, "mutants")
+    for meta in sorted(glob.glob(os.path.join(root, "lightning_amp_plus", "**", "*.meta"), recursive=True)):
+        with open(meta) as f:
+            codes = json.load(f)["exit_code_by_key"]
+        checked = [c for c in codes.values() if c is not None]
+        if not checked:
+            continue
+        survived = sum(1 for c in checked if c in (0, 33))  # 0: survived, 33: no test reached it
+        rows.append(
+            {
+                "module": os.path.relpath(meta, root)[: -len(".meta")],
+                "mutants": len(codes),
+                "checked": len(checked),
+                "killed": len(checked) - survived,
+                "survived": survived,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.helpers.mutation", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    go = sub.add_parser("run", help="mutate a group's modules against its tests in a fresh clone of HEAD")
+    go.add_argument("group", choices=sorted(GROUPS))
+    go.add_argument("--workers", type=int, default=2)
+    go.add_argument("--folder", default=None, help="where to clone (default: a new temporary folder)")
+    show = sub.add_parser("stats", help="killed of checked per module of a run's folder")
+    show.add_argument("folder")
+    args = parser.parse_args(argv)
+    folder = run(args.group, args.workers, args.folder) if args.command == "run" else args.folder
+    for row in stats(folder):
+        share = 100 * row["killed"] / row["checked"]
+        counts = f"{row['killed']:5d} / {row['checked']:5d} checked of {row['mutants']:5d}"
+        print(f"{row['module']:48s} {counts}  {share:5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
