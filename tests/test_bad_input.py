@@ -275,3 +275,22 @@ def test_fractions_are_refused_outside_zero_exclusive_to_one_inclusive():
         TypeError, match=r"^`PrecisionReport\(flag_share='x'\)` is invalid: expected a real number, got str"
     ):
         PrecisionReport(flag_share="x")
+
+
+@pytest.mark.parametrize(
+    ("device", "hint"),
+    [
+        ("auto", " HINT: leave `device=None` to follow the trainer's accelerator."),
+        ("CPU", " HINT: device types are lower case: 'cpu'."),
+        ("gpu", " HINT: use 'cuda'."),
+        ("nope", ""),
+    ],
+)
+def test_a_device_autocast_does_not_know_is_refused_with_its_hint(device, hint):
+    expected = (
+        f"`AmpPlusPrecision(device='{device}')` is invalid: expected a device type that autocast supports, such as"
+        " 'cuda', 'cpu', 'mps', 'xpu' or 'hpu', or None for the trainer's accelerator." + hint
+    )
+    with pytest.raises(ValueError, match="is invalid") as err:
+        AmpPlusPrecision(device=device)
+    assert str(err.value) == expected
