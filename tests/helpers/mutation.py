@@ -57,6 +57,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_faults.py",
             "tests/test_checkpoints.py",
             "tests/test_exactness.py",
+            "tests/test_bad_input.py",
             # the scheduler rule's outcome tests live with the reporter
             "tests/callbacks/test_nan_skip_reporter.py::test_warmup_is_not_consumed_by_skipped_steps",
             "tests/callbacks/test_nan_skip_reporter.py::test_stock_lightning_steps_the_scheduler_on_skipped_steps",
