@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY
+from lightning_amp_plus._limits import FLOAT32_MAX
 
 Series = dict[str, list[tuple[int, float]]]
 
@@ -24,10 +24,10 @@ def scale_changes(series: Series, key: str) -> list[tuple[int, float]]:
     points = sorted(series[key])
     changes: list[tuple[int, float]] = []
     for step, value in points:
-        if not FLOAT32_TINY <= value <= FLOAT32_MAX:  # what a device-side float32 scale can be
+        if not 0 < value <= FLOAT32_MAX:  # a float32 scale, subnormal ones included (a stock scaler has no floor)
             raise ValueError(
                 f"{key} at step {step} is {value!r}: not a loss scale (expected a float32 scale in"
-                f" [{FLOAT32_TINY!r}, {FLOAT32_MAX!r}])."
+                f" (0, {FLOAT32_MAX!r}])."
             )
         if not changes or value != changes[-1][1]:
             changes.append((step, value))

@@ -234,6 +234,9 @@ class AmpEngine:
             return self.checker.step(optimizer, **kwargs)
         except BaseException:
             cycle.stepped.remove(optimizer)
+            for leftover in ("grad_scale", "found_inf"):  # torch's GradScaler.step removes them only on success
+                if hasattr(optimizer, leftover) and getattr(optimizer, "_step_supports_amp_scaling", False):
+                    delattr(optimizer, leftover)
             if self.checker is not None and self.checker.is_unscaled(optimizer):
                 # divided in place before the failure: the same gradients must not be divided again
                 if not cycle.did_unscale(optimizer):
@@ -303,6 +306,8 @@ class AmpEngine:
         """
         cycle, self._cycle = self._cycle, None  # dropped whole, whatever happens below
         if cycle is None or not cycle.stepped:
+            if cycle is not None and cycle.failed and self.checker is not None:
+                self.checker.reset_cycle(list(cycle.failed))  # no update follows: the next backward unscales anew
             return
         checker = self.checker
         scale_before = 1.0

@@ -647,3 +647,52 @@ def test_with_sync_skips_a_fused_update_is_known_on_the_host_after_it():
             assert plugin.optimizer_step_was_skipped is bad
         assert counter.count == 0
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_failed_step_never_retried_leaves_the_next_update_exact(precision, bad):
+    """Fail, close the update without a retry, then a new backward and step: the new gradients are unscaled and
+    checked as usual (an inf loss is skipped, the weights stay finite)."""
+    model = nn.Linear(2, 1)
+    opt = _Flaky(model.parameters(), lr=0.5)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0) if precision == "16-mixed" else None
+    engine = AmpEngine(precision, scaler)
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    with pytest.raises(RuntimeError, match="^step failed$"):
+        engine.step(opt)
+    engine.end_cycle()
+    opt.fail = False
+    opt.zero_grad()
+    loss = model(torch.full((1, 2), 3.0)).sum() * (float("inf") if bad else 1.0)
+    engine.scale(loss).backward()
+    engine.begin(opt, 1)
+    before = model.weight.detach().clone()
+    engine.step(opt)
+    engine.end_cycle()
+    if bad:
+        assert torch.equal(model.weight.detach(), before)
+        assert engine.history.skipped_steps == [1]
+    else:
+        assert torch.equal(model.weight.detach(), before - 0.5 * torch.full((1, 2), 3.0))
+        assert engine.history.skipped_steps == []
+
+
+def test_a_fused_step_that_raises_leaves_no_scale_on_the_optimizer():
+    """torch's GradScaler hands a fused optimizer `grad_scale`/`found_inf` and removes them only after a successful
+    step; a failed one must not leave them for the next plain step to divide by."""
+    model = nn.Linear(2, 1)
+    opt = _Flaky(model.parameters(), lr=0.5, fused=True)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    with pytest.raises(RuntimeError, match="^step failed$"):
+        engine.step(opt)
+    assert not hasattr(opt, "grad_scale")
+    assert not hasattr(opt, "found_inf")
+    opt.fail = False
+    before = model.weight.detach().clone()
+    engine.step(opt)
+    engine.end_cycle()
+    assert torch.equal(model.weight.detach(), before - 0.5 * torch.ones(1, 2))

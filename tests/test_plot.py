@@ -481,13 +481,14 @@ def test_the_logged_scale_series_rules_shared_by_plot_and_advise(tmp_path):
     from lightning_amp_plus.advice import figures_from_series
     from lightning_amp_plus.plot import _from_series
 
-    ends = {"amp/loss_scale": [(0, FLOAT32_MAX), (1, FLOAT32_MAX), (2, FLOAT32_TINY)]}
-    assert scale_changes(ends, "amp/loss_scale") == [(0, FLOAT32_MAX), (2, FLOAT32_TINY)]
-    assert _from_series(ends).scale == [(0, FLOAT32_MAX), (2, FLOAT32_TINY)]  # the last point is a change: no copy
-    assert figures_from_series(ends).curve == [(0, FLOAT32_MAX), (2, FLOAT32_TINY)]
+    tiny = FLOAT32_TINY / 2**23  # float32's smallest subnormal: a stock scaler that collapsed logs such values
+    ends = {"amp/loss_scale": [(0, FLOAT32_MAX), (1, FLOAT32_MAX), (2, tiny)]}
+    assert scale_changes(ends, "amp/loss_scale") == [(0, FLOAT32_MAX), (2, tiny)]
+    assert _from_series(ends).scale == [(0, FLOAT32_MAX), (2, tiny)]  # the last point is a change: no copy
+    assert figures_from_series(ends).curve == [(0, FLOAT32_MAX), (2, tiny)]
     kept = {"amp/loss_scale": [(0, 8.0), (3, 4.0), (4, 4.0), (9, 4.0)]}
     assert _from_series(kept).scale == [(0, 8.0), (3, 4.0), (9, 4.0)]
-    for bad in (FLOAT32_TINY / 2, FLOAT32_MAX * 2, 0.0, -1.0):
+    for bad in (FLOAT32_MAX * 2, float("inf"), 0.0, -1.0):
         with pytest.raises(ValueError, match=r"^amp/loss_scale at step 1 is .*: not a loss scale \(expected a float32"):
             scale_changes({"amp/loss_scale": [(0, 8.0), (1, bad)]}, "amp/loss_scale")
         with pytest.raises(ValueError, match=r"^amp/loss_scale at step 1 is"):
