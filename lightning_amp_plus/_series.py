@@ -14,6 +14,11 @@ def scale_key(series: Series) -> Optional[str]:
     return next((k for k in series if k.endswith("loss_scale") and "log2" not in k), None)
 
 
+def prefix_of(key: str) -> str:
+    """The metric prefix of a loss-scale key: ``"amp/"`` for ``"amp/loss_scale"``."""
+    return key[: -len("loss_scale")]
+
+
 def scale_changes(series: Series, key: str) -> list[tuple[int, float]]:
     """The change points ``[(step, scale)]`` of the logged scale; a value no float32 scale can hold is an error.
 

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from lightning_amp_plus._series import scale_changes, scale_key, skipped_steps, value_at
+from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
 
 #: the codes, most important first: a non-finite batch is no scaling problem; an fp32 island fixes a module that
 #: overflows; bf16 when no scale fits; then the knobs; then speed
@@ -482,7 +482,7 @@ def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigure
     prefix = ""
     figures = RunFigures()
     if key is not None:
-        prefix = key[: -len("loss_scale")]
+        prefix = prefix_of(key)
         figures.precision = "16-mixed"
         figures.curve = scale_changes(series, key)
     elif skip_key is not None:

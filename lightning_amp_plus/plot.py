@@ -13,13 +13,12 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_amp_plus._series import held, scale_changes, scale_key, skipped_steps, value_at
+from lightning_amp_plus._series import held, prefix_of, scale_changes, scale_key, skipped_steps, value_at
 
 if TYPE_CHECKING:
     from lightning_amp_plus.history import ScaleHistory
 
 PathLike = Union[str, "os.PathLike[str]"]
-_SCALE_KEY = "loss_scale"
 #: what `LossScaleMonitor` logs in a bf16-mixed run, where no scale exists (NaNSkipReporter's keys alone say nothing)
 _BF16_KEYS = ("applied_steps", "skip_rate")
 _LOSS_KEYS = ("train_loss", "train_loss_step", "loss", "train/loss")
@@ -186,7 +185,7 @@ def _from_series(series: dict[str, list[tuple[int, float]]]) -> RunCurves:
         return curves
     changes = scale_changes(series, key)
     curves = RunCurves(scale=held(changes, max((s for s, _ in series[key]), default=None)))
-    _read_skips(series, key[: -len(_SCALE_KEY)], curves)
+    _read_skips(series, prefix_of(key), curves)
     _read_loss(series, curves)
     return curves
 
