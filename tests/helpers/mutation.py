@@ -71,8 +71,13 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-def run(group: str, workers: int, folder: str | None) -> str:
+def run(group: str, workers: int, folder: str | None, only: list[str] | None = None) -> str:
     modules, selection = GROUPS[group]
+    if only:
+        unknown = sorted(set(only) - set(modules))
+        if unknown:
+            raise SystemExit(f"--only: {unknown} not in group {group!r}; its modules are {modules}")
+        modules = only
     folder = folder or tempfile.mkdtemp(prefix=f"mutation-{group}-")
     subprocess.run(["git", "clone", "-q", ROOT, folder], check=True)
     path = os.path.join(folder, "pyproject.toml")
@@ -121,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("group", choices=sorted(GROUPS))
     go.add_argument("--workers", type=int, default=2)
     go.add_argument("--folder", default=None, help="where to clone (default: a new temporary folder)")
+    go.add_argument("--only", nargs="+", default=None, metavar="MODULE", help="mutate only these modules of the group")
     show = sub.add_parser("stats", help="killed of checked per module of a run's folder")
     show.add_argument("folder")
     args = parser.parse_args(argv)
-    folder = run(args.group, args.workers, args.folder) if args.command == "run" else args.folder
+    folder = run(args.group, args.workers, args.folder, args.only) if args.command == "run" else args.folder
     for row in stats(folder):
         share = 100 * row["killed"] / row["checked"]
         counts = f"{row['killed']:5d} / {row['checked']:5d} checked of {row['mutants']:5d}"
