@@ -139,3 +139,103 @@ def test_the_counter_changes_no_result_and_leaves_no_registration_behind():
     assert torch.equal(into, x.double())
     assert value == 6.0
     assert (inner.count, outer.count) == (1, 1)  # the one host read; CPU copies are no sync
+
+
+# CUDA's copies and events, on a CPU: fake CUDA tensors (torch's FakeTensorMode needs no device) and a fake event
+
+
+class FakeEvent:
+    """`torch.cuda.Event`'s host side: recorded, done when the test says so, waited on by `synchronize`."""
+
+    made: list["FakeEvent"] = []
+
+    def __init__(self):
+        self.recorded = self.waits = 0
+        self.done = False
+        FakeEvent.made.append(self)
+
+    def record(self):
+        self.recorded += 1
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waits += 1
+        self.done = True
+
+
+@pytest.fixture
+def fake_event(monkeypatch):
+    FakeEvent.made = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return FakeEvent.made
+
+
+def test_a_device_to_host_copy_is_a_sync_and_no_other_copy_is():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        device = torch.empty(3, device="cuda")
+        host = torch.empty(3)
+        ops = {
+            "to the host": lambda: device.to("cpu"),
+            "copied into host memory": lambda: host.copy_(device),
+            "cast on the device": lambda: device.to(torch.float16),
+            "host to device": lambda: host.to("cuda:0"),
+            "cast on the host": lambda: host.to(torch.float64),
+            "host into host": lambda: host.copy_(host),
+        }
+        counts, devices = {}, {}
+        for name, op in ops.items():
+            with HostSyncCounter() as counter:
+                devices[name] = op().device.type
+            counts[name] = counter.count
+    assert counts == {name: int(name in ("to the host", "copied into host memory")) for name in ops}
+    assert devices == {name: "cuda" if "device" in name else "cpu" for name in ops}  # each op's own result
+
+
+def test_a_peek_on_cuda_copies_without_blocking_and_waits_only_when_asked(fake_event):
+    from lightning_amp_plus.syncs import FlagPeek
+
+    class OnCuda:  # what FlagPeek touches of a CUDA tensor
+        device = torch.device("cuda", 0)
+
+        def __init__(self, value):
+            self.value, self.copies = value, []
+
+        def detach(self):
+            return self
+
+        def to(self, *args, **kwargs):
+            self.copies.append((args, kwargs))
+            return torch.tensor([self.value])
+
+    flag = OnCuda(3.0)
+    with HostSyncCounter() as counter:
+        busy = FlagPeek(flag)
+        assert flag.copies == [(("cpu",), {"non_blocking": True})]
+        assert [event.recorded for event in fake_event] == [1]  # after the copy was queued
+        assert busy.value() is None  # the device is still busy: no answer, and no wait
+        assert (counter.count, fake_event[0].waits) == (0, 0)
+        fake_event[0].done = True
+        assert busy.value() == 3.0  # done: read from host memory, no wait
+        assert busy.value(wait=True) == 3.0  # nothing left to wait for
+        assert (counter.count, fake_event[0].waits) == (0, 0)
+        waited = FlagPeek(OnCuda(0.0))
+        assert waited.value(wait=True) == 0.0
+        assert (counter.count, fake_event[1].waits) == (1, 1)  # the one wait is a host sync
+
+
+def test_a_peek_is_no_sync_and_the_counter_counts_again_after_it(fake_event):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_amp_plus.syncs import FlagPeek
+
+    with FakeTensorMode():
+        flag = torch.zeros((), device="cuda")
+        with HostSyncCounter() as counter:
+            FlagPeek(flag)
+            assert counter.count == 0  # its device-to-host copy does not block
+            flag.to("cpu")
+            assert counter.count == 1  # a plain copy after it still does
