@@ -12,15 +12,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-#: (module, class) of every optimizer wrapper that keeps the user's optimizer in ``_optimizer``
-_OPTIMIZER_WRAPPERS = (
-    ("lightning.pytorch.core.optimizer", "LightningOptimizer"),
-    ("lightning.fabric.wrappers", "_FabricOptimizer"),
-    ("pytorch_lightning.core.optimizer", "LightningOptimizer"),
-    ("lightning_fabric.wrappers", "_FabricOptimizer"),
-)
-#: (module, class, attribute holding the user's module)
-_MODULE_WRAPPERS = (
+#: (module, class, attribute holding what it wraps): Lightning's and Fabric's optimizer wrappers (the user's optimizer
+#: in ``_optimizer``), Fabric's, compile's and DDP's module wrappers (the user's module)
+_WRAPPERS = (
+    ("lightning.pytorch.core.optimizer", "LightningOptimizer", "_optimizer"),
+    ("lightning.fabric.wrappers", "_FabricOptimizer", "_optimizer"),
+    ("pytorch_lightning.core.optimizer", "LightningOptimizer", "_optimizer"),
+    ("lightning_fabric.wrappers", "_FabricOptimizer", "_optimizer"),
     ("lightning.fabric.wrappers", "_FabricModule", "_original_module"),
     ("lightning_fabric.wrappers", "_FabricModule", "_original_module"),
     ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
@@ -29,26 +27,24 @@ _MODULE_WRAPPERS = (
 )
 
 
-def _types(table: tuple[tuple[str, ...], ...]) -> tuple[type, ...]:
-    found = []
-    for module_name, class_name, *_ in table:
-        cls = getattr(sys.modules.get(module_name), class_name, None)  # None where the module is not imported
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
+def _imported(module_name: str, class_name: str) -> type | None:
+    """The class if its module is imported already and has it; ``None`` if not (never imports anything)."""
+    return getattr(sys.modules.get(module_name), class_name, None)
 
 
-#: per type: whether it is one of the optimizer wrappers. Exact and never stale: a wrapper's instance exists only
-#: once its module is imported, and a type's bases never change.
-_IS_OPTIMIZER_WRAPPER: dict[type, bool] = {}
+#: per type, where it keeps what it wraps. Exact and never stale: a wrapper's instance exists only once its module
+#: is imported, and a type's bases never change. (``functools.cache`` would do, but mypy takes no type as hashable.)
+_INNER: dict[type, str | None] = {}
 
 
-def _is_optimizer_wrapper(cls: type) -> bool:
-    known = _IS_OPTIMIZER_WRAPPER.get(cls)
-    if known is None:
-        wrappers = _types(_OPTIMIZER_WRAPPERS)
-        known = _IS_OPTIMIZER_WRAPPER[cls] = bool(wrappers) and issubclass(cls, wrappers)
-    return known
+def _inner_attribute(cls: type) -> str | None:
+    """Where a wrapper of type ``cls`` keeps what it wraps (``None``: not a wrapper we know); one lookup when known."""
+    if cls not in _INNER:
+        _INNER[cls] = next(
+            (attribute for module, name, attribute in _WRAPPERS if issubclass(cls, _imported(module, name) or ())),
+            None,
+        )
+    return _INNER[cls]
 
 
 def resolve_optimizer(optimizer: Any) -> Any:
@@ -69,9 +65,7 @@ def resolve_optimizer(optimizer: Any) -> Any:
         >>> resolve_optimizer(wrapper) is wrapper
         True
     """
-    for _ in range(8):  # wrappers of wrappers, bounded; a plain optimizer costs one dict lookup
-        if not _is_optimizer_wrapper(type(optimizer)):
-            return optimizer
+    while _inner_attribute(type(optimizer)) == "_optimizer":
         optimizer = optimizer._optimizer
     return optimizer
 
@@ -82,8 +76,7 @@ _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_modu
 
 def is_compiled_wrapper(module: Any) -> bool:
     """Whether ``module`` is ``torch.compile``'s ``OptimizedModule`` (by type; torch's dynamo need not be imported)."""
-    cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)  # None: not imported
-    return isinstance(cls, type) and isinstance(module, cls)
+    return _inner_attribute(type(module)) == "_orig_mod"
 
 
 def clean_name(name: str) -> str:
@@ -105,13 +98,8 @@ def resolve_module(module: Any) -> Any:
 
     Parameter and module names taken from the result are the ones the user wrote.
     """
-    table = [(m, c, a) for m, c, a in _MODULE_WRAPPERS if m in sys.modules]
-    for _ in range(8):
-        for module_name, class_name, attribute in table:
-            cls = getattr(sys.modules[module_name], class_name, None)
-            if isinstance(cls, type) and isinstance(module, cls):
-                module = getattr(module, attribute)
-                break
-        else:
+    while True:
+        attribute = _inner_attribute(type(module))
+        if attribute is None or attribute == "_optimizer":
             return module
-    return module
+        module = getattr(module, attribute)
