@@ -192,13 +192,10 @@ class AmpAdvisor(KnobsRepr, Callback):
         history = plugin.history
         scaler = plugin.scaler
         curve = held(history.curve(), history.last_step) if history.scaled else []
+        assert self._reporter is not None and self._report is not None  # theirs, or run inside since setup
         underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
-        origins = None
-        if self._reporter is not None:
-            origins = [{**r["origin"], "step": r["step"]} for r in self._reporter.skips if r.get("origin")]
-        rows = None
-        if self._report is not None and not self._report.skipped_reason:
-            rows = [r for r in self._report.rows if r["flagged"]]
+        origins = [{**r["origin"], "step": r["step"]} for r in self._reporter.skips if r.get("origin")]
+        rows = None if self._report.skipped_reason else [r for r in self._report.rows if r["flagged"]]
         return RunFigures(
             precision=plugin.precision,
             num_updates=history.num_steps,

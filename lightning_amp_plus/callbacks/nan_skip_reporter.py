@@ -258,8 +258,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         if self._plugin.history.num_steps == self._stepped_from:
             return  # this (micro-)batch recorded no update: the last flag is an earlier batch's
         last = self._plugin.history.last_flag()
-        if last is None or self._batch is None:
-            return
+        assert last is not None  # this batch recorded an update
         step, found = last
         if not isinstance(found, Tensor):
             return

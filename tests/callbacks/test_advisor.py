@@ -12,6 +12,8 @@ from lightning_amp_plus import (
     Advice,
     AmpAdvisor,
     AmpPlusPrecision,
+    AmpPlusWarning,
+    GradUnderflowMonitor,
     LossScaleCollapseError,
     LossScaleMonitor,
     NaNSkipReporter,
@@ -94,6 +96,17 @@ def test_nonfinite_loss_for_inf_in_the_batch_never_an_island():
     fixed, fixed_plugin = fit(Data(rows=()))  # what the fix says: clean data
     assert fixed_plugin.history.num_skipped == 0
     assert codes(fixed) == []
+
+
+def test_skips_born_in_the_batch_at_the_scale_floor_say_the_batch_not_bf16(tmp_path):
+    """A skip's origin is matched to its step: overflows born in the batch say nothing about float16's range."""
+    advisor = AmpAdvisor(report_path=tmp_path / "advice.json", print_advice=False)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)  # every skip at the floor
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=12).fit(Data(rows=(5, 13, 22)))
+    assert plugin.history.skipped_steps == [1, 3, 5]
+    assert codes(advisor) == ["nonfinite_loss"]
+    report = json.loads((tmp_path / "advice.json").read_text())
+    assert report == {"healthy": False, "summary": None, "advice": [a.to_dict() for a in advisor.advice]}
 
 
 def test_nonfinite_loss_for_a_loss_that_is_inf_with_finite_outputs():
@@ -473,6 +486,13 @@ def test_what_the_advisor_gathers_in_bf16():
     assert (figures.num_updates, figures.last_step, figures.skipped, figures.bf16_available) == (3, 2, [], True)
     assert figures.fp32_rows == []  # inspected: nothing heavy in float32
     assert figures.non_fused == []
+    theirs = GradUnderflowMonitor()  # the user's monitor in a bf16 run: no loss scale, so no underflow figures
+    advisor = AmpAdvisor(print_advice=False)
+    with pytest.warns(AmpPlusWarning, match="measures nothing"):
+        make_trainer(plugins=[AmpPlusPrecision("bf16-mixed")], callbacks=[theirs, advisor], max_steps=3).fit(
+            TinyModel(optimizer="fused_sgd")
+        )
+    assert advisor.figures.underflow is None
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,21 @@ def test_the_umask_is_read_without_changing_the_process_umask(monkeypatch):
         os.umask(old)
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_a_report_file_gets_the_mode_the_umask_gives_any_new_file(tmp_path, mask):
+    """mkstemp makes its file 0600: the report is set to what ``open()`` would have made, 0666 less the umask."""
+    old = os.umask(mask)
+    try:
+        _common.write_text_atomically(tmp_path / "report.md", "x")
+        with open(tmp_path / "plain.md", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    mode = os.stat(tmp_path / "report.md").st_mode & 0o777
+    assert mode == 0o666 & ~mask
+    assert mode == os.stat(tmp_path / "plain.md").st_mode & 0o777
+
+
 def test_reductions_sum_or_take_the_max_over_the_ranks(monkeypatch):
     peer = FakePeer(monkeypatch, lambda tensor, op: torch.tensor([5.0, 1.0]))
     assert _common.distributed()

@@ -484,6 +484,10 @@ def test_the_skip_line_word_for_word():
     assert line(three) == (
         "step 7 skipped: gradients non-finite in a (2 inf), b (1 nan), c (1 inf and 3 nan), loss scale 1024 -> 512"
     )
+    assert line([*three, off("d", inf=1)]) == (  # the fourth is "1 more": three are named, never four
+        "step 7 skipped: gradients non-finite in a (2 inf), b (1 nan), c (1 inf and 3 nan) and 1 more,"
+        " loss scale 1024 -> 512"
+    )
     assert line([*three, off("d", inf=1), off("e", nan=1)]) == (
         "step 7 skipped: gradients non-finite in a (2 inf), b (1 nan), c (1 inf and 3 nan) and 2 more,"
         " loss scale 1024 -> 512"
