@@ -192,7 +192,8 @@ class AmpAdvisor(KnobsRepr, Callback):
         history = plugin.history
         scaler = plugin.scaler
         curve = held(history.curve(), history.last_step) if history.scaled else []
-        assert self._reporter is not None and self._report is not None  # theirs, or run inside since setup
+        assert self._reporter is not None  # theirs, or run inside since setup
+        assert self._report is not None
         underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
         origins = [{**r["origin"], "step": r["step"]} for r in self._reporter.skips if r.get("origin")]
         rows = None if self._report.skipped_reason else [r for r in self._report.rows if r["flagged"]]
@@ -207,7 +208,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             origins=origins,
             fp32_rows=rows,
             non_fused=self._non_fused(trainer),
-            bf16_available=_bf16_available(plugin.device or "cpu"),
+            bf16_available=_bf16_available(plugin.device),  # set when the plugin was connected
         )
 
     def _non_fused(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
@@ -230,9 +231,9 @@ class AmpAdvisor(KnobsRepr, Callback):
             if real.defaults.get("fused"):
                 continue
             params = [p for g in real.param_groups for p in g["params"]]
-            device = params[0].device.type if params else "cpu"
-            if device in (_FUSED[name] or supported) and all(p.is_floating_point() for p in params):
-                found.append({"name": name, "device": device})
+            devices = {p.device.type for p in params}  # fused kernels group by device: each must have one
+            if devices <= set(_FUSED[name] or supported) and all(p.is_floating_point() for p in params):
+                found.append({"name": name, "device": ", ".join(sorted(devices))})
         return found
 
     def format(self) -> str:

@@ -523,11 +523,51 @@ def test_a_users_own_optimizer_class_is_not_told_to_fuse():
     assert advisor.figures.non_fused == []
 
 
-def test_bf16_availability_by_device():
+def test_which_optimizers_are_told_to_fuse_one_rule_per_optimizer():
+    """Told: a torch optimizer with a fused kernel for its device and float parameters, run non-fused."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    def params(device="cpu", dtype=torch.float32):
+        return [torch.zeros(2, device=device, dtype=dtype)]
+
+    class AdamW(torch.optim.AdamW):  # the user's own class of a fused optimizer's name
+        pass
+
+    optimizers = [
+        torch.optim.SGD(params(), lr=0.1, fused=True),  # fused already
+        torch.optim.AdamW(params(), lr=0.1),
+        torch.optim.RMSprop(params(), lr=0.1),  # no fused kernel
+        AdamW(params(), lr=0.1),
+        torch.optim.SGD(params("meta"), lr=0.1),  # no fused kernel on that device
+        torch.optim.SGD(params(dtype=torch.long), lr=0.1),  # fused kernels take float parameters only
+        torch.optim.SGD(params() + params("meta"), lr=0.1),  # one of its devices has none
+        torch.optim.SGD(params("meta") + params(), lr=0.1),
+        LightningOptimizer(torch.optim.Adagrad(params(), lr=0.1)),  # as Lightning hands it over
+        torch.optim.Adagrad(params("meta"), lr=0.1),  # Adagrad's fused kernel is CPU-only
+        torch.optim.SGD(params(), lr=0.1),
+    ]
+    advisor = AmpAdvisor()
+    trainer = SimpleNamespace(optimizers=optimizers)
+    advisor._plugin = SimpleNamespace(scaler=object(), skip_nonfinite=True)
+    told = [{"name": "AdamW", "device": "cpu"}, {"name": "Adagrad", "device": "cpu"}, {"name": "SGD", "device": "cpu"}]
+    assert advisor._non_fused(trainer) == told
+    advisor._plugin = SimpleNamespace(scaler=None, skip_nonfinite=True)  # bf16 reading its skip flag
+    assert advisor._non_fused(trainer) == told
+    advisor._plugin = SimpleNamespace(scaler=None, skip_nonfinite=False)  # no flag read: nothing to save
+    assert advisor._non_fused(trainer) == []
+
+
+def test_bf16_availability_by_device(monkeypatch):
     from lightning_amp_plus.callbacks.advisor import _bf16_available
 
     assert [_bf16_available(d) for d in ("cpu", "xpu", "mps", "hpu", "meta")] == [True, True, True, True, False]
     assert _bf16_available("cuda") == bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    for available, supported in [(True, True), (True, False), (False, False)]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, supported=supported, **kw: supported)
+        assert _bf16_available("cuda") is (available and supported)
 
 
 def _write_series(path, columns):
