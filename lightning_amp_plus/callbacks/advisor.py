@@ -78,13 +78,12 @@ class AmpAdvisor(KnobsRepr, Callback):
         self.print_advice = check_bool(owner, "print_advice", print_advice)
         self.advice: list[Advice] = []
         self.figures: Optional[RunFigures] = None
-        self._plugin: Any = None
-        self._trainer: Optional[pl.Trainer] = None
-        self._underflow: Optional[GradUnderflowMonitor] = None
-        self._reporter: Optional[NaNSkipReporter] = None
-        self._report: Optional[PrecisionReport] = None
+        self._plugin: Any = None  # the attributes below are set at setup, before anything reads them
+        self._underflow: Optional[GradUnderflowMonitor]
+        self._reporter: Optional[NaNSkipReporter]
+        self._report: Optional[PrecisionReport]
         self._own: list[Callback] = []  # the callbacks run inside the advisor (the trainer lacked them)
-        self._advised = False
+        self._advised: bool  # this fit's advice was given (at the end of training, or on its exception)
 
     # ------------------------------------------------------------------ wiring
     @override
@@ -92,7 +91,6 @@ class AmpAdvisor(KnobsRepr, Callback):
         if stage != "fit":
             return
         self._plugin = find_plugin(trainer, type(self).__name__)
-        self._trainer = trainer
         self._advised = False
         if self._fit_scope.starts_afresh(trainer):
             self.advice = []
@@ -176,7 +174,8 @@ class AmpAdvisor(KnobsRepr, Callback):
         text = self.format()
         if self.print_advice:
             say(text)
-        step = self.figures.last_step if self.figures.last_step is not None else trainer.global_step
+        step = self.figures.last_step
+        assert step is not None  # an update was recorded
         log_to_all(trainer, {"amp/advice": float(len(self.advice))}, step)
         if trainer.is_global_zero:
             for logger in trainer.loggers:

@@ -308,14 +308,32 @@ def test_advice_objects_are_plain_data():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"report_path": "advice.txt"}, r"report_path='advice.txt'.*\.md.*\.json"),
-        ({"report_path": 3}, "report_path=3"),
-        ({"print_advice": "yes"}, "print_advice='yes'"),
+        ({"report_path": "advice.txt"}, r"^`AmpAdvisor\(report_path='advice.txt'\)` is invalid: .*\.md.*\.json"),
+        ({"report_path": 3}, r"^`AmpAdvisor\(report_path=3\)` is invalid: expected a file path .*, got int\.$"),
+        ({"print_advice": "yes"}, r"^`AmpAdvisor\(print_advice='yes'\)` is invalid: expected a bool, got str\.$"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         AmpAdvisor(**kwargs)
+
+
+def test_advice_is_given_once_when_the_fit_fails_after_training(caplog):
+    """A callback failing in ``on_fit_end`` runs ``on_exception`` after ``on_train_end`` gave the advice."""
+    from lightning.pytorch.callbacks import Callback
+
+    class FailsAtTheEnd(Callback):
+        def on_fit_end(self, trainer, pl_module):
+            raise RuntimeError("after training")
+
+    caplog.set_level("WARNING", logger="lightning_amp_plus")
+    advisor = AmpAdvisor()
+    assert (advisor.advice, advisor.figures) == ([], None)  # nothing before a fit
+    trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[advisor, FailsAtTheEnd()], max_steps=3)
+    with pytest.raises(RuntimeError, match="after training"):
+        trainer.fit(TinyModel(optimizer="adamw"))
+    assert len([r for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]) == 1
+    assert codes(advisor) == ["fused_optimizer"]
 
 
 def test_the_advisor_needs_our_plugin():
@@ -394,6 +412,43 @@ def test_tensorboard_gets_the_count_and_the_text(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("amp/advice")] == [(3, 1.0)]
     (text,) = acc.Tensors("amp/advice/text_summary")
     assert "## `fused_optimizer`" in text.tensor_proto.string_val[0].decode()
+    assert text.step == 3  # the last update's step, like the count
+
+
+def test_any_logger_gets_the_count_and_only_tensorboard_the_text(tmp_path):
+    """A minimal logger (no ``experiment``) gets the count; another logger's ``add_text`` is not TensorBoard's."""
+    from lightning.pytorch.loggers import Logger
+
+    class Minimal(Logger):
+        name, version = "minimal", 0
+
+        def __init__(self):
+            super().__init__()
+            self.metrics = []
+
+        def log_metrics(self, metrics, step=None):
+            self.metrics.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    class Texts(Minimal):
+        def __init__(self):
+            super().__init__()
+            self.texts = []
+            self.experiment = type("Writer", (), {"add_text": lambda _, *args, **kw: self.texts.append(args)})()
+
+    minimal, texts = Minimal(), Texts()
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[advisor],
+        logger=[minimal, texts],
+        max_steps=4,
+    ).fit(TinyModel(optimizer="adamw"))
+    for logger in (minimal, texts):
+        assert [(step, m["amp/advice"]) for step, m in logger.metrics if "amp/advice" in m] == [(3, 1.0)]
+    assert texts.texts == []
 
 
 @pytest.mark.parametrize("advisor_first", [True, False])
