@@ -354,12 +354,13 @@ def test_stock_plugin_sampling_under_accumulation_counts_by_comparing_samples(tm
     assert bar[-1] == 512.0
 
 
-def test_stock_bf16_plugin_logs_no_scale(tmp_path):
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_bf16_plugin_logs_no_scale(tmp_path, ours):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     logger = CSVLogger(tmp_path, name="bf16")
     make_trainer(
-        plugins=[MixedPrecision("bf16-mixed", "cpu")],
+        plugins=[AmpPlusPrecision("bf16-mixed") if ours else MixedPrecision("bf16-mixed", "cpu")],
         callbacks=[LossScaleMonitor(logging_interval=1)],
         logger=logger,
         max_steps=3,
