@@ -516,3 +516,26 @@ def test_setter_errors_and_repr_name_the_class_the_user_holds():
     assert repr(ShardedDynamicLossScaler("cpu", process_group=group, growth_interval=7)) == (
         "ShardedDynamicLossScaler(process_group='group-a', device='cpu', growth_interval=7)"
     )
+
+
+def test_repr_shows_the_knobs_as_they_are_now():
+    """A setter (or a loaded checkpoint) moves a knob away from its default: the repr says so, given or not."""
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    assert repr(scaler) == "DynamicLossScaler(device='cpu', init_scale=8.0)"
+    scaler.set_growth_interval(5)
+    scaler.set_backoff_factor(0.5)  # back to its default
+    assert repr(scaler) == "DynamicLossScaler(device='cpu', init_scale=8.0, growth_interval=5)"
+
+
+def test_the_sharded_scaler_takes_the_plain_ones_defaults():
+    import inspect
+
+    from lightning_amp_plus import ShardedDynamicLossScaler
+
+    def defaults(cls):
+        return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if n != "self"}
+
+    sharded, plain = defaults(ShardedDynamicLossScaler), defaults(DynamicLossScaler)
+    assert sharded.pop("process_group") is None
+    assert {n: v for n, v in sharded.items() if n not in ("args", "kwargs")} == {"device": plain["device"]}
+    assert plain["device"] == "cuda"  # like torch.amp.GradScaler
