@@ -96,6 +96,79 @@ def run(group: str, workers: int, folder: str | None, only: list[str] | None = N
     return folder
 
 
+def _metas(folder: str) -> dict[str, dict[str, Any]]:
+    root = os.path.join(folder, "mutants")
+    found = {}
+    for meta in sorted(glob.glob(os.path.join(root, "lightning_amp_plus", "**", "*.meta"), recursive=True)):
+        with open(meta) as f:
+            found[meta] = json.load(f)
+    return found
+
+
+def recheck(
+    folder: str, workers: int, selection: list[str], only: list[str] | None = None, tests_of_head: bool = False
+) -> list[str]:
+    """Run a group run's survivors again against a wider selection (default: every fast test); keep the rest.
+
+    A mutant the group's tests killed is killed by any wider selection too, so after this the figures of the checked
+    mutants are those of the wider selection. mutmut forgets every result when its selection changes: the results
+    are saved first and merged back, each survivor taking its new outcome.
+    """
+    before = _metas(folder)
+    survivors = [
+        name
+        for data in before.values()
+        for name, code in data["exit_code_by_key"].items()
+        if code in (0, 33) and (not only or any(f".{m}." in name for m in only))
+    ]
+    if not survivors:
+        return []
+    if tests_of_head:
+        owners = {os.path.relpath(meta, os.path.join(folder, "mutants"))[: -len(".meta")] for meta in before}
+        take_tests_of_head(folder, sorted(m for m in owners if any(n.startswith(_dotted(m)) for n in survivors)))
+    path = os.path.join(folder, "pyproject.toml")
+    with open(path) as f:
+        text = f.read()
+    start = text.index("pytest_add_cli_args_test_selection = [")
+    end = text.index("]", start) + 1
+    chosen = ", ".join(json.dumps(s) for s in [*selection, "lightning_amp_plus/"])
+    with open(path, "w") as f:
+        f.write(text[:start] + f"pytest_add_cli_args_test_selection = [{chosen}]" + text[end:])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(workers), *survivors]
+    subprocess.run(cmd, cwd=folder, env=env, check=False)
+    after = _metas(folder)
+    for meta, data in before.items():
+        fresh = after.get(meta, {}).get("exit_code_by_key", {})
+        for name in data["exit_code_by_key"]:
+            if name in survivors and fresh.get(name) is not None:
+                data["exit_code_by_key"][name] = fresh[name]
+        with open(meta, "w") as f:
+            json.dump(data, f)
+    return survivors
+
+
+def _dotted(path: str) -> str:
+    return path[: -len(".py")].replace(os.sep, ".") + "."
+
+
+def take_tests_of_head(folder: str, modules: list[str]) -> None:
+    """Put HEAD's ``tests/`` in a run's folder if these modules' source there is HEAD's (else its mutants are stale)."""
+    here = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, check=True)
+    changed = subprocess.run(
+        ["git", "diff", "--name-only", here.stdout.strip(), "HEAD", "--", *modules],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    if changed:
+        raise SystemExit(f"changed since the run: {', '.join(changed)}; run the group again for them (--only)")
+    archive = subprocess.run(["git", "archive", "HEAD", "tests"], cwd=ROOT, capture_output=True, check=True).stdout
+    for target in (folder, os.path.join(folder, "mutants")):
+        subprocess.run(["tar", "-x", "-C", target], input=archive, check=True)
+
+
 def stats(folder: str) -> list[dict[str, Any]]:
     """Per module: mutants, checked, killed, survived (no tests counts as survived), from mutmut's ``.meta`` files."""
     rows = []
@@ -127,10 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--workers", type=int, default=2)
     go.add_argument("--folder", default=None, help="where to clone (default: a new temporary folder)")
     go.add_argument("--only", nargs="+", default=None, metavar="MODULE", help="mutate only these modules of the group")
+    again = sub.add_parser("recheck", help="a run's survivors against a wider selection (default: every fast test)")
+    again.add_argument("folder")
+    again.add_argument("--tests", nargs="+", default=["tests/"], help="the wider selection")
+    again.add_argument("--workers", type=int, default=2)
+    again.add_argument("--only", nargs="+", default=None, metavar="MODULE", help="only these modules' survivors")
+    again.add_argument(
+        "--tests-of-head",
+        action="store_true",
+        help="use HEAD's tests (tests written since the run); refused if a module's source changed since the run",
+    )
     show = sub.add_parser("stats", help="killed of checked per module of a run's folder")
     show.add_argument("folder")
     args = parser.parse_args(argv)
     folder = run(args.group, args.workers, args.folder, args.only) if args.command == "run" else args.folder
+    if args.command == "recheck":
+        survivors = recheck(folder, args.workers, args.tests, args.only, args.tests_of_head)
+        print(f"{len(survivors)} survivors run again")
     for row in stats(folder):
         share = 100 * row["killed"] / row["checked"]
         counts = f"{row['killed']:5d} / {row['checked']:5d} checked of {row['mutants']:5d}"
