@@ -643,7 +643,7 @@ class NonFiniteChecker(DynamicLossScaler):
     """
 
     def __init__(self, *, sharded: bool = False, process_group: Any = None) -> None:
-        super().__init__("cpu", init_scale=1.0, min_scale=1.0, max_scale=1.0)
+        super().__init__("cpu", init_scale=1.0)  # `update` never moves the scale: no growth or backoff knob acts
         self._given = given_arguments(NonFiniteChecker.__init__, locals())
         self.process_group = process_group
         self._reduce_over_ranks = sharded
@@ -671,9 +671,9 @@ class NonFiniteChecker(DynamicLossScaler):
             closure, args = args[0], args[1:]
         if closure is None:
             return super().step(optimizer, *args, **kwargs)
-        return self._step_with_closure(optimizer, closure, **kwargs)
+        return self._step_with_closure(optimizer, closure, *args, **kwargs)
 
-    def _step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Any, **kwargs: Any) -> Any:
+    def _step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Any, *args: Any, **kwargs: Any) -> Any:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -698,7 +698,7 @@ class NonFiniteChecker(DynamicLossScaler):
         with torch.no_grad():
             saved_params = {p: p.detach().clone() for p in params}
             saved_state = {p: copy.deepcopy(s) for p, s in optimizer.state.items()}
-        retval = optimizer.step(checked, **kwargs)
+        retval = optimizer.step(checked, *args, **kwargs)
         if not flags:
             raise RuntimeError(f"`{type(optimizer).__name__}.step(closure)` did not evaluate the closure.")
         found = torch.stack([f.to(scale.device) for f in flags]).sum()

@@ -431,14 +431,18 @@ def test_sharded_checker_reduces_and_a_plain_checker_does_not(monkeypatch):
     from lightning_amp_plus import NonFiniteChecker
     from tests.helpers.sharded import FakePeer
 
-    FakePeer(monkeypatch, lambda tensor, op: torch.ones_like(tensor))
+    peer = FakePeer(monkeypatch, lambda tensor, op: torch.ones_like(tensor))
     for sharded in (True, False):
         model, opt = _setup()
-        checker = NonFiniteChecker(sharded=sharded)
+        checker = NonFiniteChecker(sharded=sharded, process_group="group-b")
         checker.scale(model(torch.ones(3, 4)).sum()).backward()
         checker.step(opt)
         checker.update()
         assert checker.step_was_skipped(opt) is sharded
+    assert [call["group"] for call in peer.calls] == ["group-b"]  # the group it was given; the plain one never reduces
+    assert repr(NonFiniteChecker(sharded=True, process_group="group-b")) == (
+        "NonFiniteChecker(sharded=True, process_group='group-b')"
+    )
 
 
 class _KwargSGD(torch.optim.SGD):
@@ -539,3 +543,80 @@ def test_the_sharded_scaler_takes_the_plain_ones_defaults():
     assert sharded.pop("process_group") is None
     assert {n: v for n, v in sharded.items() if n not in ("args", "kwargs")} == {"device": plain["device"]}
     assert plain["device"] == "cuda"  # like torch.amp.GradScaler
+
+
+class Recording(torch.optim.SGD):
+    """A user's optimizer whose ``step`` takes more than a closure: what reaches it is kept."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.calls = []
+
+    def step(self, closure=None, *args, **kwargs):
+        self.calls.append((closure is not None, args, kwargs))
+        if closure is not None:
+            closure()
+        return "stepped"
+
+
+def test_the_checker_passes_every_argument_to_the_optimizer():
+    from lightning_amp_plus import NonFiniteChecker
+
+    model = torch.nn.Linear(2, 1)
+    opt = Recording(model.parameters())
+    checker = NonFiniteChecker()
+
+    def closure():
+        opt.zero_grad()
+        loss = checker.scale(model(torch.ones(1, 2)).sum())
+        loss.backward()
+        return loss
+
+    closure()
+    assert checker.step(opt, None, "extra", key=1) == "stepped"  # no closure: torch's path
+    checker.update()
+    assert checker.step(opt, closure, "extra", key=2) == "stepped"  # a closure given by position
+    checker.update()
+    assert checker.step(opt, "extra", closure=closure, key=3) == "stepped"
+    assert opt.calls == [
+        (False, ("extra",), {"key": 1}),
+        (True, ("extra",), {"key": 2}),
+        (True, ("extra",), {"key": 3}),
+    ]
+
+
+def test_a_fused_step_is_resolved_once_and_then_known_without_a_sync():
+    from lightning_amp_plus.syncs import HostSyncCounter
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+    scaler.step(opt)  # decided on the device: the host does not know yet
+    with HostSyncCounter() as counter:
+        assert scaler.step_was_skipped(opt, sync=False) is None
+        assert counter.count == 0
+        assert scaler.step_was_skipped(opt) is True  # the default reads the flag: one sync
+        assert scaler.step_was_skipped(opt, sync=False) is True  # then known on the host
+        assert counter.count == 1
+
+
+def test_a_reset_forgets_the_cycle_and_reads_nothing_back_on_its_first_clean_update():
+    from lightning_amp_plus.syncs import HostSyncCounter
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=3)
+    scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+    scaler.step(opt)
+    assert scaler.found_inf().item() > 0
+    scaler.reset()
+    with pytest.raises(AssertionError):  # no flag of the forgotten cycle is left to read
+        scaler.found_inf()
+    opt.zero_grad()
+    with HostSyncCounter() as counter:
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(opt)  # torch reads the flag of a non-fused step: the one sync
+        scaler.update()  # the host knows the growth tracker after a reset: nothing read back
+    assert counter.count == 1
+    assert scaler.get_scale() == 8.0
