@@ -128,12 +128,12 @@ class LossScaleMonitor(KnobsRepr, Callback):
 
     def _show(self, pl_module: pl.LightningModule, scale: Optional[float], skipped: Optional[float]) -> None:
         """The scale (and skipped updates) in Lightning's progress bar, refreshed at the logging points only."""
-        if not self.progress_bar or pl_module._trainer is None or pl_module.trainer.progress_bar_callback is None:
+        if not self.progress_bar or pl_module.trainer.progress_bar_callback is None:
             return  # no bar, no logging: Lightning's per-step metric bookkeeping stays as empty as stock
         if scale is not None:
-            pl_module.log(f"{self.prefix}scale", scale, prog_bar=True, logger=False, batch_size=1)
+            pl_module.log(f"{self.prefix}scale", scale, prog_bar=True, logger=False)
         if skipped is not None:
-            pl_module.log(f"{self.prefix}skipped", skipped, prog_bar=True, logger=False, batch_size=1)
+            pl_module.log(f"{self.prefix}skipped", skipped, prog_bar=True, logger=False)
 
     def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stock plugin: at each logging point, read the scale the next step will use (one host read)."""
@@ -177,10 +177,10 @@ class LossScaleMonitor(KnobsRepr, Callback):
         points: dict[int, dict[str, float]] = {}
         for step, scale in curve:
             if start <= step <= last:
-                if previous is not None:
+                if previous is not None:  # change points: each differs from the one before
                     if scale > previous:
                         self._growths += 1
-                    elif scale < previous:
+                    else:
                         self._backoffs += 1
                 previous = scale
                 points.setdefault(step, {}).update(self._scale_metrics(scale))

@@ -252,6 +252,7 @@ def test_progress_bar_shows_the_scale_and_skips_refreshed_at_logging_points(tmp_
         callbacks=[LossScaleMonitor(logging_interval=3), Probe(), progress],
         logger=CSVLogger(tmp_path),
         enable_progress_bar=True,
+        log_every_n_steps=1,  # what reaches the logger is written at every step: the bar's values must not be
         max_steps=8,
     ).fit(model)
     # after the batch of each logging point (steps 0, 3, 6) the bar shows that point's scale and skip count
@@ -259,19 +260,35 @@ def test_progress_bar_shows_the_scale_and_skips_refreshed_at_logging_points(tmp_
     assert shown[3] == (4, 512.0, 1.0)  # step 2 skipped: the scale step 3 used
     assert shown[6] == (7, 256.0, 2.0)
     assert shown[4][1:] == shown[5][1:] == (512.0, 1.0)  # unchanged between logging points
-    assert "amp/scale" not in read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")[0]
+    rows = read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")
+    assert {"amp/loss_scale", "amp/skipped_steps"} <= set(rows[0])  # the monitor's own metrics reach the logger
+    assert not {"amp/scale", "amp/skipped"} & set(rows[0])  # the bar's do not
 
 
-def test_progress_bar_can_be_turned_off(tmp_path):
-    model = TinyModel()
+@pytest.mark.parametrize(("progress_bar", "enable_progress_bar"), [(False, True), (True, False)])
+def test_no_bar_metric_without_a_bar_or_when_turned_off(tmp_path, progress_bar, enable_progress_bar):
     trainer = make_trainer(
         plugins=[AmpPlusPrecision("16-mixed")],
-        callbacks=[LossScaleMonitor(logging_interval=1, progress_bar=False)],
+        callbacks=[LossScaleMonitor(logging_interval=1, progress_bar=progress_bar)],
         logger=CSVLogger(tmp_path),
+        enable_progress_bar=enable_progress_bar,
         max_steps=2,
     )
-    trainer.fit(model)
-    assert "amp/scale" not in trainer.progress_bar_metrics
+    trainer.fit(TinyModel())
+    assert not {"amp/scale", "amp/skipped"} & set(trainer.progress_bar_metrics)
+
+
+def test_the_first_logging_point_rates_its_one_update(tmp_path):
+    logger = CSVLogger(tmp_path)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[LossScaleMonitor()],
+        logger=logger,
+        log_every_n_steps=5,
+        max_steps=3,
+    ).fit(TinyModel(poison={0: "inf"}))
+    rows = read_csv(logger.experiment.metrics_file_path)
+    assert {int(r["step"]): float(r["amp/skip_rate"]) for r in rows if r.get("amp/skip_rate")} == {0: 1.0, 2: 0.0}
 
 
 def test_stock_plugin_gets_a_sampled_curve_said_once(tmp_path, caplog):
