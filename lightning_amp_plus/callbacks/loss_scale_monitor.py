@@ -66,9 +66,9 @@ class LossScaleMonitor(KnobsRepr, Callback):
         self.logging_interval = logging_interval
         self.prefix = check_prefix(owner, prefix)
         self.progress_bar = check_bool(owner, "progress_bar", progress_bar)
-        self._plugin: Optional[AmpPlusPrecision] = None
-        self._stock: Any = None  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
-        self._interval = 1
+        self._plugin: Optional[AmpPlusPrecision]  # set at setup, with the two below
+        self._stock: Any  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
+        self._interval: int
         self.reset()
 
     def reset(self) -> None:
