@@ -577,7 +577,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
-            state["_found_inf_combined"] = None
             state["_last_skipped"] = {}
             state["_host_growth"] = state["_init_growth_tracker"]
             state["_scale_kept"] = False

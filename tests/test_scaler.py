@@ -620,3 +620,45 @@ def test_a_reset_forgets_the_cycle_and_reads_nothing_back_on_its_first_clean_upd
         scaler.update()  # the host knows the growth tracker after a reset: nothing read back
     assert counter.count == 1
     assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_a_device_decided_run_grows_after_exactly_growth_interval_clean_updates(hysteresis):
+    """A fused optimizer's outcome is not on the host: every update runs the rule on the device, counting one each."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=3, hysteresis=hysteresis)
+    scales = []
+    for step in range(7):
+        opt.zero_grad()
+        loss = model(torch.ones(2, 4)).pow(2).mean() * (float("inf") if step == 0 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    first = 4.0 if hysteresis == 1 else 8.0  # hysteresis 2 keeps the scale through one overflow
+    assert scales == [first, first, first, 2 * first, 2 * first, 2 * first, 4 * first]
+
+
+def test_a_pickled_scaler_knows_its_growth_tracker_on_the_host():
+    import pickle
+
+    from lightning_amp_plus.syncs import HostSyncCounter
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    fused = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=5)
+    scaler.scale(model(torch.ones(2, 4)).pow(2).mean()).backward()
+    scaler.step(fused)
+    scaler.update()  # decided on the device: the host lost the growth tracker
+    clone = pickle.loads(pickle.dumps(scaler))  # pickling reads it (torch's own `__getstate__`)
+    plain = torch.optim.SGD(model.parameters(), lr=0.01)
+    with HostSyncCounter() as counter:
+        plain.zero_grad()
+        clone.scale(model(torch.ones(2, 4)).pow(2).mean()).backward()
+        clone.step(plain)  # torch reads a non-fused step's flag: the one sync
+        clone.update()  # and the clone reads nothing back
+    assert counter.count == 1
+    assert clone._get_growth_tracker() == 2
