@@ -320,10 +320,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         configs = [c for c in module.trainer.lr_scheduler_configs if c.scheduler is scheduler]
         if not configs or configs[0].interval != "step":
             return False
-        optimizer = getattr(scheduler, "optimizer", None)
-        if optimizer is None:
-            return False
-        return bool(self.step_was_skipped(optimizer))  # a fused optimizer's flag is read: one sync
+        # Lightning checks at fit start that each scheduler's `optimizer` is one of the fit's
+        return bool(self.step_was_skipped(scheduler.optimizer))  # a fused optimizer's flag is read: one sync
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -297,3 +297,16 @@ def test_a_device_autocast_does_not_know_is_refused_with_its_hint(device, hint):
     with pytest.raises(ValueError, match="is invalid") as err:
         AmpPlusPrecision(device=device)
     assert str(err.value) == expected
+
+
+@pytest.mark.parametrize("state", [[1, 2], "scaler", None])
+def test_a_state_that_is_not_a_dict_is_refused_naming_where_and_what_it_got(state):
+    from lightning_amp_plus.engine import AmpEngine
+
+    engine = AmpPlusPrecision("16-mixed").engine
+    kind = type(state).__name__
+    with pytest.raises(TypeError, match=rf"^`AmpEngine\.load_state_dict` is invalid: expected a dict .*, got {kind}: "):
+        engine.load_state_dict(state)
+    with pytest.raises(TypeError, match=rf"^`checkpoint\['AmpPlusPrecision'\]` is invalid: .* got {kind}: "):
+        AmpPlusPrecision("16-mixed").load_state_dict(state)
+    assert isinstance(engine, AmpEngine)

@@ -570,7 +570,9 @@ def test_a_step_that_raises_propagates_and_a_retry_applies_the_true_gradients_on
             engine.scale(model(torch.full((1, 2), 3.0)).sum()).backward()
             true_grad = torch.full((1, 2), 3.0)
         if unscale != "no" and (new_backward or unscale == "before_retry"):
-            engine.unscale(opt)  # e.g. clipping before the retried step
+            engine.unscale(opt)  # clipping before the retried step: it clips the true gradients
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.5 * true_grad.max().item())
+            true_grad = true_grad * 0.5
         before = model.weight.detach().clone()
         engine.step(opt)
         engine.end_cycle()
@@ -696,3 +698,27 @@ def test_a_fused_step_that_raises_leaves_no_scale_on_the_optimizer():
     engine.step(opt)
     engine.end_cycle()
     assert torch.equal(model.weight.detach(), before - 0.5 * torch.ones(1, 2))
+
+
+def test_an_unscale_forgotten_while_another_optimizer_stepped_is_done_again_for_the_new_gradients():
+    """Two optimizers in one update: the first steps, the second is unscaled, then a backward comes before its step.
+    Its unscale is forgotten while the update stays open; clipping before its step then clips the
+    new gradients unscaled, and the step applies them once."""
+    first, second = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt_a = torch.optim.SGD(first.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(second.parameters(), lr=0.5)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    engine.scale(first(torch.ones(1, 2)).sum() + second(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt_a)
+    engine.step(opt_a)
+    engine.unscale(opt_b)
+    opt_b.zero_grad()
+    engine.scale(second(torch.full((1, 2), 3.0)).sum()).backward()  # zeroed first: true weight gradient [3, 3]
+    assert engine.cycle is not None  # the update is still open
+    assert engine.cycle.did_step(opt_a)
+    engine.unscale(opt_b)
+    torch.nn.utils.clip_grad_value_(second.parameters(), 1.5)  # half the true gradient
+    before = second.weight.detach().clone()
+    engine.step(opt_b)
+    engine.end_cycle()
+    assert torch.equal(second.weight.detach(), before - 0.5 * torch.full((1, 2), 1.5))
