@@ -722,3 +722,87 @@ def test_an_unscale_forgotten_while_another_optimizer_stepped_is_done_again_for_
     engine.step(opt_b)
     engine.end_cycle()
     assert torch.equal(second.weight.detach(), before - 0.5 * torch.full((1, 2), 1.5))
+
+
+@pytest.mark.parametrize("unscale", [False, True])
+def test_gradients_already_applied_keep_their_values_when_the_scale_grows(unscale):
+    """After the update the gradients are the true ones whatever the new scale (hooks after the step read them)."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0, growth_interval=1))
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    if unscale:
+        engine.unscale(opt)
+    engine.step(opt)
+    engine.end_cycle()
+    assert engine.scaler.get_scale() == 16.0  # it grew
+    assert torch.equal(model.weight.grad, torch.ones(1, 2))
+    assert torch.equal(model.bias.grad, torch.ones(1))
+
+
+def test_step_was_skipped_before_and_after_a_step_in_every_precision():
+    model = nn.Linear(2, 1)
+    for engine in (
+        AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0)),
+        AmpEngine("bf16-mixed", None),
+        AmpEngine("bf16-mixed", None, skip_nonfinite=False),
+    ):
+        fused = torch.optim.SGD(model.parameters(), lr=0.0, fused=True)
+        assert engine.step_was_skipped(fused) is None  # it has not stepped
+        engine.scale(model(torch.ones(1, 2)).sum()).backward()
+        engine.begin(fused, 0)
+        engine.step(fused)
+        assert engine.step_was_skipped(fused) is False  # the default reads a fused optimizer's flag
+        engine.end_cycle()
+        fused.zero_grad()
+
+
+def test_a_stock_bf16_checkpoint_state_loads_into_either_precision():
+    """Lightning's MixedPrecision('bf16-mixed') saves an empty state: nothing to load, nothing refused."""
+    for precision, scaler in (("16-mixed", DynamicLossScaler("cpu", init_scale=8.0)), ("bf16-mixed", None)):
+        engine = AmpEngine(precision, scaler)
+        engine.load_state_dict({})
+        assert engine.state_dict()["precision"] == precision
+        if scaler is not None:
+            assert scaler.get_scale() == 8.0
+
+
+def test_a_history_resumed_under_the_other_precision_shows_this_runs_scale():
+    """bf16 -> 16-mixed: the scale starts at init_scale and the history records it at the next update, even when
+    that update keeps the scale; 16-mixed -> bf16: the history shows no scale."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    bf16 = AmpEngine("bf16-mixed", None)
+    for step in range(2):
+        _engine_cycle(bf16, model, opt, step)
+        bf16.end_cycle()
+    fp16 = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0, growth_interval=100))
+    for step in range(2):  # it trained before (a first fit): its last update kept the scale
+        _engine_cycle(fp16, model, opt, step)
+        fp16.end_cycle()
+    fp16.load_state_dict(bf16.state_dict())
+    assert fp16.history.scaled is True
+    _engine_cycle(fp16, model, opt, 2)
+    fp16.end_cycle()
+    assert fp16.history.curve()[-1] == (2, 8.0)
+    back = AmpEngine("bf16-mixed", None)
+    back.load_state_dict(fp16.state_dict())
+    assert back.history.scaled is False
+
+
+def test_gradients_unscaled_but_not_stepped_keep_their_values_when_the_scale_grows():
+    """One optimizer steps (the scale grows), another was unscaled (e.g. clipped to log its norm) and did not step:
+    its gradients are true values, not scaled ones, and are left as they are."""
+    first, second = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt_a = torch.optim.SGD(first.parameters(), lr=0.0)
+    opt_b = torch.optim.SGD(second.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0, growth_interval=1))
+    engine.register([opt_a, opt_b])  # as the plugins do when the model connects
+    engine.scale(first(torch.ones(1, 2)).sum() + second(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt_a, 0)
+    engine.unscale(opt_b)
+    engine.step(opt_a)
+    engine.end_cycle()
+    assert engine.scaler.get_scale() == 16.0
+    assert torch.equal(second.weight.grad, torch.ones(1, 2))
