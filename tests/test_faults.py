@@ -345,3 +345,26 @@ def test_a_failed_step_after_a_skipped_one_records_the_skip():
     assert plugin.history.skipped_steps == [0]
     assert reporter.skipped_steps == [0]
     assert [o["name"] for o in reporter.skips[0]["offenders"]] == ["a.weight"]
+
+
+def test_the_scheduler_hook_passes_the_monitored_metric_and_is_gone_after_fit():
+    metrics = []
+
+    class Watched(TinyModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("watched", float(batch_idx + 10))
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.01)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "watched"}}
+
+        def lr_scheduler_step(self, scheduler, metric):
+            metrics.append(float(metric))
+
+    model = Watched(poison={1: "inf"})
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0)], max_steps=3).fit(model)
+    assert metrics == [10.0, 12.0]  # the skipped step 1 holds the scheduler back; the metric reaches the others
+    assert "lr_scheduler_step" not in vars(model)  # the plugin's wrapper is removed; the class's hook is back

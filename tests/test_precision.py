@@ -30,6 +30,42 @@ def test_autocast_on_cpu_in_the_chosen_dtype(precision, dtype):
     assert isinstance(plugin.history, ScaleHistory)
 
 
+@pytest.mark.parametrize("available", [False, True])
+def test_autocast_before_a_trainer_set_the_device_guesses_it_as_torch_does(monkeypatch, available):
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch, "autocast", lambda device, **kwargs: made.append((device, kwargs["dtype"])))
+    plugin = AmpPlusPrecision("bf16-mixed")  # no trainer yet: no device
+    plugin.autocast_context_manager()
+    assert made == [("cuda" if available else "cpu", torch.bfloat16)]
+    assert plugin.device is None  # a guess for this context only: the trainer's device is set at connect
+
+
+def test_a_second_forward_after_a_step_in_one_training_step_sees_the_new_weights():
+    """One autocast region spans a manual ``training_step``: a cast of a weight kept from before the step would be
+    stale (autocast's weight-cast cache); the second forward must compute with the updated weights."""
+    seen = {}
+
+    class StepThenForward(TinyModel):
+        def __init__(self):
+            super().__init__(lr=0.5)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x).float(), y)
+            self.manual_backward(loss)
+            opt.step()
+            opt.zero_grad()
+            seen["after"] = self(x).float()
+            with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+                seen["fresh"] = self(x).float()  # the same weights cast anew
+
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0)], max_steps=1).fit(StepThenForward())
+    assert torch.equal(seen["after"], seen["fresh"])
+
+
 @pytest.mark.parametrize("kind", ["inf", "nan"])
 @pytest.mark.parametrize("optimizer", ["adam", "fused_adamw", "sgd"])
 def test_overflowing_loss_skips_step_bit_identically(kind, optimizer):
