@@ -110,21 +110,13 @@ class AmpEngine:
             self.checker = NonFiniteChecker(sharded=sharded)
         #: warn once a run of this many skipped updates in a row is seen (None: never)
         self.warn_skip_streak = warn_skip_streak
-        self.history = ScaleHistory(scaled=self.scaler is not None)
         #: callables run on every skipped update whose skip the host knows (see :class:`SkipEvent`)
         self.skip_listeners: list[Callable[[SkipEvent], None]] = []
         #: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)
         self.before_unscale_listeners: list[Callable[[Optimizer, int], None]] = []
         #: when True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)
         self.sync_skips = False
-        self._cycle: Optional[UpdateCycle] = None
-        self._last_cycle_skipped: Optional[bool] = False
-        self._streak_warned = False
-        self._optimizers: list[Optimizer] = []  # every optimizer known to this run (for pending gradients)
-        self._backwards = 0  # backward calls so far
-        self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
-        self._unscaled_at: dict[int, int] = {}  # per optimizer: `_backwards` when its gradients were last unscaled
-        self._recorded_since_load = False  # the history's last scale is this scaler's (not a checkpoint's)
+        self._new_run()  # the scaler given is as its constructor made it
 
     def reset(self) -> None:
         """Start a new run: the scaler back to its constructor's state, an empty history, no cycle.
@@ -133,15 +125,19 @@ class AmpEngine:
         """
         if self.checker is not None:
             self.checker.reset()
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """The engine's own per-run state, fresh."""
         self.history = ScaleHistory(scaled=self.scaler is not None)
-        self._cycle = None
-        self._last_cycle_skipped = False
+        self._cycle: Optional[UpdateCycle] = None
+        self._last_cycle_skipped: Optional[bool] = False
         self._streak_warned = False
-        self._optimizers = []
-        self._backwards = 0
-        self._stepped_at = {}
-        self._unscaled_at = {}
-        self._recorded_since_load = False
+        self._optimizers: list[Optimizer] = []  # every optimizer known to this run (for pending gradients)
+        self._backwards = 0  # backward calls so far
+        self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
+        self._unscaled_at: dict[int, int] = {}  # per optimizer: `_backwards` when its gradients were last unscaled
+        self._recorded_since_load = False  # the history's last scale is this scaler's (not a checkpoint's)
 
     def register(self, optimizers: list[Any]) -> None:
         """Make ``optimizers`` known, so their pending gradients follow a change of scale (see :meth:`end_cycle`)."""

@@ -806,3 +806,76 @@ def test_gradients_unscaled_but_not_stepped_keep_their_values_when_the_scale_gro
     engine.end_cycle()
     assert engine.scaler.get_scale() == 16.0
     assert torch.equal(second.weight.grad, torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-unchecked"])
+def test_a_new_run_knows_no_skip_of_the_last_one(precision):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if precision == "16-mixed":
+        engine = AmpEngine(precision, DynamicLossScaler("cpu", init_scale=8.0))
+    else:
+        engine = AmpEngine("bf16-mixed", None, skip_nonfinite=False)
+    _engine_cycle(engine, model, opt, 0, bad=precision == "16-mixed")
+    engine.end_cycle()
+    assert engine.optimizer_step_was_skipped is (precision == "16-mixed")
+    engine.reset()
+    assert engine.optimizer_step_was_skipped is False
+    assert engine.step_was_skipped(opt) is None
+
+
+def test_unscaling_an_optimizer_that_stepped_in_the_open_update_is_torchs_error_and_changes_nothing():
+    """Its gradients were unscaled by its step: a second unscale would divide them again."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    engine.step(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
+        engine.unscale(opt)
+    assert torch.equal(model.weight.grad, torch.ones(1, 2))
+    assert engine.cycle is not None  # the update stays open: it closes once, as usual
+    engine.end_cycle()
+    assert engine.history.num_steps == 1
+
+
+def test_a_failed_step_retried_after_a_new_backward_while_another_optimizer_stepped_unscales_the_new_gradients():
+    first, second = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt_a = torch.optim.SGD(first.parameters(), lr=0.5)
+    opt_b = _Flaky(second.parameters(), lr=0.5)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    engine.scale(first(torch.ones(1, 2)).sum() + second(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt_a, 0)
+    engine.step(opt_a)
+    engine.unscale(opt_b)
+    with pytest.raises(RuntimeError, match="^step failed$"):
+        engine.step(opt_b)
+    opt_b.fail = False
+    opt_b.zero_grad()
+    engine.scale(second(torch.full((1, 2), 3.0)).sum()).backward()  # new gradients: true weight gradient [3, 3]
+    engine.unscale(opt_b)
+    assert torch.equal(second.weight.grad, torch.full((1, 2), 3.0))  # what clipping here would see
+    before = second.weight.detach().clone()
+    engine.step(opt_b)
+    engine.end_cycle()
+    assert torch.equal(second.weight.detach(), before - 0.5 * torch.full((1, 2), 3.0))
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_listeners_before_unscale_run_where_there_is_a_scale(precision):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0) if precision == "16-mixed" else None
+    engine = AmpEngine(precision, scaler)
+    heard = []
+    engine.before_unscale_listeners.append(
+        lambda optimizer, step: heard.append((optimizer, step, model.weight.grad.clone()))
+    )
+    _engine_cycle(engine, model, opt, 3)
+    if precision == "16-mixed":
+        ((optimizer, step, grad),) = heard
+        assert (optimizer, step) == (opt, 3)
+        assert torch.equal(grad, torch.full((1, 2), 8.0))  # still scaled when it was heard
+    else:
+        assert heard == []

@@ -334,7 +334,12 @@ def test_step_was_skipped_is_exposed():
             r"`AmpPlusPrecision\(device='cuda'\)` is invalid: CUDA is not available",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
         ),
-        (("16-mixed",), {"skip_scheduler_on_overflow": "yes"}, TypeError, r"skip_scheduler_on_overflow='yes'"),
+        (
+            ("16-mixed",),
+            {"skip_scheduler_on_overflow": "yes"},
+            TypeError,
+            r"^`AmpPlusPrecision\(skip_scheduler_on_overflow='yes'\)` is invalid: expected a bool, got str\.$",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(args, kwargs, error, match):
@@ -372,3 +377,10 @@ def test_clipping_without_stepping_warns():
 
     with pytest.warns(UserWarning, match=r"unscaled \(by `clip_gradients`\) in this training step but did not step"):
         make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], max_steps=2).fit(ClipNoStep())
+
+
+def test_the_logger_step_outside_a_fit_is_none():
+    from lightning_amp_plus.precision import logger_step
+
+    assert logger_step(None) is None
+    assert logger_step(TinyModel()) is None  # not attached to a trainer
