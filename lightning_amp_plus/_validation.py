@@ -197,6 +197,13 @@ def check_fraction(owner: str, name: str, value: Any) -> float:
     return value
 
 
+def _autocast_available(device: str) -> bool:
+    try:
+        return bool(torch.amp.autocast_mode.is_autocast_available(device))
+    except RuntimeError:  # a device type torch does not know
+        return False
+
+
 def check_device(owner: str, device: Any) -> Optional[str]:
     """Return ``device`` if it is ``None`` or a device type autocast supports (``"cuda"``, ``"cpu"``, ...)."""
     if device is None:
@@ -206,11 +213,7 @@ def check_device(owner: str, device: Any) -> Optional[str]:
             f"`{owner}(device={device!r})` is invalid: expected a device type string such as 'cuda' or 'cpu',"
             " or None for the trainer's accelerator."
         )
-    try:
-        available = torch.amp.autocast_mode.is_autocast_available(device)
-    except RuntimeError:
-        available = False
-    if not available:
+    if not _autocast_available(device):
         hint = {"gpu": "use 'cuda'", "auto": "leave `device=None` to follow the trainer's accelerator"}.get(
             device.lower(), f"device types are lower case: {device.lower()!r}" if device != device.lower() else ""
         )

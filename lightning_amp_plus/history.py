@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import itertools
 import math
 import os
 from collections.abc import Iterator
@@ -96,12 +97,11 @@ class ScaleHistory:
         """Move the pending records' tensors to the host (one transfer) and keep them. A no-op when none is pending."""
         if not self._pending:
             return
+        # the first pending record holds a tensor (records of plain numbers queue only behind one)
         tensors = [v for _, scale, found in self._pending for v in (scale, found) if isinstance(v, Tensor)]
-        values: Iterator[float] = iter(())
-        if tensors:
-            device = tensors[0].device
-            packed = torch.stack([t.to(device=device, dtype=torch.float32).reshape(()) for t in tensors])
-            values = iter(to_host(packed))  # the one transfer
+        device = tensors[0].device
+        packed = torch.stack([t.to(device=device, dtype=torch.float32).reshape(()) for t in tensors])
+        values: Iterator[float] = iter(to_host(packed))  # the one transfer
         for step, scale, found in self._pending:
             scale_value = next(values) if isinstance(scale, Tensor) else scale
             found_value = next(values) if isinstance(found, Tensor) else found
@@ -244,7 +244,7 @@ class ScaleHistory:
         if last_step is not None and (
             not isinstance(last_step, int)
             or isinstance(last_step, bool)
-            or max(steps + skipped, default=-1) > last_step
+            or any(step > last_step for step in steps + skipped)
         ):
             raise ValueError(
                 f"`{where}['last_step']={last_step!r}` is invalid: expected an int >= every recorded step."
@@ -309,7 +309,7 @@ def _int_list(where: str, state: dict[str, Any], key: str) -> list[int]:
     if (
         not isinstance(values, list)
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
-        or any(b <= a for a, b in zip(values, values[1:], strict=False))
+        or any(b <= a for a, b in itertools.pairwise(values))
     ):
         raise ValueError(f"`{where}[{key!r}]={values!r:.120}` is invalid: expected increasing ints >= 0.")
     return list(values)

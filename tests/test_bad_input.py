@@ -310,3 +310,14 @@ def test_a_state_that_is_not_a_dict_is_refused_naming_where_and_what_it_got(stat
     with pytest.raises(TypeError, match=rf"^`checkpoint\['AmpPlusPrecision'\]` is invalid: .* got {kind}: "):
         AmpPlusPrecision("16-mixed").load_state_dict(state)
     assert isinstance(engine, AmpEngine)
+
+
+@pytest.mark.parametrize("value", [1.5, "3", True])
+def test_an_int_argument_of_another_type_names_the_type_it_got(value):
+    from lightning_amp_plus import LossScaleMonitor
+
+    got = type(value).__name__
+    with pytest.raises(
+        TypeError, match=rf"^`LossScaleMonitor\(logging_interval={value!r}\)` is invalid: expected an int, got {got}\.$"
+    ):
+        LossScaleMonitor(logging_interval=value)

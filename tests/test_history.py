@@ -29,6 +29,39 @@ def test_buffer_flushes_in_one_transfer_per_capacity():
     assert history.pending == 0
 
 
+def test_by_default_it_holds_256_device_records_and_plain_numbers_are_taken_at_once():
+    """256: the README's "every 256 steps" for a run whose outcomes stay on the device."""
+    history = ScaleHistory()
+    assert history.scaled is True
+    for step in range(255):
+        history.record(step, torch.tensor(2.0), torch.tensor(0.0))
+    assert history.pending == 255
+    history.record(255, torch.tensor(2.0), torch.tensor(0.0))
+    assert history.pending == 0  # full: moved to the host in one transfer
+    history.record(256, 2.0, 0.0)
+    assert history.pending == 0  # numbers the host knows cost nothing to keep
+    history.record(257, 2.0, torch.tensor(1.0))
+    history.record(258, 4.0, 0.0)  # queued behind the pending record, to keep the order
+    assert history.pending == 2
+    assert history.skipped_steps == [257]
+    one = ScaleHistory(capacity=1)  # the smallest buffer: every device record is moved at once
+    one.record(0, torch.tensor(2.0), torch.tensor(0.0))
+    assert one.pending == 0
+
+
+def test_a_flag_of_any_dtype_is_a_flag():
+    history = ScaleHistory()
+    history.record(0, torch.tensor(8.0), torch.tensor(True))
+    history.record(1, torch.tensor(4.0, dtype=torch.float16), torch.tensor(0, dtype=torch.int32))
+    assert history.skipped_steps == [0]
+    assert history.curve() == [(0, 8.0), (1, 4.0)]
+
+
+def test_a_scale_of_none_needs_a_scale_before_it():
+    with pytest.raises(ValueError, match=r"^`ScaleHistory.record\(step=0, scale=None\)` is invalid: no scale recorded"):
+        ScaleHistory().record(0, None, 0.0)
+
+
 def test_steps_must_increase_and_queries_are_bounded():
     history = ScaleHistory()
     history.record(5, 1.0, 0.0)

@@ -662,3 +662,20 @@ def test_a_pickled_scaler_knows_its_growth_tracker_on_the_host():
         clone.update()  # and the clone reads nothing back
     assert counter.count == 1
     assert clone._get_growth_tracker() == 2
+
+
+def test_small_behaviours_of_the_scaler_by_their_outcome():
+    from lightning_amp_plus.scaler import _times
+
+    off = DynamicLossScaler("cpu", enabled=False)
+    assert off.scale_tensor() is None  # a disabled scaler has no scale, whatever it was given
+    on = DynamicLossScaler("cpu", init_scale=8.0)
+    on.scale(torch.ones(()))
+    assert float(on.scale_tensor()) == 8.0
+    on.set_device_type("xpu")  # a plugin learns its device from the trainer
+    assert repr(on) == "DynamicLossScaler(device='xpu', init_scale=8.0)"
+    with pytest.raises(TypeError, match=r"^`DynamicLossScaler.load_state_dict` expected a dict .*, got list\.$"):
+        on.load_state_dict([])
+    # a factor float32 cannot hold exactly: the product is rounded once, as torch's update kernel does (in double)
+    assert _times(torch.tensor(3.0), 1.1).item() == torch.tensor(3.0 * 1.1, dtype=torch.float32).item()
+    assert _times(torch.tensor(3.0), 1.1).item() != (torch.tensor(3.0) * 1.1).item()
