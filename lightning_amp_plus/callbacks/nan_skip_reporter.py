@@ -265,14 +265,18 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._probe = (step, FlagPeek(found), self._calls, self._batch, list(self._losses))
 
     def _read_probe(self, wait: bool) -> None:
-        """Tell the probed batch's origin if its flag is on the host (``wait``: at the end of fit, read it anyway)."""
+        """Tell the probed batch's origin once its flag is on the host (``wait``: at the end of fit, read it anyway).
+
+        While the device is still busy with that step the probe is kept (no sync for an origin), and looked at again
+        when the next batch starts; a later batch's probe replaces it.
+        """
         if self._probe is None:
             return
         step, peek, calls, batch, losses = self._probe
-        self._probe = None
         flag = peek.value(wait=wait)
         if flag is None:
-            return  # the device is still busy with that step: no sync for an origin
+            return
+        self._probe = None
         if flag > 0:
             self._device_origins[step] = self._origin(calls, batch, losses)
 
@@ -436,6 +440,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         last = history.last_step if history.last_step is not None else -1
         if upto is not None:
             last = min(last, upto)
+        if self._probe is not None:  # its origin may still be told: report it once the probe is read
+            last = min(last, self._probe[0] - 1)
         if last <= self._reported_upto:
             return
         for step in history.skipped_between(self._reported_upto + 1, last):

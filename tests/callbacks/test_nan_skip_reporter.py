@@ -512,3 +512,45 @@ def test_the_skip_line_word_for_word():
     for expected, origin in origins.items():
         assert line([], origin) == expected
     assert line([], {}) == line([], None) == "step 7 skipped: gradients non-finite, loss scale 1024 -> 512"
+
+
+class _BusyPeek:
+    """`FlagPeek` on a device still busy with the step: no answer at the first look, the flag at the next (or when
+    waited for). Every look is counted, so a test sees which look told it."""
+
+    looks: list[tuple[int, bool]] = []
+
+    def __init__(self, tensor):
+        from lightning_amp_plus.syncs import FlagPeek
+
+        self._real = FlagPeek(tensor)
+        self._seen = 0
+
+    def value(self, wait=False):
+        self._seen += 1
+        _BusyPeek.looks.append((self._seen, wait))
+        if self._seen == 1 and not wait:
+            return None
+        return self._real.value(wait=wait)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_an_origin_decided_on_a_busy_device_is_told_at_the_next_look_or_at_the_end(monkeypatch, last):
+    """Right after its step the device is still busy: the probe is kept, read when the next batch starts (no sync),
+    or at the end of fit (where the history's flush waits anyway) when it was the last batch; the skip is reported
+    with its origin either way."""
+    from lightning_amp_plus.callbacks import nan_skip_reporter
+
+    _BusyPeek.looks = []
+    monkeypatch.setattr(nan_skip_reporter, "FlagPeek", _BusyPeek)
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    poisoned = 3 if last else 1
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[reporter],
+        max_steps=4,
+        log_every_n_steps=1,  # the history moves to the host at every step: the skip is there before its origin
+    ).fit(_BatchPoison({poisoned}, optimizer="fused_sgd"))
+    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(poisoned, {"phase": "input"})]
+    assert (2, last) in _BusyPeek.looks  # its second look told it: at the next batch's start, or waited for
+    assert [look for look in _BusyPeek.looks if look[1]] == [(2, True)]  # one wait per fit: the last batch's flag
