@@ -5,6 +5,29 @@ instead. The test suite turns ``AmpPlusWarning`` into an error, so no test passe
 is wrong.
 """
 
+from __future__ import annotations
+
+import sys
+import warnings
+
 
 class AmpPlusWarning(UserWarning):
     """Something is wrong or suspicious in how mixed precision is used (the message says what, and the fix)."""
+
+
+#: top-level packages whose frames are not the user's: a warning points past them, at the line that led there
+_LIBRARIES = frozenset({"lightning_amp_plus", "lightning", "lightning_fabric", "pytorch_lightning", "torch"})
+
+
+def warn_at_user(message: str) -> None:
+    """``warnings.warn(message, AmpPlusWarning)``, attributed to the user's line that led here.
+
+    That is the first frame outside the package, Lightning and torch: ``trainer.fit(...)``, ``fabric.backward(...)``
+    or ``self.manual_backward(...)``.
+    """
+    frame = sys._getframe(1)  # the caller: `stacklevel=2`
+    level = 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES:
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, AmpPlusWarning, stacklevel=level)

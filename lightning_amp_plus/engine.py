@@ -16,7 +16,6 @@ optimizer) where it enters (:func:`~lightning_amp_plus._identity.resolve_optimiz
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -28,7 +27,7 @@ from torch.optim import Optimizer
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import global_rank, say
 from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int, check_scaler_args
-from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.scaler import DynamicLossScaler, NonFiniteChecker, ShardedDynamicLossScaler
 
@@ -156,13 +155,11 @@ class AmpEngine:
             # gradients unscaled but never stepped: forget the unscale; warn unless they were zeroed since
             stale = [o for o in self.forget_unstepped() if _has_gradients(o)]
             if stale:
-                warnings.warn(
+                warn_at_user(
                     f"{len(stale)} optimizer(s) had their gradients unscaled (e.g. by clipping) but did not step"
                     " before this backward. Their unscale was undone so that the next step unscales everything it"
                     " applies; the gradients unscaled earlier are now divided by the scale twice. HINT: unscale or"
-                    " clip only right before `optimizer.step()`.",
-                    AmpPlusWarning,
-                    stacklevel=3,
+                    " clip only right before `optimizer.step()`."
                 )
         self._backwards += 1
         return self.checker.scale(loss) if self.checker is not None else loss
@@ -378,12 +375,10 @@ class AmpEngine:
         if global_rank() != 0:
             return
         scale = f", loss scale {self.scaler.get_scale():g}" if self.scaler is not None else ""
-        warnings.warn(
+        warn_at_user(
             f"{streak} optimizer updates in a row were skipped (inf/nan gradients){scale}: the weights have"
             " not changed since. HINT: check the loss and inputs for inf/nan, lower the learning rate, or add"
-            " `NaNSkipReporter` to name the parameters and stop the run (`max_consecutive_skips`).",
-            AmpPlusWarning,
-            stacklevel=2,
+            " `NaNSkipReporter` to name the parameters and stop the run (`max_consecutive_skips`)."
         )
 
     def _cycle_skipped(self, optimizers: list[Optimizer]) -> Optional[bool]:

@@ -1,6 +1,7 @@
 """Faults: exceptions mid-step never leave a stale unscale, a failed step is not counted, teardown lets the real error
 through, and the plugin cleans up everything it installed."""
 
+import sys
 import warnings
 
 import pytest
@@ -368,3 +369,25 @@ def test_the_scheduler_hook_passes_the_monitored_metric_and_is_gone_after_fit():
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0)], max_steps=3).fit(model)
     assert metrics == [10.0, 12.0]  # the skipped step 1 holds the scheduler back; the metric reaches the others
     assert "lr_scheduler_step" not in vars(model)  # the plugin's wrapper is removed; the class's hook is back
+
+
+def test_the_engines_warnings_point_at_the_users_line():
+    """Not at Lightning's or the package's frames: at the `fabric.backward(...)` or `trainer.fit(...)` behind them."""
+    plugin = AmpPlusFabricPrecision("16-mixed", init_scale=2.0**12)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Linear(8, 1)
+    fmodel, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.ones(4, 8)
+    fabric.backward(fmodel(x).sum())
+    fabric.clip_gradients(fmodel, opt, max_norm=1e6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.backward(fmodel(x).sum())
+        line = sys._getframe().f_lineno - 1
+    assert [(w.filename, w.lineno) for w in caught if w.category is AmpPlusWarning] == [(__file__, line)]
+    trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0, warn_skip_streak=2)], max_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyModel(poison={0: "inf", 1: "inf"}))
+        line = sys._getframe().f_lineno - 1
+    assert [(w.filename, w.lineno) for w in caught if w.category is AmpPlusWarning] == [(__file__, line)]
