@@ -54,16 +54,14 @@ class UpdateCycle:
         step: the step the update is recorded at (in Lightning the logger's step, in Fabric the count of updates).
         unscaled: optimizers whose gradients were unscaled (checked, in bf16) in this cycle.
         stepped: optimizers that stepped (or skipped) in this cycle.
-        failed: optimizers whose step raised after their gradients were unscaled, with the backward count then.
     """
 
-    __slots__ = ("failed", "step", "stepped", "unscaled")
+    __slots__ = ("step", "stepped", "unscaled")
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.unscaled: list[Optimizer] = []
         self.stepped: list[Optimizer] = []
-        self.failed: dict[Optimizer, int] = {}
 
     # optimizers define no __eq__: `in` is identity, in C
     def did_step(self, optimizer: Optimizer) -> bool:
@@ -137,6 +135,7 @@ class AmpEngine:
         self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
         self._unscaled_at: dict[int, int] = {}  # per optimizer: `_backwards` when its gradients were last unscaled
         self._recorded_since_load = False  # the history's last scale is this scaler's (not a checkpoint's)
+        self._unstepped: list[Optimizer] = []  # unscaled, not stepped, in the update that closed last
 
     def register(self, optimizers: list[Any]) -> None:
         """Make ``optimizers`` known, so their pending gradients follow a change of scale (see :meth:`end_cycle`)."""
@@ -150,17 +149,19 @@ class AmpEngine:
     # ------------------------------------------------------------------ the cycle
     def scale(self, loss: Tensor) -> Tensor:
         """The loss times the current scale (unchanged for bf16-mixed); called once per backward."""
+        # gradients unscaled but never stepped (in the open update, or in one that closed): the unscale is forgotten;
+        # warn unless they were zeroed since
         cycle = self._cycle
-        if cycle is not None and cycle.unscaled:
-            # gradients unscaled but never stepped: forget the unscale; warn unless they were zeroed since
-            stale = [o for o in self.forget_unstepped() if _has_gradients(o)]
-            if stale:
-                warn_at_user(
-                    f"{len(stale)} optimizer(s) had their gradients unscaled (e.g. by clipping) but did not step"
-                    " before this backward. Their unscale was undone so that the next step unscales everything it"
-                    " applies; the gradients unscaled earlier are now divided by the scale twice. HINT: unscale or"
-                    " clip only right before `optimizer.step()`."
-                )
+        forgotten = self.forget_unstepped() if cycle is not None and cycle.unscaled else []
+        stale = [o for o in [*self._unstepped, *forgotten] if _has_gradients(o)]
+        self._unstepped = []
+        if stale:
+            warn_at_user(
+                f"{len(stale)} optimizer(s) had their gradients unscaled (e.g. by clipping) but did not step"
+                " before this backward. Their unscale was undone so that the next step unscales everything it"
+                " applies; the gradients unscaled earlier are now divided by the scale twice. HINT: unscale or"
+                " clip only right before `optimizer.step()`."
+            )
         self._backwards += 1
         return self.checker.scale(loss) if self.checker is not None else loss
 
@@ -199,7 +200,6 @@ class AmpEngine:
     def unscale(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients once per update (bf16: check them for inf/nan once)."""
         cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
-        self._after_failure(cycle, optimizer)
         if cycle.did_unscale(optimizer):
             return
         cycle.unscaled.append(optimizer)
@@ -219,7 +219,6 @@ class AmpEngine:
         unscaled: a retry applies them once; a backward before the retry makes new gradients, unscaled anew.
         """
         cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
-        self._after_failure(cycle, optimizer)
         cycle.stepped.append(optimizer)
         try:
             if self.checker is None:
@@ -231,21 +230,15 @@ class AmpEngine:
                 if hasattr(optimizer, leftover) and getattr(optimizer, "_step_supports_amp_scaling", False):
                     delattr(optimizer, leftover)
             if self.checker is not None and self.checker.is_unscaled(optimizer):
-                # divided in place before the failure: the same gradients must not be divided again
+                # divided in place before the failure: the same gradients must not be divided again (a backward
+                # before a retry makes new gradients: it forgets this unscale, as for any unscale without a step)
                 if not cycle.did_unscale(optimizer):
                     cycle.unscaled.append(optimizer)
-                cycle.failed[optimizer] = self._backwards
             else:
                 self._forget(optimizer)
             raise
         finally:
             self._stepped_at[id(optimizer)] = self._backwards  # a closure's backward is part of this step
-
-    def _after_failure(self, cycle: UpdateCycle, optimizer: Optimizer) -> None:
-        """Before ``optimizer`` unscales or steps again after a failed step: new gradients since? unscale anew."""
-        failed_at = cycle.failed.pop(optimizer, None)
-        if failed_at is not None and failed_at != self._backwards:
-            self._forget(optimizer)
 
     def _forget(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s unscale (and step outcome) in the open cycle: its next step unscales again."""
@@ -298,9 +291,14 @@ class AmpEngine:
         step unscales every part of them exactly.
         """
         cycle, self._cycle = self._cycle, None  # dropped whole, whatever happens below
-        if cycle is None or not cycle.stepped:
-            if cycle is not None and cycle.failed and self.checker is not None:
-                self.checker.reset_cycle(list(cycle.failed))  # no update follows: the next backward unscales anew
+        if cycle is None:
+            return
+        # unscaled but not stepped (clipped, then no step; or a failed step never retried): the update forgets the
+        # unscale, so the next step unscales everything it applies; the next backward says so if they are kept
+        self._unstepped = cycle.unscaled_not_stepped()
+        if not cycle.stepped:
+            if self.checker is not None:
+                self.checker.reset_cycle(self._unstepped)  # no update follows to forget it
             return
         checker = self.checker
         scale_before = 1.0

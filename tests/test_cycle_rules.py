@@ -879,3 +879,45 @@ def test_listeners_before_unscale_run_where_there_is_a_scale(precision):
         assert torch.equal(grad, torch.full((1, 2), 8.0))  # still scaled when it was heard
     else:
         assert heard == []
+
+
+@pytest.mark.parametrize("another_stepped", [False, True])
+def test_an_unscale_without_a_step_in_an_update_that_closed_is_forgotten_and_said(another_stepped):
+    """Clipped, then no step, and the batch ends (the update closes; another optimizer may have stepped in it). The
+    next backward adds scaled gradients to the unscaled ones: the step must unscale all of them (the earlier part is
+    then divided twice, and the backward says so), never apply the new part still multiplied by the scale."""
+    model, other = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt_other = torch.optim.SGD(other.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0, growth_interval=100))
+    engine.register([opt, opt_other])
+    engine.scale(model(torch.ones(1, 2)).sum() + other(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    engine.unscale(opt)  # e.g. clipping; true weight gradient [1, 1]
+    if another_stepped:
+        engine.step(opt_other)
+    engine.end_cycle()
+    with pytest.warns(AmpPlusWarning, match=r"^1 optimizer\(s\) had their gradients unscaled .* did not step"):
+        engine.scale(model(torch.ones(1, 2)).sum()).backward()  # accumulates: 1 (unscaled) + 8 (scaled)
+    before = model.weight.detach().clone()
+    engine.begin(opt, 1)
+    engine.step(opt)
+    engine.end_cycle()
+    assert torch.equal(model.weight.detach(), before - 0.5 * torch.full((1, 2), 9.0 / 8.0))
+
+
+def test_an_unscale_without_a_step_is_quiet_when_the_gradients_were_zeroed():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    engine.unscale(opt)
+    engine.end_cycle()
+    opt.zero_grad()
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()  # no warning: AmpPlusWarning is an error in the suite
+    before = model.weight.detach().clone()
+    engine.begin(opt, 1)
+    engine.step(opt)
+    engine.end_cycle()
+    assert torch.equal(model.weight.detach(), before - 0.5 * torch.ones(1, 2))

@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-from lightning_amp_plus import AmpPlusPrecision
+from lightning_amp_plus import AmpPlusPrecision, AmpPlusWarning
 from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
@@ -317,3 +317,39 @@ def test_training_step_returning_none_runs_the_hooks_and_steps_nothing():
     assert plugin.history.last_step == 2
     before, after, _, _ = probe.records[1]
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+class _ClipThenMaybeStep(TinyModel):
+    """Manual optimization that clips every batch and steps only on odd batches (a skip-on-large-norm rule, say)."""
+
+    def __init__(self):
+        super().__init__(lr=0.5)
+        self.automatic_optimization = False
+        self.updates = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self(x).float(), y))
+        self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="norm")  # unscales; clips nothing
+        if batch_idx % 2 == 0:
+            return  # no step this batch
+        grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
+        before = {n: p.detach().clone() for n, p in self.named_parameters()}
+        opt.step()
+        self.updates.append((before, {n: p.detach().clone() for n, p in self.named_parameters()}, grads))
+        opt.zero_grad()
+
+
+def test_manual_clip_without_a_step_leaves_the_next_update_exact():
+    """The batch that clipped and did not step closes without an update: the next batch's step must still apply
+    exactly the true gradients it was shown (not gradients still multiplied by the scale)."""
+    model = _ClipThenMaybeStep()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    with pytest.warns(AmpPlusWarning, match="in this training step but did not step"):
+        make_trainer(plugins=[plugin], max_steps=2, limit_train_batches=4).fit(model)
+    assert len(model.updates) == 2
+    for before, after, grads in model.updates:
+        for name in grads:
+            assert torch.allclose(after[name], before[name] - 0.5 * grads[name], rtol=0, atol=1e-6), name
