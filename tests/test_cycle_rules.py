@@ -583,9 +583,11 @@ def test_a_step_that_raises_propagates_and_a_retry_applies_the_true_gradients_on
 
 def test_a_bf16_update_records_with_no_device_op_of_its_own():
     """bf16's checker keeps its scale of 1: after the first record, a clean update costs no device op."""
-    model = nn.Linear(2, 1)
+    model, accumulating = nn.Linear(2, 1), nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     engine = AmpEngine("bf16-mixed", None)
+    engine.register([opt, torch.optim.SGD(accumulating.parameters(), lr=0.0)])  # never steps: its gradients pend
+    accumulating(torch.ones(1, 2)).sum().backward()
     counts = []
     for step in range(4):
         _engine_cycle(engine, model, opt, step, bad=step == 2)
@@ -593,7 +595,7 @@ def test_a_bf16_update_records_with_no_device_op_of_its_own():
             engine.end_cycle()
         counts.append(dict(counter.ops))
         opt.zero_grad()
-    assert counts[1] == counts[3] == {}  # clean updates after the first
+    assert counts[1] == counts[3] == {}  # clean updates after the first; no scale moves pending gradients
     assert engine.history.skipped_steps == [2]
 
 

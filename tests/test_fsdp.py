@@ -327,3 +327,23 @@ def test_fsdp_plugin_hands_on_every_argument():
     # FSDPPrecision's input rule: floating inputs reach the model in float32 (autocast casts per op)
     assert plugin.convert_input(torch.ones(2, dtype=torch.float64)).dtype == torch.float32
     assert plugin.convert_input(torch.ones(2, dtype=torch.int64)).dtype == torch.int64
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_only_the_sharded_plugin_reduces_the_skip_flag_over_the_ranks(monkeypatch, precision):
+    """The other rank overflowed: FSDP's plugin (each rank holds a shard) skips; the plain plugin and Fabric's, whose
+    ranks hold whole gradients, never reduce the flag."""
+    from lightning_amp_plus import AmpPlusFabricPrecision
+    from tests.helpers.sharded import FakePeer
+
+    peer = FakePeer(monkeypatch, lambda tensor, op: torch.ones_like(tensor))
+    for make, sharded in ((AmpPlusFSDPPrecision, True), (AmpPlusPrecision, False), (AmpPlusFabricPrecision, False)):
+        engine = make(precision, device="cpu").engine
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        peer.calls.clear()
+        engine.scale(model(torch.ones(1, 2)).sum()).backward()
+        engine.begin(opt, 0)
+        engine.step(opt)
+        engine.end_cycle()
+        assert (engine.step_was_skipped(opt), bool(peer.calls)) == (sharded, sharded), make.__name__

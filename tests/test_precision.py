@@ -320,7 +320,25 @@ def test_step_was_skipped_is_exposed():
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "match"),
     [
-        (("32-true",), {}, ValueError, r"`AmpPlusPrecision\(precision='32-true'\)` is invalid: expected one of "),
+        (
+            ("32-true",),
+            {},
+            ValueError,
+            r"^`AmpPlusPrecision\(precision='32-true'\)` is invalid: expected one of '16-mixed', 'bf16-mixed'\. HINT:"
+            r" for fp32 leave the plugin out; for pure half precision use Lightning's `precision='16-true'`\.$",
+        ),
+        (
+            ("bf16-mixed",),
+            {"init_scale": 8.0, "growth_interval": 5},
+            ValueError,
+            r"^`AmpPlusPrecision\(precision='bf16-mixed', init_scale=8\.0, growth_interval=5\)` is invalid: bf16",
+        ),
+        (
+            ("bf16-mixed",),
+            {"skip_nonfinite": "yes"},
+            TypeError,
+            r"^`AmpPlusPrecision\(skip_nonfinite='yes'\)` is invalid: expected a bool, got str\.$",
+        ),
         (("16",), {}, ValueError, r"expected one of '16-mixed', 'bf16-mixed'. HINT"),
         (("bf16-mixed",), {"init_scale": 8.0}, ValueError, r"bf16-mixed', init_scale=8.0\)` is invalid: bf16-mixed"),
         (("16-mixed",), {"skip_nonfinite": False}, ValueError, r"skip_nonfinite=False\)` is invalid"),
