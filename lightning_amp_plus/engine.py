@@ -507,7 +507,7 @@ def make_engine(
     device: Any,
     skip_nonfinite: Any,
     knobs: dict[str, Any],
-    warn_skip_streak: Any = 50,
+    warn_skip_streak: Any,
     sharded: bool = False,
 ) -> AmpEngine:
     """Validate a plugin's arguments (messages name ``owner``) and build its engine.
