@@ -923,3 +923,22 @@ def test_an_unscale_without_a_step_is_quiet_when_the_gradients_were_zeroed():
     engine.step(opt)
     engine.end_cycle()
     assert torch.equal(model.weight.detach(), before - 0.5 * torch.ones(1, 2))
+
+
+def test_a_bare_engine_warns_after_50_skipped_updates_and_reduces_over_no_rank(monkeypatch):
+    """AmpEngine's own defaults (the plugins pass theirs): warn_skip_streak=50, not sharded."""
+    from tests.helpers.sharded import FakePeer
+
+    peer = FakePeer(monkeypatch, lambda tensor, op: torch.ones_like(tensor))
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("bf16-mixed", None)
+    assert engine.skip_nonfinite is True
+    for step in range(49):
+        _engine_cycle(engine, model, opt, step, bad=True)
+        engine.end_cycle()
+        opt.zero_grad()
+    assert peer.calls == []  # whole gradients on each rank: nothing to reduce
+    _engine_cycle(engine, model, opt, 49, bad=True)
+    with pytest.warns(AmpPlusWarning, match=r"^50 optimizer updates in a row were skipped"):
+        engine.end_cycle()
