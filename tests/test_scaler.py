@@ -679,3 +679,79 @@ def test_small_behaviours_of_the_scaler_by_their_outcome():
     # a factor float32 cannot hold exactly: the product is rounded once, as torch's update kernel does (in double)
     assert _times(torch.tensor(3.0), 1.1).item() == torch.tensor(3.0 * 1.1, dtype=torch.float32).item()
     assert _times(torch.tensor(3.0), 1.1).item() != (torch.tensor(3.0) * 1.1).item()
+
+
+def _clean_cycle(scaler, model, opt):
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(1, 4)).pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_a_tracker_left_above_a_lowered_interval_grows_as_each_rule_says(hysteresis):
+    """torch's kernel (hysteresis 1) grows only when the tracker reaches the interval exactly, so after
+    `set_growth_interval` lowered it below the tracker the scale never grows again (as torch); the hysteresis rule
+    grows at the next clean update."""
+    model, opt = _setup()
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=5, hysteresis=hysteresis)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=5)
+    twin, twin_opt = _setup()
+    for _ in range(3):
+        _clean_cycle(scaler, model, opt)
+        _clean_cycle(torch_scaler, twin, twin_opt)
+    scaler.set_growth_interval(2)
+    torch_scaler.set_growth_interval(2)
+    scales = []
+    for _ in range(3):
+        _clean_cycle(scaler, model, opt)
+        _clean_cycle(torch_scaler, twin, twin_opt)
+        scales.append((scaler.get_scale(), torch_scaler.get_scale()))
+    if hysteresis == 1:
+        assert scales == [(8.0, 8.0)] * 3
+    else:
+        assert [ours for ours, _ in scales] == [16.0, 16.0, 32.0]
+
+
+def test_a_loaded_state_is_what_the_scaler_continues_from():
+    """Every knob and tracker a state holds, at its bounds; what changed is said in one line; unknown keys and
+    wrong types are named."""
+    from lightning_amp_plus.syncs import HostSyncCounter
+
+    source = DynamicLossScaler("cpu", init_scale=8.0, max_scale=1024.0, growth_interval=5)
+    state = source.state_dict()
+    state["_growth_tracker"] = 2**31 - 1  # the largest a tracker can hold
+    model, opt = _setup()
+    target = DynamicLossScaler("cpu", init_scale=64.0)
+    _clean_cycle(target, model, opt)  # it ran before (its last update kept the scale)
+    target.load_state_dict(state)
+    assert target.knobs()["max_scale"] == 1024.0
+    assert target.scale_kept is False  # the next update's scale is the loaded one, not "as before"
+    with HostSyncCounter() as counter:
+        _clean_cycle(target, model, opt)
+    assert counter.count == 1  # the step's own flag read: the loaded tracker is known on the host
+    with pytest.raises(AssertionError, match="^Attempted found_inf but _scale is None"):
+        DynamicLossScaler("cpu").found_inf()
+    with pytest.raises(ValueError, match=r"\(it has no keys\); expected a `GradScaler.state_dict\(\)`\.$"):
+        DynamicLossScaler("cpu").load_state_dict({})
+    with pytest.raises(ValueError, match=r"\(it has 'a', 'b'\); expected"):
+        DynamicLossScaler("cpu").load_state_dict({"a": 1, "b": 2})
+    with pytest.raises(TypeError, match=r"\(scale='8'\)` is invalid: expected a real number, got str\.$"):
+        DynamicLossScaler("cpu").load_state_dict({**state, "scale": "8"})
+
+
+def test_a_loaded_knob_change_is_said_in_one_line(caplog):
+    caplog.set_level("INFO", logger="lightning_amp_plus")
+    target = DynamicLossScaler("cpu", init_scale=8.0)
+    target.load_state_dict(DynamicLossScaler("cpu", init_scale=8.0, growth_interval=7).state_dict())
+    (line,) = [r.getMessage() for r in caplog.records if "replace" in r.getMessage()]
+    assert line.endswith("the checkpoint's values replace this scaler's: growth_interval 2000 -> 7.")
+
+
+def test_the_scaler_passes_every_argument_to_the_optimizer():
+    model = torch.nn.Linear(2, 1)
+    opt = Recording(model.parameters())
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    assert scaler.step(opt, None, "extra", key=1) == "stepped"
+    assert opt.calls == [(False, ("extra",), {"key": 1})]
