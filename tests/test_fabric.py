@@ -83,7 +83,10 @@ def test_bf16_and_state_dict():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"`AmpPlusFabricPrecision\(update='sometimes'\)` is invalid"):
+    with pytest.raises(
+        ValueError,
+        match=r"^`AmpPlusFabricPrecision\(update='sometimes'\)` is invalid: expected one of 'step', 'manual'\.$",
+    ):
         AmpPlusFabricPrecision(update="sometimes")
     with pytest.raises(ValueError, match=r"`AmpPlusFabricPrecision\(precision='bf16-mixed', hysteresis=2\)`"):
         AmpPlusFabricPrecision("bf16-mixed", hysteresis=2)

@@ -269,3 +269,25 @@ def test_the_warning_rule_boundaries_and_its_words():
         for step, scale in enumerate([1.0, 2.0, 1.0, 1.0]):  # above the floor at step 1: not high
             monitor._check({"scale": scale, "underflow_fraction": 0.8, "step": step})
     assert [str(w.message).split("(step ")[1][:1] for w in caught] == ["3"]
+
+
+class _FrozenAndSparse(TinyModel):
+    """An unused parameter (its gradient stays None) and a sparse embedding (a sparse gradient: not measured)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.ones(3))
+        self.sparse = torch.nn.Embedding(10, 8, sparse=True)
+
+    def forward(self, x):
+        return self.net(x + self.sparse(torch.zeros(x.shape[0], dtype=torch.long)))
+
+
+def test_parameters_without_a_dense_gradient_are_left_out_of_the_measurement():
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=2).fit(
+        _FrozenAndSparse()
+    )
+    assert len(monitor.measurements) == 2
+    named = {w["name"] for m in monitor.measurements for w in m["worst"]}
+    assert named == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
