@@ -15,8 +15,11 @@ class AmpPlusWarning(UserWarning):
     """Something is wrong or suspicious in how mixed precision is used (the message says what, and the fix)."""
 
 
-#: top-level packages whose frames are not the user's: a warning points past them, at the line that led there
-_LIBRARIES = frozenset({"lightning_amp_plus", "lightning", "lightning_fabric", "pytorch_lightning", "torch"})
+#: top-level modules whose frames are not the user's (the package, Lightning, torch, and the standard library's
+#: wrappers they run the user's code through): a warning points past them, at the line that led there
+_LIBRARIES = frozenset(
+    {"lightning_amp_plus", "lightning", "lightning_fabric", "pytorch_lightning", "torch", "contextlib", "functools"}
+)
 
 
 def warn_at_user(message: str) -> None:

@@ -231,6 +231,8 @@ class AmpAdvisor(KnobsRepr, Callback):
                 continue
             params = [p for g in real.param_groups for p in g["params"]]
             devices = {p.device.type for p in params}  # fused kernels group by device: each must have one
+            if any(p.grad is not None and p.grad.is_sparse for p in params):
+                continue  # fused kernels refuse sparse gradients (an `Embedding(sparse=True)`)
             if devices <= set(_FUSED[name] or supported) and all(p.is_floating_point() for p in params):
                 found.append({"name": name, "device": ", ".join(sorted(devices))})
         return found

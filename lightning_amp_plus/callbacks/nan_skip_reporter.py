@@ -153,6 +153,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._warned = 0
         self._probe = None
         self._device_origins = {}  # origins told for skips not collected yet: per fit
+        self._unchecked: list[tuple[dict[str, Any], int]] = []  # collected for someone else: checked at finish
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -208,8 +209,14 @@ class NaNSkipReporter(KnobsRepr, Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.detach()  # Lightning skips `teardown` after an exception: a retry must not meet this reporter
-        self._unhook_calls()
+        try:
+            if self._plugin is not None:  # skips a fused optimizer decided: reported, never raised over the error
+                self._read_probe(wait=True)
+                self._collect_device_skips(check=False)
+        finally:
+            self._unchecked = []
+            self.detach()  # Lightning skips `teardown` after an exception: a retry must not meet this reporter
+            self._unhook_calls()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -483,6 +490,15 @@ class NaNSkipReporter(KnobsRepr, Callback):
                 )
         if check:
             self._check_collapse(record)
+        else:
+            self._unchecked.append((record, consecutive))
+
+    def _check_unchecked(self) -> None:
+        """The collapse check of skips collected without it (by ``AmpAdvisor`` before this reporter's own finish)."""
+        unchecked, self._unchecked = self._unchecked, []
+        for record, consecutive in unchecked:
+            self._consecutive = consecutive
+            self._check_collapse(record)
 
     def _check_collapse(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None
@@ -523,6 +539,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
         self._read_probe(wait=True)
         self._collect_device_skips()
+        self._check_unchecked()
         if self._num_skips:
             report = self.report()
             worst = ", ".join(f"{w['name']} ({_count(w['skips'], 'skip')})" for w in report["worst_offenders"][:5])
