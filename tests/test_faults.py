@@ -391,3 +391,25 @@ def test_the_engines_warnings_point_at_the_users_line():
         trainer.fit(TinyModel(poison={0: "inf", 1: "inf"}))
         line = sys._getframe().f_lineno - 1
     assert [(w.filename, w.lineno) for w in caught if w.category is AmpPlusWarning] == [(__file__, line)]
+
+
+def test_the_streak_warning_of_a_manual_training_step_points_at_the_users_fit():
+    """The update closes inside the plugin's training-step context manager (contextlib's frames): still the user's."""
+
+    class Manual(TinyModel):
+        def __init__(self):
+            super().__init__(poison={0: "inf", 1: "inf"})
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            opt.step()
+
+    trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0, warn_skip_streak=2)], max_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Manual())
+        line = sys._getframe().f_lineno - 1
+    assert [(w.filename, w.lineno) for w in caught if w.category is AmpPlusWarning] == [(__file__, line)]

@@ -590,6 +590,10 @@ def test_which_optimizers_are_told_to_fuse_one_rule_per_optimizer():
     class AdamW(torch.optim.AdamW):  # the user's own class of a fused optimizer's name
         pass
 
+    embedding = torch.nn.Embedding(4, 2, sparse=True)
+    embedding(torch.tensor([1])).sum().backward()
+    sparse_params = list(embedding.parameters())
+
     optimizers = [
         torch.optim.SGD(params(), lr=0.1, fused=True),  # fused already
         torch.optim.AdamW(params(), lr=0.1),
@@ -602,6 +606,7 @@ def test_which_optimizers_are_told_to_fuse_one_rule_per_optimizer():
         LightningOptimizer(torch.optim.Adagrad(params(), lr=0.1)),  # as Lightning hands it over
         torch.optim.Adagrad(params("meta"), lr=0.1),  # Adagrad's fused kernel is CPU-only
         torch.optim.SGD(params(), lr=0.1),
+        torch.optim.SGD(sparse_params, lr=0.1),  # fused kernels refuse sparse gradients
     ]
     advisor = AmpAdvisor()
     trainer = SimpleNamespace(optimizers=optimizers)

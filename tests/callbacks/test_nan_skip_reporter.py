@@ -554,3 +554,51 @@ def test_an_origin_decided_on_a_busy_device_is_told_at_the_next_look_or_at_the_e
     assert [(r["step"], r["origin"]) for r in reporter.skips] == [(poisoned, {"phase": "input"})]
     assert (2, last) in _BusyPeek.looks  # its second look told it: at the next batch's start, or waited for
     assert [look for look in _BusyPeek.looks if look[1]] == [(2, True)]  # one wait per fit: the last batch's flag
+
+
+class _FailsAt(_BatchPoison):
+    def __init__(self, at, fail_at, **kwargs):
+        super().__init__(at, **kwargs)
+        self.fail_at = fail_at
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at:
+            raise RuntimeError(f"user error at batch {batch_idx}")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_skip_held_for_its_origin_is_reported_when_the_fit_fails(monkeypatch):
+    from lightning_amp_plus.callbacks import nan_skip_reporter
+
+    _BusyPeek.looks = []
+    monkeypatch.setattr(nan_skip_reporter, "FlagPeek", _BusyPeek)
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    trainer = make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[reporter],
+        max_steps=6,
+        log_every_n_steps=1,
+    )
+    with pytest.raises(RuntimeError, match="^user error at batch 2$"):
+        trainer.fit(_FailsAt({1}, fail_at=2, optimizer="fused_sgd"))
+    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(1, {"phase": "input"})]
+
+
+@pytest.mark.parametrize("advisor_first", [True, False])
+def test_the_collapse_is_raised_whoever_collects_the_last_skips(monkeypatch, advisor_first):
+    """On a busy device the last skips are collected at the end of fit, by AmpAdvisor if it runs first: the reporter
+    still checks them for a collapse."""
+    from lightning_amp_plus import AmpAdvisor
+    from lightning_amp_plus.callbacks import nan_skip_reporter
+
+    _BusyPeek.looks = []
+    monkeypatch.setattr(nan_skip_reporter, "FlagPeek", _BusyPeek)
+    reporter = NaNSkipReporter(max_consecutive_skips=2, max_warnings=0)
+    advisor = AmpAdvisor(print_advice=False)
+    callbacks = [advisor, reporter] if advisor_first else [reporter, advisor]
+    trainer = make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=callbacks, max_steps=6, log_every_n_steps=1
+    )
+    with pytest.raises(LossScaleCollapseError, match="2 consecutive optimizer steps were skipped"):
+        trainer.fit(_BatchPoison({4, 5}, optimizer="fused_sgd"))
+    assert reporter.skipped_steps == [4, 5]
