@@ -153,6 +153,8 @@ class AmpEngine:
         # warn unless they were zeroed since
         cycle = self._cycle
         forgotten = self.forget_unstepped() if cycle is not None and cycle.unscaled else []
+        if self.checker is not None and self._unstepped:
+            self.checker.reset_cycle(self._unstepped)
         stale = [o for o in [*self._unstepped, *forgotten] if _has_gradients(o)]
         self._unstepped = []
         if stale:
@@ -194,6 +196,11 @@ class AmpEngine:
             cycle = self._cycle = UpdateCycle(self.next_step() if step is None else max(step, self.next_step()))
             if self.checker is not None:
                 self.checker.forget_skips()
+                # unscaled in an update that closed without their step (it raised, say), no backward since: still
+                # unscaled, so a retry applies them once (the next backward forgets them)
+                carried = [o for o in self._unstepped if self.checker.is_unscaled(o)]
+                cycle.unscaled.extend(carried)
+                self._unstepped = [o for o in self._unstepped if o not in carried]
         self._know(optimizer)
         return cycle
 
@@ -262,16 +269,17 @@ class AmpEngine:
     def abort_cycle(self) -> None:
         """Close the open cycle after an exception, never raising over it.
 
-        Steps that did run are recorded and update the scale as usual; optimizers unscaled but not stepped are
-        forgotten (their next step unscales again). A no-op when no cycle is open.
+        Steps that did run are recorded and update the scale as usual. Optimizers unscaled but not stepped (the one
+        whose step raised, say) stay unscaled until the next backward, which forgets the unscale (their next step
+        then unscales again): a retry without a backward applies the gradients once. A no-op when no cycle is open.
         """
         try:
-            self.end_cycle()  # a no-op without a step in the cycle
-        except Exception:  # noqa: S110 - the exception being handled is the one that matters
-            pass
-        finally:  # forget every unscale of the cycle: the next step unscales what it applies
+            self.end_cycle()  # unscaled optimizers that did not step: kept for a retry, forgotten at the next backward
+        except Exception:  # the exception being handled is the one that matters; this one leaves no known state
             if self.checker is not None:
-                self.checker.reset_cycle()
+                self.checker.reset_cycle()  # forget every unscale: the next step unscales what it applies
+            self._unstepped = []
+        finally:
             self._cycle = None
 
     def unscaled_not_stepped(self) -> list[Optimizer]:
@@ -293,12 +301,11 @@ class AmpEngine:
         cycle, self._cycle = self._cycle, None  # dropped whole, whatever happens below
         if cycle is None:
             return
-        # unscaled but not stepped (clipped, then no step; or a failed step never retried): the update forgets the
-        # unscale, so the next step unscales everything it applies; the next backward says so if they are kept
+        # unscaled but not stepped (clipped, then no step; or a step that raised): the next backward forgets the
+        # unscale, so the next step unscales everything it applies, and says so if those gradients were kept; a
+        # retry before any backward applies them once
         self._unstepped = cycle.unscaled_not_stepped()
         if not cycle.stepped:
-            if self.checker is not None:
-                self.checker.reset_cycle(self._unstepped)  # no update follows to forget it
             return
         checker = self.checker
         scale_before = 1.0
