@@ -413,3 +413,36 @@ def test_the_streak_warning_of_a_manual_training_step_points_at_the_users_fit():
         trainer.fit(Manual())
         line = sys._getframe().f_lineno - 1
     assert [(w.filename, w.lineno) for w in caught if w.category is AmpPlusWarning] == [(__file__, line)]
+
+
+class _FailsOnce(torch.optim.SGD):
+    """SGD whose first step raises (after the plugin unscaled its gradients)."""
+
+    failed = False
+
+    def step(self, closure=None):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("step failed")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("update", ["step", "manual"])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_a_step_retried_through_fabric_after_it_raised_applies_the_true_gradient_once(precision, update):
+    """The plugin closes the update when a step raises; the unscale stays until the next backward, so the retry
+    (no backward in between) applies the gradients once, not divided by the scale again."""
+    kwargs = {"init_scale": 8.0} if precision == "16-mixed" else {}
+    plugin = AmpPlusFabricPrecision(precision, update=update, **kwargs)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Linear(2, 1)
+    fmodel, opt = fabric.setup(model, _FailsOnce(model.parameters(), lr=0.5))
+    fabric.backward(fmodel(torch.ones(1, 2)).sum())  # true weight gradient [1, 1]
+    with pytest.raises(RuntimeError, match="^step failed$"):
+        opt.step()
+    before = model.weight.detach().clone()
+    opt.step()
+    if update == "manual":
+        plugin.update()
+    assert torch.equal(model.weight.detach(), before - 0.5 * torch.ones(1, 2))
+    assert plugin.history.num_steps == 1
