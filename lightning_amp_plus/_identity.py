@@ -10,6 +10,7 @@ never imported cannot exist, so this module needs neither Lightning nor Fabric.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 #: (module, class, attribute holding what it wraps): Lightning's and Fabric's optimizer wrappers (the user's optimizer
@@ -33,8 +34,9 @@ def _imported(module_name: str, class_name: str) -> type | None:
 
 
 #: per type, where it keeps what it wraps. Exact and never stale: a wrapper's instance exists only once its module
-#: is imported, and a type's bases never change. (``functools.cache`` would do, but mypy takes no type as hashable.)
-_INNER: dict[type, str | None] = {}
+#: is imported, and a type's bases never change. Weak: Lightning and Fabric make a class per wrapper instance, and an
+#: entry goes with its class.
+_INNER: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
 
 
 def _inner_attribute(cls: type) -> str | None:

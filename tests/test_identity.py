@@ -88,3 +88,16 @@ def test_a_type_is_looked_up_once(monkeypatch):
     resolve_optimizer(fresh)
     resolve_module(fresh)
     assert len(calls) == len(KNOWN)  # then a cached answer per type
+
+
+def test_the_per_type_cache_lets_a_wrappers_class_go():
+    """Lightning makes a class per LightningOptimizer: a sweep of many fits must not keep them all."""
+    import gc
+
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    for _ in range(20):
+        assert resolve_optimizer(LightningOptimizer(sgd)) is sgd
+    gc.collect()
+    assert sum(1 for cls in list(_identity._INNER.keys()) if cls.__name__ == "LightningSGD") <= 1
