@@ -291,3 +291,26 @@ def test_parameters_without_a_dense_gradient_are_left_out_of_the_measurement():
     assert len(monitor.measurements) == 2
     named = {w["name"] for m in monitor.measurements for w in m["worst"]}
     assert named == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+
+
+class _ExtraTensor(TinyModel):
+    """The optimizer also holds a leaf tensor that is no parameter of the module (a learned temperature, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.ones(3, requires_grad=True)
+
+    def forward(self, x):
+        return self.net(x) * self.temperature.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.parameters(), self.temperature], lr=0.01)
+
+
+def test_a_tensor_the_module_does_not_name_is_measured_by_its_shape():
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1).fit(
+        _ExtraTensor()
+    )
+    (measurement,) = monitor.measurements
+    assert "<unnamed (3,)>" in {w["name"] for w in measurement["worst"]}
