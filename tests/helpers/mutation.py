@@ -28,6 +28,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_plot.py",
             "tests/test_islands.py",
             "tests/test_tree.py",
+            "tests/test_identity.py",
             "tests/test_fabric.py",
             "tests/test_fsdp.py",
             "tests/test_syncs.py",
