@@ -314,3 +314,31 @@ def test_a_tensor_the_module_does_not_name_is_measured_by_its_shape():
     )
     (measurement,) = monitor.measurements
     assert "<unnamed (3,)>" in {w["name"] for w in measurement["worst"]}
+
+
+def test_a_sharded_measurement_sums_the_ranks_and_takes_the_largest_gradient(monkeypatch):
+    """Each rank measures its shards (a parameter may have no gradient on a rank); the counts are summed and the
+    largest gradient is the largest of the ranks': with a second rank holding nothing, the figures are this rank's,
+    and the parameter without a gradient counts no element."""
+    from lightning_amp_plus.callbacks import grad_underflow_monitor
+    from tests.helpers.sharded import FakePeer
+
+    def fit(sharded):
+        torch.manual_seed(0)
+        monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+        trainer = make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=2
+        )
+        with monkeypatch.context() as patch:
+            if sharded:
+                peer = FakePeer(patch, lambda tensor, op: torch.zeros_like(tensor))
+                patch.setattr(grad_underflow_monitor, "shards_gradients", lambda trainer: True)
+            trainer.fit(_FrozenAndSparse())
+        return monitor.measurements, (peer.calls if sharded else None)
+
+    plain, _ = fit(False)
+    sharded, calls = fit(True)
+    sum_, max_ = torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX
+    assert [c["op"] for c in calls] == [sum_, max_] * 2  # one sum of the counts, one max of the largest, per step
+    keys = ("step", "scale", "underflow_fraction", "zero_fraction", "headroom_bits")
+    assert [{k: m[k] for k in keys} for m in sharded] == [{k: m[k] for k in keys} for m in plain]
