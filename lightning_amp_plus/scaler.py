@@ -332,12 +332,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if self._found_inf_combined is None:
             scale, _ = self._check_scale_growth_tracker("found_inf")
-            states = list(self._per_optimizer_states.values())
-            if len(states) == 1 and len(states[0]["found_inf_per_device"]) == 1:  # the usual case: no op at all
-                (flag,) = states[0]["found_inf_per_device"].values()
-                if flag.device == scale.device:
-                    self._found_inf_combined = flag
-                    return flag
+            # one flag on the scale's device (the usual case): `.to` returns it, no op at all
             found_infs = [
                 found_inf.to(device=scale.device, non_blocking=True)
                 for state in self._per_optimizer_states.values()
@@ -365,15 +360,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         states = self._per_optimizer_states
         if not states:
             return None
-        overflowed = False
+        outcomes = []
         for key, state in states.items():
             if state["stage"] is not OptState.STEPPED:  # checked (clipped) without a step: not decided here
                 return None
             skipped = self._last_skipped.get(key)  # set by this cycle's step
             if not isinstance(skipped, bool):
                 return None
-            overflowed = overflowed or skipped
-        return overflowed
+            outcomes.append(skipped)
+        return any(outcomes)
 
     @property
     def scale_kept(self) -> bool:

@@ -755,3 +755,44 @@ def test_the_scaler_passes_every_argument_to_the_optimizer():
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
     assert scaler.step(opt, None, "extra", key=1) == "stepped"
     assert opt.calls == [(False, ("extra",), {"key": 1})]
+
+
+def test_a_callers_scale_is_kept_inside_the_bounds_and_ends_the_cycle():
+    model, opt = _setup()
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, min_scale=2.0, max_scale=1024.0)
+    with pytest.raises(AssertionError, match="^Attempted update but _scale is None"):
+        scaler.update()
+    _clean_cycle(scaler, model, opt)
+    scaler.update(1e9)
+    assert scaler.get_scale() == 1024.0
+    scaler.update(0.5)
+    assert scaler.get_scale() == 2.0
+    with pytest.raises(AssertionError, match="^No inf checks were recorded"):  # no flag of an ended cycle is left
+        scaler.found_inf()
+
+
+def test_one_optimizers_flag_is_the_cycles_flag_with_no_device_op():
+    from tests.test_cycle_rules import OpCounter
+
+    model, opt = _setup()
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(1, 4)).pow(2).mean()).backward()
+    scaler.step(opt)
+    with OpCounter() as counter:
+        flag = scaler.found_inf()
+    assert dict(counter.ops) == {}
+    assert float(flag) == 0.0
+
+
+def test_a_fused_step_gets_every_argument_too():
+    class FusedRecording(Recording):
+        def __init__(self, params):
+            torch.optim.SGD.__init__(self, params, lr=0.1, fused=True)
+            self.calls = []
+
+    model = torch.nn.Linear(2, 1)
+    opt = FusedRecording(model.parameters())
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt, None, "extra", key=1)
+    assert opt.calls == [(False, ("extra",), {"key": 1})]
