@@ -67,7 +67,7 @@ class HostSyncCounter(TorchDispatchMode):
         elif func in _COPIES:
             out = func(*args, **kwargs)
             source = args[1] if func is torch.ops.aten.copy_.default else args[0]
-            target = args[0] if func is torch.ops.aten.copy_.default else out
+            target = out  # `copy_` returns the tensor it copied into
             if (
                 isinstance(source, Tensor)
                 and isinstance(target, Tensor)
@@ -116,4 +116,4 @@ class FlagPeek:
             for counter in _ACTIVE:
                 counter.count += 1  # a wait: a host sync
             self._event.synchronize()
-        return float(self._copy.reshape(-1).tolist()[0])
+        return float(self._copy.flatten().tolist()[0])

@@ -222,9 +222,10 @@ def test_a_peek_on_cuda_copies_without_blocking_and_waits_only_when_asked(fake_e
         assert busy.value() == 3.0  # done: read from host memory, no wait
         assert busy.value(wait=True) == 3.0  # nothing left to wait for
         assert (counter.count, fake_event[0].waits) == (0, 0)
+        float(torch.ones(()))  # a sync of the user's own
         waited = FlagPeek(OnCuda(0.0))
         assert waited.value(wait=True) == 0.0
-        assert (counter.count, fake_event[1].waits) == (1, 1)  # the one wait is a host sync
+        assert (counter.count, fake_event[1].waits) == (2, 1)  # the wait is one more host sync
 
 
 def test_a_peek_is_no_sync_and_the_counter_counts_again_after_it(fake_event):
@@ -235,7 +236,8 @@ def test_a_peek_is_no_sync_and_the_counter_counts_again_after_it(fake_event):
     with FakeTensorMode():
         flag = torch.zeros((), device="cuda")
         with HostSyncCounter() as counter:
-            FlagPeek(flag)
+            peek = FlagPeek(flag)
             assert counter.count == 0  # its device-to-host copy does not block
+            assert peek._copy.device.type == "cpu"  # the copy it made is on the host (its arguments reached it)
             flag.to("cpu")
             assert counter.count == 1  # a plain copy after it still does
