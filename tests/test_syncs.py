@@ -191,7 +191,11 @@ def test_a_device_to_host_copy_is_a_sync_and_no_other_copy_is():
             with HostSyncCounter() as counter:
                 devices[name] = op().device.type
             counts[name] = counter.count
+        with HostSyncCounter() as together:
+            for op in ops.values():
+                op()
     assert counts == {name: int(name in ("to the host", "copied into host memory")) for name in ops}
+    assert together.count == 2  # each one counted
     assert devices == {name: "cuda" if "device" in name else "cpu" for name in ops}  # each op's own result
 
 
