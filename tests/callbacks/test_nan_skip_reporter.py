@@ -519,6 +519,7 @@ class _BusyPeek:
     waited for). Every look is counted, so a test sees which look told it."""
 
     looks: list[tuple[int, bool]] = []
+    busy_looks = 1
 
     def __init__(self, tensor):
         from lightning_amp_plus.syncs import FlagPeek
@@ -529,7 +530,7 @@ class _BusyPeek:
     def value(self, wait=False):
         self._seen += 1
         _BusyPeek.looks.append((self._seen, wait))
-        if self._seen == 1 and not wait:
+        if self._seen <= self.busy_looks and not wait:
             return None
         return self._real.value(wait=wait)
 
@@ -602,3 +603,17 @@ def test_the_collapse_is_raised_whoever_collects_the_last_skips(monkeypatch, adv
     with pytest.raises(LossScaleCollapseError, match="2 consecutive optimizer steps were skipped"):
         trainer.fit(_BatchPoison({4, 5}, optimizer="fused_sgd"))
     assert reporter.skipped_steps == [4, 5]
+
+
+def test_the_advisor_waits_for_the_last_batchs_origin_on_a_busy_device(monkeypatch):
+    from lightning_amp_plus import AmpAdvisor
+    from lightning_amp_plus.callbacks import nan_skip_reporter
+
+    _BusyPeek.looks = []
+    monkeypatch.setattr(_BusyPeek, "busy_looks", 5)  # still busy whenever looked at without waiting
+    monkeypatch.setattr(nan_skip_reporter, "FlagPeek", _BusyPeek)
+    advisor = AmpAdvisor(print_advice=False)  # runs its own reporter: it must read the held probe itself
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=4).fit(
+        _BatchPoison({3}, optimizer="fused_sgd")
+    )
+    assert advisor.figures.origins == [{"phase": "input", "step": 3}]
