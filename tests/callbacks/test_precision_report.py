@@ -198,3 +198,65 @@ def test_the_table_word_for_word():
     assert lines[0] == "PrecisionReport"
     assert lines[-1] == "2 module(s) do heavy work in float32 under mixed precision: a, b"
     assert len(lines) == 5
+
+
+class _Clock:
+    """A clock the modules move: each one's forward takes the ticks it is given, nothing else takes time."""
+
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls):
+        return cls.now
+
+
+class _Ticks(nn.Module):
+    def __init__(self, ticks):
+        super().__init__()
+        self.ticks = ticks
+
+    def forward(self, x):
+        _Clock.now += self.ticks
+        return x
+
+
+class _Timed(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.heavy, self.light, self.unused = _Ticks(3.0), _Ticks(1.0), _Ticks(5.0)
+        self.seen = []
+
+    def forward(self, x):
+        x = self.light(self.heavy(x))
+        return self.net(x)
+
+
+def test_time_shares_are_each_modules_own_time_and_a_module_that_never_ran_has_no_row(monkeypatch):
+    from lightning_amp_plus.callbacks import precision_report
+
+    _Clock.now = 0.0
+    monkeypatch.setattr(precision_report.time, "perf_counter", _Clock.perf_counter)
+    report = PrecisionReport(print_table=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[report], max_steps=1).fit(_Timed())
+    rows = {r["name"]: r for r in report.rows}
+    assert "unused" not in rows
+    assert (rows["heavy"]["time_ms"], rows["light"]["time_ms"]) == (3000.0, 1000.0)
+    assert (rows["heavy"]["time_share"], rows["light"]["time_share"]) == (0.75, 0.25)
+
+
+class _TwoDtypes(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.probe = nn.Identity()
+
+    def forward(self, x):
+        self.probe(x.half())
+        self.probe(x.float())  # called again, in another dtype
+        return self.net(x)
+
+
+def test_a_modules_input_dtype_is_its_first_calls():
+    report = PrecisionReport(print_table=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[report], max_steps=1).fit(_TwoDtypes())
+    (probe,) = [r for r in report.rows if r["name"] == "probe"]
+    assert probe["input_dtype"] == "float16"
