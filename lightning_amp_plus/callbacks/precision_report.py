@@ -185,9 +185,7 @@ class PrecisionReport(KnobsRepr, Callback):
 
     def _hook_leaf(self, name: str, module: nn.Module, device_type: str, *, compiled: bool, handles: list[Any]) -> None:
         use_events = device_type == "cuda"
-        stats = self._stats.setdefault(
-            name, {"module": module, "calls": 0, "time": 0.0, "events": [], "compiled": compiled}
-        )
+        stats = self._stats.setdefault(name, {"module": module, "time": 0.0, "events": [], "compiled": compiled})
 
         def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
             if name not in self._order:
@@ -208,8 +206,7 @@ class PrecisionReport(KnobsRepr, Callback):
                 stats["events"].append((stats.pop("start"), end))
             else:
                 stats["time"] += time.perf_counter() - stats.pop("t0")
-            stats["calls"] += 1
-            stats["output"] = _first_dtype(output)
+            stats["output"] = _first_dtype(output)  # also: a call ended (a forward that raised has none)
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
@@ -259,7 +256,7 @@ class PrecisionReport(KnobsRepr, Callback):
             torch.cuda.synchronize()
             for s in self._stats.values():
                 s["time"] = sum(a.elapsed_time(b) for a, b in s["events"]) / 1e3
-        ran = [(n, self._stats[n]) for n in self._order if self._stats[n]["calls"]]
+        ran = [(n, self._stats[n]) for n in self._order if "output" in self._stats[n]]
         total = sum(s["time"] for _, s in ran) or 1.0
         mixed = self._precision.endswith("-mixed")
         rows = []
