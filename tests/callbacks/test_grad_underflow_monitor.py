@@ -342,3 +342,14 @@ def test_a_sharded_measurement_sums_the_ranks_and_takes_the_largest_gradient(mon
     assert [c["op"] for c in calls] == [sum_, max_] * 2  # one sum of the counts, one max of the largest, per step
     keys = ("step", "scale", "underflow_fraction", "zero_fraction", "headroom_bits")
     assert [{k: m[k] for k in keys} for m in sharded] == [{k: m[k] for k in keys} for m in plain]
+
+
+@pytest.mark.parametrize(
+    ("name", "least"), [("every_n_steps", 1), ("per_parameter", 0), ("patience", 1), ("max_warnings", 0)]
+)
+def test_each_count_argument_is_refused_below_its_least_value_by_name(name, least):
+    with pytest.raises(
+        ValueError, match=rf"^`GradUnderflowMonitor\({name}={least - 1}\)` is invalid: expected an int >= {least}\.$"
+    ):
+        GradUnderflowMonitor(**{name: least - 1})
+    assert getattr(GradUnderflowMonitor(**{name: least}), name) == least
