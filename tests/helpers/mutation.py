@@ -82,7 +82,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
 def run(group: str, workers: int, folder: str | None, only: list[str] | None = None) -> str:
     modules, selection = GROUPS[group]
     if only:
-        unknown = sorted(set(only) - set(modules))
+        unknown = sorted(m for m in only if not any(m == g or m.startswith(g + ".") for g in modules))
         if unknown:
             raise SystemExit(f"--only: {unknown} not in group {group!r}; its modules are {modules}")
         modules = only
@@ -203,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("group", choices=sorted(GROUPS))
     go.add_argument("--workers", type=int, default=2)
     go.add_argument("--folder", default=None, help="where to clone (default: a new temporary folder)")
-    go.add_argument("--only", nargs="+", default=None, metavar="MODULE", help="mutate only these modules of the group")
+    go.add_argument(
+        "--only", nargs="+", default=None, metavar="MODULE", help="mutate only these modules (e.g. callbacks.advisor)"
+    )
     again = sub.add_parser("recheck", help="a run's survivors against a wider selection (default: every fast test)")
     again.add_argument("folder")
     again.add_argument("--tests", nargs="+", default=["tests/"], help="the wider selection")
