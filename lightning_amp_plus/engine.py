@@ -188,10 +188,9 @@ class AmpEngine:
 
     def begin(self, optimizer: Optimizer, step: Optional[int] = None) -> UpdateCycle:
         """Open an update (or join the open one) for ``optimizer``; ``step`` is the caller's step index."""
-        cycle = self._cycle
-        if cycle is not None and cycle.did_step(optimizer):
+        if self._cycle is not None and self._cycle.did_step(optimizer):
             self.end_cycle()  # the same optimizer steps twice before the update closed: close it first
-            cycle = None
+        cycle = self._cycle
         if cycle is None:
             cycle = self._cycle = UpdateCycle(self.next_step() if step is None else max(step, self.next_step()))
             if self.checker is not None:

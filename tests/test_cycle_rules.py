@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import pickle
 import random
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -942,3 +943,68 @@ def test_a_bare_engine_warns_after_50_skipped_updates_and_reduces_over_no_rank(m
     _engine_cycle(engine, model, opt, 49, bad=True)
     with pytest.warns(AmpPlusWarning, match=r"^50 optimizer updates in a row were skipped"):
         engine.end_cycle()
+
+
+def test_an_unchecked_bf16_engine_takes_an_unscale_without_a_step():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = AmpEngine("bf16-mixed", None, skip_nonfinite=False)  # nothing checks: nothing to forget
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    engine.unscale(opt)
+    engine.end_cycle()
+    opt.zero_grad()
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    before = model.weight.detach().clone()
+    engine.begin(opt, 1)
+    engine.step(opt)
+    engine.end_cycle()
+    assert torch.equal(model.weight.detach(), before - 0.5 * torch.ones(1, 2))
+
+
+def test_the_same_optimizer_stepping_twice_makes_two_updates_and_a_bare_second_step_is_refused():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    for step in range(2):  # a second backward and step before the update closed: the first one closes it
+        engine.scale(model(torch.ones(1, 2)).sum()).backward()
+        engine.begin(opt, step)
+        engine.step(opt)
+    engine.end_cycle()
+    assert engine.history.num_steps == 2
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 2)
+    engine.step(opt)
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update\(\)"):
+        engine.step(opt)  # no backward, no new update: the gradients would be applied twice
+
+
+def test_an_unscale_carried_into_the_next_update_is_said_once_at_the_next_backward():
+    model = nn.Linear(2, 1)
+    opt = _Flaky(model.parameters(), lr=0.5)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 0)
+    engine.unscale(opt)
+    with pytest.raises(RuntimeError, match="^step failed$"):
+        engine.step(opt)
+    engine.abort_cycle()
+    engine.begin(opt, 1)  # the retry's update: the unscale is carried into it
+    with pytest.warns(AmpPlusWarning, match=r"^1 optimizer\(s\) had their gradients unscaled"):
+        engine.scale(model(torch.ones(1, 2)).sum()).backward()  # but a backward came first: forgotten, once
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(2, [1, 4]), (1, [0, 3])])
+def test_each_streak_of_skips_is_warned_about(limit, expected):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=2.0**20), warn_skip_streak=limit)
+    warned = []
+    for step, bad in enumerate([True, True, False, True, True]):
+        _engine_cycle(engine, model, opt, step, bad=bad)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.end_cycle()
+        warned += [step for w in caught if w.category is AmpPlusWarning]
+        opt.zero_grad()
+    assert warned == expected
