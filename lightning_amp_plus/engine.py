@@ -153,10 +153,12 @@ class AmpEngine:
         # warn unless they were zeroed since
         cycle = self._cycle
         forgotten = self.forget_unstepped() if cycle is not None and cycle.unscaled else []
-        if self.checker is not None and self._unstepped:
-            self.checker.reset_cycle(self._unstepped)
-        stale = [o for o in [*self._unstepped, *forgotten] if _has_gradients(o)]
-        self._unstepped = []
+        stale: list[Optimizer] = []
+        if self._unstepped or forgotten:
+            if self.checker is not None and self._unstepped:
+                self.checker.reset_cycle(self._unstepped)
+            stale = [o for o in [*self._unstepped, *forgotten] if _has_gradients(o)]
+            self._unstepped = []
         if stale:
             warn_at_user(
                 f"{len(stale)} optimizer(s) had their gradients unscaled (e.g. by clipping) but did not step"
@@ -197,9 +199,10 @@ class AmpEngine:
                 self.checker.forget_skips()
                 # unscaled in an update that closed without their step (it raised, say), no backward since: still
                 # unscaled, so a retry applies them once (the next backward forgets them)
-                carried = [o for o in self._unstepped if self.checker.is_unscaled(o)]
-                cycle.unscaled.extend(carried)
-                self._unstepped = [o for o in self._unstepped if o not in carried]
+                if self._unstepped:
+                    carried = [o for o in self._unstepped if self.checker.is_unscaled(o)]
+                    cycle.unscaled.extend(carried)
+                    self._unstepped = [o for o in self._unstepped if o not in carried]
         self._know(optimizer)
         return cycle
 
@@ -303,7 +306,7 @@ class AmpEngine:
         # unscaled but not stepped (clipped, then no step; or a step that raised): the next backward forgets the
         # unscale, so the next step unscales everything it applies, and says so if those gradients were kept; a
         # retry before any backward applies them once
-        self._unstepped = cycle.unscaled_not_stepped()
+        self._unstepped = cycle.unscaled_not_stepped() if cycle.unscaled else []
         if not cycle.stepped:
             return
         checker = self.checker
