@@ -796,3 +796,44 @@ def test_a_fused_step_gets_every_argument_too():
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
     scaler.step(opt, None, "extra", key=1)
     assert opt.calls == [(False, ("extra",), {"key": 1})]
+
+
+def test_the_sharded_scalers_default_device_is_cuda_off_where_there_is_none():
+    """As torch's GradScaler: CUDA by default, turned off (with torch's warning) where CUDA is not available."""
+    from lightning_amp_plus import ShardedDynamicLossScaler
+
+    if torch.cuda.is_available():
+        assert ShardedDynamicLossScaler().is_enabled()
+    else:
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            assert not ShardedDynamicLossScaler().is_enabled()
+
+
+def test_knobs_name_every_setting_in_force():
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=5, hysteresis=2)
+    assert scaler.knobs() == {
+        "init_scale": 8.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 5,
+        "min_scale": 1.0,
+        "max_scale": 2.0**24,
+        "hysteresis": 2,
+    }
+
+
+def test_asking_about_an_optimizer_it_never_saw_changes_nothing():
+    from tests.test_cycle_rules import OpCounter
+
+    ops = []
+    for ask in (False, True):
+        model, opt = _setup()
+        scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=100)
+        scaler.scale(model(torch.ones(1, 4)).pow(2).mean()).backward()
+        scaler.step(opt)
+        if ask:
+            assert scaler.is_unscaled(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)) is False
+        with OpCounter() as counter:
+            scaler.update()
+        ops.append(dict(counter.ops))
+    assert ops[0] == ops[1]  # still the host's fast path: the stranger left no state behind
