@@ -184,13 +184,26 @@ def run_once(
     y = torch.randn(batch, sizes[2], device=device)
     plugins, callbacks = make()
     timer = StepTimer(device, warmup, count_syncs)
-    trainer = Trainer(
+    with tempfile.TemporaryDirectory(prefix="amp-bench-") as log_dir:  # every config logs: the monitor's path is timed
+        trainer = _trainer(device, plugins, [timer, *callbacks], steps + warmup, log_dir, clip)
+        model = MLP(sizes)
+        gc.collect()  # the previous rounds' garbage is not this configuration's cost
+        _reset_peak(device)
+        trainer.fit(model, train_dataloaders=Batches(x, y, steps + warmup))
+    measured = max(1, trainer.global_step - warmup)
+    return timer.times, _peak_mib(device), timer.syncs if count_syncs else measured
+
+
+def _trainer(
+    device: str, plugins: list, callbacks: list, max_steps: int, log_dir: str, clip: Optional[float]
+) -> Trainer:
+    return Trainer(
         accelerator=device,
         devices=1,
         plugins=plugins,
-        callbacks=[timer, *callbacks],
-        max_steps=steps + warmup,
-        logger=CSVLogger(tempfile.mkdtemp(prefix="amp-bench-")),  # every config logs: the monitor's path is timed
+        callbacks=callbacks,
+        max_steps=max_steps,
+        logger=CSVLogger(log_dir),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -198,12 +211,6 @@ def run_once(
         num_sanity_val_steps=0,
         gradient_clip_val=clip,
     )
-    model = MLP(sizes)
-    gc.collect()  # the previous rounds' garbage is not this configuration's cost
-    _reset_peak(device)
-    trainer.fit(model, train_dataloaders=Batches(x, y, steps + warmup))
-    measured = max(1, trainer.global_step - warmup)
-    return timer.times, _peak_mib(device), timer.syncs if count_syncs else measured
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:

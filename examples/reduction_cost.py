@@ -121,7 +121,9 @@ def worker(rank: int, port: int, params: int, out: str) -> None:
 
 def measure(params: int = 200, out: str | None = None) -> dict[str, Any]:
     """Run the 2 processes and return rank 0's figures."""
-    out = out or tempfile.mkdtemp(prefix="reduction-cost-")
+    if out is None:
+        with tempfile.TemporaryDirectory(prefix="reduction-cost-") as folder:
+            return measure(params, folder)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -34,12 +34,17 @@ class QuietModel(TinyModel):
 def count_syncs(plugin, callbacks=(), optimizer="sgd", steps=STEPS, **trainer_kwargs):
     """Host syncs of a whole fit, less Lightning's fixed set-up and tear-down ones (a fit of 0 steps' worth)."""
     model = QuietModel(optimizer=optimizer, lr=1e-3)
+    with tempfile.TemporaryDirectory() as log_dir:
+        return _count_fit(model, plugin, callbacks, steps, log_dir, trainer_kwargs)
+
+
+def _count_fit(model, plugin, callbacks, steps, log_dir, trainer_kwargs):
     trainer = make_trainer(
         plugins=[plugin],
         callbacks=list(callbacks),
         max_steps=steps,
         log_every_n_steps=INTERVAL,
-        logger=CSVLogger(tempfile.mkdtemp()),  # a real logger: the monitor's logging path is counted too
+        logger=CSVLogger(log_dir),  # a real logger: the monitor's logging path is counted too
         **trainer_kwargs,
     )
     with HostSyncCounter() as counter:
