@@ -617,3 +617,106 @@ def test_the_advisor_waits_for_the_last_batchs_origin_on_a_busy_device(monkeypat
         _BatchPoison({3}, optimizer="fused_sgd")
     )
     assert advisor.figures.origins == [{"phase": "input", "step": 3}]
+
+
+class _Deep(TinyModel):
+    """Three linear layers: six parameters, enough to rank more worst offenders than the summary names."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("skips", [20, 21])
+def test_the_summary_names_twenty_steps_and_five_offenders_by_count(tmp_path, caplog, skips):
+    """Every other update poisons one parameter's gradient; parameter k is poisoned 6 - k times (21 in all): the
+    summary lists the first 20 skipped steps (then "...", only when there are more) and the 5 most frequent offenders,
+    most frequent first; the JSON report says what a step is."""
+    names = ["net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias", "net.2.weight", "net.2.bias"]
+    order = [name for k, name in enumerate(names) for _ in range(6 - k)][:skips]
+    poison = {2 * i: name for i, name in enumerate(order)}
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**16, min_scale=2.0**-16)
+    reporter = NaNSkipReporter(max_warnings=0, report_path=tmp_path / "skips.json")
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=2 * skips).fit(_Deep(grad_poison=poison))
+    (summary,) = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
+    steps = ", ".join(str(2 * i) for i in range(20)) + (", ..." if skips > 20 else "")
+    counts = {name: order.count(name) for name in names}
+    worst = ", ".join(f"{n} ({counts[n]} skip{'s' if counts[n] > 1 else ''})" for n in names[:5])
+    assert summary == (
+        f"`NaNSkipReporter`: {skips} of {2 * skips} updates skipped (at step {steps}); worst offenders: {worst}."
+    )
+    report = json.loads((tmp_path / "skips.json").read_text())
+    assert report["worst_offenders"] == [{"name": n, "skips": counts[n]} for n in names if counts[n]]
+    assert report["unit"].startswith("update: one loss-scale cycle")
+    assert report["unit"].endswith("steps are the logger's step")
+
+
+def test_a_fused_optimizers_skips_without_offenders_name_none_in_the_summary(caplog):
+    model = TinyModel(poison={2: "inf"}, optimizer="fused_adamw", lr=1e-3)
+    reporter = NaNSkipReporter(max_warnings=0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
+        model
+    )
+    (summary,) = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
+    assert summary == "`NaNSkipReporter`: 1 of 4 updates skipped (at step 2); worst offenders: unknown."
+
+
+class _Temperature(TinyModel):
+    """The optimizer also trains a tensor that is no parameter of the module; step 1 poisons its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = [torch.nn.Parameter(torch.ones(3))]  # a list: the module does not register it
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        scale = self.extra[0]
+        if self.trainer.global_step == 1:
+            scale = scale * torch.tensor([1.0, float("inf"), 1.0])
+        return loss * scale.sum() / 3
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.parameters(), *self.extra], lr=0.01)
+
+
+def test_an_offender_the_module_does_not_name_is_told_by_its_shape():
+    reporter = NaNSkipReporter(max_warnings=0)
+    model = _Temperature()
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=3).fit(
+        model
+    )
+    (record,) = reporter.skips
+    assert "<unnamed (3,)>" in [o["name"] for o in record["offenders"]]
+
+
+def test_sharded_offenders_and_loss_are_summed_and_averaged_over_the_ranks(monkeypatch):
+    """Sharded gradients: the other rank (a fake peer) saw one inf and one nan in every parameter and a loss of 7;
+    the record sums the counts (a parameter without a gradient on this rank is named for the other's) and averages
+    the loss."""
+    from lightning_amp_plus.callbacks import nan_skip_reporter
+    from tests.helpers.sharded import FakePeer
+
+    def other_rank(tensor, op):
+        return torch.ones_like(tensor) if tensor.dtype == torch.int64 else torch.full_like(tensor, 7.0)
+
+    class _Unused(TinyModel):
+        def __init__(self):
+            super().__init__(grad_poison={1: "net.2.bias"})
+            self.unused = torch.nn.Parameter(torch.ones(2))
+
+    reporter = NaNSkipReporter(max_warnings=0)
+    model = _Unused()
+    trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=3)
+    peer = FakePeer(monkeypatch, other_rank)
+    monkeypatch.setattr(nan_skip_reporter, "shards_gradients", lambda trainer: True)
+    trainer.fit(model)
+    (record,) = reporter.skips
+    assert record["offenders"] == [
+        {"name": "unused", "inf": 1, "nan": 1},  # no gradient here (the module's own parameter, listed first)
+        {"name": "net.0.weight", "inf": 1, "nan": 1},
+        {"name": "net.0.bias", "inf": 1, "nan": 1},
+        {"name": "net.2.weight", "inf": 1, "nan": 1},
+        {"name": "net.2.bias", "inf": 2, "nan": 1},  # its one element inf here
+    ]
+    assert record["loss"] == pytest.approx((model.losses[1] + 7.0) / 2)
+    assert {c["theirs"].dtype for c in peer.calls} == {torch.int64, torch.float32}
