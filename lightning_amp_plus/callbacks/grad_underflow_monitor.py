@@ -48,6 +48,11 @@ def underflow_fraction(below: float, zeros: float, total: float) -> float:
     return (below - zeros) / nonzero if nonzero > 0 else 0.0
 
 
+def _larger(a: float, b: float) -> float:
+    """The larger of two optimizers' largest gradients in one update; nan when either is (no headroom to tell)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 class GradUnderflowMonitor(KnobsRepr, Callback):
     """Measure the scaled gradients before they are unscaled, every ``every_n_steps`` optimizer steps (16-mixed).
 
@@ -213,19 +218,16 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             values = to_host(packed)  # the one host transfer of this measurement
         n = len(grads)
         largest_value, scale_value = values[0], values[1]
-        measured = dict(
-            zip(
-                keys,
-                zip(names, values[2 : 2 + n], values[2 + n : 2 + 2 * n], values[2 + 2 * n :], strict=True),
-                strict=True,
-            )
-        )
+        # per parameter: its name, exact zeros, elements below float16's smallest normal, elements
+        measured = {
+            key: (names[i], values[2 + i], values[2 + n + i], values[2 + 2 * n + i]) for i, key in enumerate(keys)
+        }
         raw = self._raw
         if raw is not None and raw["step"] == step:
             # another optimizer's measurement at the same update (manual optimization with several optimizers): one
             # record of the update, over every parameter measured in it (a parameter measured again: the latest)
             raw["per"].update(measured)
-            largest_value = max(raw["largest"], largest_value) if math.isfinite(raw["largest"]) else raw["largest"]
+            largest_value = _larger(raw["largest"], largest_value)
             self.measurements.pop()
             self._high = raw["high_before"]
         else:

@@ -1,3 +1,4 @@
+import math
 import warnings
 
 import pytest
@@ -230,6 +231,43 @@ def test_two_optimizers_stepping_in_one_update_give_one_measurement_of_both(tmp_
     assert last == {m["step"]: pytest.approx(m["underflow_fraction"]) for m in monitor.measurements}
 
 
+class _LoudB(TwoOptimizers):
+    """``b``'s gradients dwarf ``a``'s; at step 1 ``a``'s loss is inf, at step 2 ``b``'s is nan."""
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        step = self.trainer.global_step // 2  # each optimizer's step counts
+        loss_a = torch.nn.functional.mse_loss(self.net(x).float(), y) * (float("inf") if step == 1 else 1.0)
+        self.manual_backward(loss_a)
+        opt_a.step()
+        opt_a.zero_grad()
+        loss_b = self.b(x).float().pow(2).mean() * 100.0 * (float("nan") if step == 2 else 1.0)
+        self.manual_backward(loss_b)
+        opt_b.step()
+        opt_b.zero_grad()
+
+
+def test_the_headroom_of_an_update_is_of_the_largest_gradient_of_every_optimizer_and_none_when_one_is_nan_or_inf():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    monitor = GradUnderflowMonitor(every_n_steps=1)
+    seen = {}
+
+    def capture(optimizer, step):
+        grads = [p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen.setdefault(step, []).append(max(float(g.abs().max()) for g in grads))
+
+    trainer = make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=8)  # 4 batches
+    plugin.before_unscale_listeners.append(capture)
+    trainer.fit(_LoudB())
+    assert [m["step"] for m in monitor.measurements] == [0, 1, 2, 3]
+    for step in (0, 3):
+        a, b = seen[step]
+        assert b > a  # the second optimizer's gradient is the update's largest
+        assert monitor.measurements[step]["headroom_bits"] == pytest.approx(math.log2(65504.0 / b))
+    assert [m["headroom_bits"] for m in monitor.measurements[1:3]] == [None, None]  # inf in a, then nan in b
+
+
 def test_a_second_trainer_starts_its_measurements_afresh():
     monitor = GradUnderflowMonitor(every_n_steps=1)
     for _ in range(2):  # each fit measures step 0 only: the second must not merge into the first's record
@@ -340,8 +378,34 @@ def test_a_sharded_measurement_sums_the_ranks_and_takes_the_largest_gradient(mon
     sharded, calls = fit(True)
     sum_, max_ = torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX
     assert [c["op"] for c in calls] == [sum_, max_] * 2  # one sum of the counts, one max of the largest, per step
-    keys = ("step", "scale", "underflow_fraction", "zero_fraction", "headroom_bits")
+    keys = ("step", "scale", "underflow_fraction", "zero_fraction", "headroom_bits", "worst")
     assert [{k: m[k] for k in keys} for m in sharded] == [{k: m[k] for k in keys} for m in plain]
+
+
+def test_a_rank_holding_no_gradient_element_still_joins_the_sums_and_reports_the_others(monkeypatch):
+    """A rank whose shards are all empty measures nothing itself, yet joins both reductions (or the others would
+    wait for it): its figures are the other rank's, here every parameter with 1 of its 4 elements below float16's
+    smallest normal, none zero, and a largest gradient of 2."""
+    from lightning_amp_plus.callbacks import grad_underflow_monitor
+    from tests.helpers.sharded import FakePeer
+
+    def other_rank(tensor, op):
+        if op == torch.distributed.ReduceOp.MAX:
+            return torch.full_like(tensor, 2.0)
+        n = tensor.numel() // 3  # zeros, below, sizes per parameter
+        return torch.cat([torch.zeros(n), torch.ones(n), torch.full((n,), 4.0)])
+
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+    trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1)
+    FakePeer(monkeypatch, other_rank)
+    monkeypatch.setattr(grad_underflow_monitor, "shards_gradients", lambda trainer: True)
+    monkeypatch.setattr(grad_underflow_monitor, "local_tensor", lambda grad: grad.flatten()[:0])
+    trainer.fit(TinyModel())
+    (m,) = monitor.measurements
+    assert (m["underflow_fraction"], m["zero_fraction"]) == (0.25, 0.0)
+    assert m["headroom_bits"] == math.log2(65504.0 / 2.0)
+    assert sorted(w["name"] for w in m["worst"]) == sorted(n for n, _ in TinyModel().named_parameters())
+    assert {w["underflow_fraction"] for w in m["worst"]} == {0.25}
 
 
 @pytest.mark.parametrize(
