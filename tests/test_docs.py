@@ -62,3 +62,15 @@ def test_the_plugins_table_gives_every_knob_and_its_default_in_force():
     for knob, default in rows.items():
         value = eval(default, {"__builtins__": {}})  # literals and powers such as 2.0**16
         assert (in_force[knob] if knob in in_force else arguments[knob]) == value, knob
+
+
+CALLBACKS = [(name, signature) for name, signature in HEADINGS if name != "AmpPlusPrecision"]
+
+
+@pytest.mark.parametrize(("name", "signature"), CALLBACKS, ids=[name for name, _ in CALLBACKS])
+def test_each_callback_built_without_arguments_holds_the_defaults_its_heading_gives(name, signature):
+    """Read from what was built: a signature can show a default that the constructor does not use."""
+    call = ast.parse(f"f({signature})", mode="eval").body
+    documented = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    built = getattr(lightning_amp_plus, name)()
+    assert {knob: getattr(built, knob) for knob in documented} == documented

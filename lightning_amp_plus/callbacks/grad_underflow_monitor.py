@@ -88,6 +88,13 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         []
     """
 
+    # set at setup (and the parameters again at fit start, as trained)
+    _raw: Optional[dict[str, Any]]  # the counts of the update measured last, per parameter
+    _names: dict[int, str]
+    _params: list[tuple[str, torch.nn.Parameter]]
+    _sharded: bool
+    _interval: int
+
     def __init__(
         self,
         every_n_steps: Optional[int] = None,
@@ -113,13 +120,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self.prefix = check_prefix(owner, prefix)
         self.measurements: list[dict[str, Any]] = []
         self._private = False  # owned by another callback (AmpAdvisor): measurements only; no log, no warning
-        self._raw: Optional[dict[str, Any]] = None  # the counts of the update measured last, per parameter
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
-        self._names: dict[int, str] = {}
-        self._params: list[tuple[str, torch.nn.Parameter]] = []
-        self._sharded = False
-        self._interval = 1
         self._high = 0
         self._warned = 0
 
@@ -145,20 +147,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
                 category=AmpPlusWarning,
             )
             return
-        if self._measure not in plugin.before_unscale_listeners:
+        if self._measure not in plugin.before_unscale_listeners:  # the plugin drops them at its teardown, failed or not
             plugin.before_unscale_listeners.append(self._measure)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._detach()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._detach()  # Lightning skips `teardown` after an exception: a retry must not meet this monitor
-
-    def _detach(self) -> None:
-        if self._plugin is not None and self._measure in self._plugin.before_unscale_listeners:
-            self._plugin.before_unscale_listeners.remove(self._measure)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -125,6 +125,7 @@ def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path):
         per = [int(((g != 0) & (g.abs() < 2.0**-14)).sum()) / max(1, int((g != 0).sum())) for g in grads]
         worst = max(range(len(per)), key=lambda i: (per[i], names[i]))
         assert m["worst"] == [{"name": names[worst], "underflow_fraction": per[worst]}]
+        assert float(logged[m["step"]][f"amp/underflow/{names[worst]}"]) == pytest.approx(per[worst], rel=1e-6)
         assert m["scale"] == 2.0**10
     assert 0 < monitor.measurements[0]["underflow_fraction"] < 1  # both kinds present: the count is discriminating
 
@@ -417,3 +418,35 @@ def test_each_count_argument_is_refused_below_its_least_value_by_name(name, leas
     ):
         GradUnderflowMonitor(**{name: least - 1})
     assert getattr(GradUnderflowMonitor(**{name: least}), name) == least
+
+
+def test_one_non_zero_element_below_the_smallest_normal_is_all_of_the_underflow():
+    from lightning_amp_plus.callbacks.grad_underflow_monitor import underflow_fraction
+
+    assert underflow_fraction(below=1, zeros=0, total=1) == 1.0
+    assert underflow_fraction(below=3, zeros=2, total=3) == 1.0  # two zeros left out, the one other element lost
+
+
+class _Still(TinyModel):
+    """A loss that does not move with the parameters: every gradient element is an exact zero."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 0.0
+
+
+def test_all_zero_gradients_have_no_headroom_figure_and_lose_nothing():
+    monitor = GradUnderflowMonitor(every_n_steps=1)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1).fit(
+        _Still()
+    )
+    (m,) = monitor.measurements
+    assert (m["zero_fraction"], m["underflow_fraction"], m["headroom_bits"]) == (1.0, 0.0, None)
+
+
+def test_a_monitor_left_out_of_the_next_fit_measures_nothing_there():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    monitor = GradUnderflowMonitor(every_n_steps=1)
+    make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=2).fit(TinyModel())
+    assert len(monitor.measurements) == 2
+    make_trainer(plugins=[plugin], max_steps=2).fit(TinyModel())  # the same plugin, without the monitor
+    assert len(monitor.measurements) == 2
