@@ -76,9 +76,25 @@ def test_overflow_at_min_scale_is_a_collapse():
     model = TinyModel(poison={s: "inf" for s in range(100)})
     plugin = AmpPlusPrecision("16-mixed", init_scale=4.0, min_scale=1.0)
     reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
-    with pytest.raises(LossScaleCollapseError, match=r"overflowed while the loss scale already sat at min_scale=1"):
+    with pytest.raises(
+        LossScaleCollapseError,
+        match=r"^Mixed-precision training collapsed: step 2 overflowed while the loss scale already sat at"
+        r" min_scale=1 \(3 consecutive skipped steps\); loss scale 1; last offenders: net\.0\.weight, ",
+    ):
         make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=50).fit(model)
     assert [r["scale"] for r in reporter.skips] == [4.0, 2.0, 1.0]
+
+
+def test_one_skip_allowed_in_a_row_is_told_in_the_singular():
+    reporter = NaNSkipReporter(max_consecutive_skips=1, max_warnings=0)
+    with pytest.raises(
+        LossScaleCollapseError,
+        match=r"^Mixed-precision training collapsed: 1 consecutive optimizer step was skipped"
+        r" \(max_consecutive_skips=1\); loss scale 1024; ",
+    ):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter]).fit(
+            TinyModel(poison={1: "inf"})
+        )
 
 
 def test_rate_limited_lines_then_summary(caplog):
