@@ -111,6 +111,9 @@ class AmpEngine:
         self.skip_listeners: list[Callable[[SkipEvent], None]] = []
         #: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)
         self.before_unscale_listeners: list[Callable[[Optimizer, int], None]] = []
+        #: callables ``(optimizer)`` run right after a step the host knows was skipped, while its gradients are
+        #: still the ones the step refused (a GAN's training step may zero them before the update closes)
+        self.skipped_step_listeners: list[Callable[[Optimizer], None]] = []
         #: when True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)
         self.sync_skips = False
         self._new_run()  # the scaler given is as its constructor made it
@@ -232,7 +235,7 @@ class AmpEngine:
         try:
             if self.checker is None:
                 return optimizer.step(**kwargs)
-            return self.checker.step(optimizer, **kwargs)
+            result = self.checker.step(optimizer, **kwargs)
         except BaseException:
             cycle.stepped.remove(optimizer)
             for leftover in ("grad_scale", "found_inf"):  # torch's GradScaler.step removes them only on success
@@ -248,6 +251,10 @@ class AmpEngine:
             raise
         finally:
             self._stepped_at[id(optimizer)] = self._backwards  # a closure's backward is part of this step
+        if self.skipped_step_listeners and self.step_was_skipped(optimizer, sync=self.sync_skips):
+            for listener in list(self.skipped_step_listeners):
+                listener(optimizer)
+        return result
 
     def _forget(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s unscale (and step outcome) in the open cycle: its next step unscales again."""
@@ -590,6 +597,11 @@ class EngineView:
     def before_unscale_listeners(self) -> list[Callable[[Optimizer, int], None]]:
         """Callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)."""
         return self._engine.before_unscale_listeners
+
+    @property
+    def skipped_step_listeners(self) -> list[Callable[[Optimizer], None]]:
+        """Callables ``(optimizer)`` run right after a step the host knows was skipped (its gradients still there)."""
+        return self._engine.skipped_step_listeners
 
     @property
     def sync_skips(self) -> bool:

@@ -161,6 +161,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         self.history.flush()
         # what callbacks attached is per run: a failed fit leaves no listener behind for the next one
         self.skip_listeners.clear()
+        self.skipped_step_listeners.clear()
         self.before_unscale_listeners.clear()
         self.sync_skips = False
         self._islands.remove()

@@ -137,6 +137,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._params: list[tuple[str, torch.nn.Parameter]] = []
         self._sharded = False
         self._loss: Optional[Tensor] = None
+        # per optimizer, its gradients' offenders counted right after its step was skipped (before a zero_grad)
+        self._at_step: dict[int, list[dict[str, Any]]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -191,6 +193,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._names = {id(p): n for n, p in self._params}
         if self._on_skip not in plugin.skip_listeners:
             plugin.skip_listeners.append(self._on_skip)
+        if self._on_skipped_step not in plugin.skipped_step_listeners:
+            plugin.skipped_step_listeners.append(self._on_skipped_step)
         if self.sync_fused:
             plugin.sync_skips = True
 
@@ -199,8 +203,11 @@ class NaNSkipReporter(KnobsRepr, Callback):
         if self._plugin is not None:
             if self._on_skip in self._plugin.skip_listeners:
                 self._plugin.skip_listeners.remove(self._on_skip)
+            if self._on_skipped_step in self._plugin.skipped_step_listeners:
+                self._plugin.skipped_step_listeners.remove(self._on_skipped_step)
             if self.sync_fused:
                 self._plugin.sync_skips = False
+        self._at_step = {}
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -377,7 +384,12 @@ class NaNSkipReporter(KnobsRepr, Callback):
             "offenders": self._offenders(event),
             "origin": self._origin(),
         }
+        self._at_step = {}
         self._add(record, event.consecutive)
+
+    def _on_skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._sharded:  # sharded: every rank counts its shards of every parameter when the update closes
+            self._at_step[id(optimizer)] = self._optimizer_offenders(optimizer)
 
     def _mean_loss(self) -> Optional[Tensor]:
         """The loss, averaged over ranks when several train (every rank skips the same steps, so all call this)."""
@@ -387,20 +399,24 @@ class NaNSkipReporter(KnobsRepr, Callback):
         return all_reduce_(loss) / torch.distributed.get_world_size()
 
     def _offenders(self, event: SkipEvent) -> list[dict[str, Any]]:
-        names: list[str] = []
-        grads: list[Optional[Tensor]] = []
         if self._sharded:
             # every rank holds a shard: count over this rank's part of every parameter, then sum over the ranks
-            for name, param in self._params:
-                names.append(name)
-                grads.append(None if param.grad is None else local_tensor(param.grad))
-        else:
-            for optimizer in event.optimizers:
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
-                            grads.append(local_tensor(param.grad))
+            names = [name for name, _ in self._params]
+            grads = [None if param.grad is None else local_tensor(param.grad) for _, param in self._params]
+            return self._count(names, grads)
+        offenders: list[dict[str, Any]] = []
+        for optimizer in event.optimizers:  # as counted when its step was skipped, else now
+            counted = self._at_step.get(id(optimizer))
+            offenders += counted if counted is not None else self._optimizer_offenders(optimizer)
+        return offenders
+
+    def _optimizer_offenders(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        names = [self._names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
+        return self._count(names, [local_tensor(p.grad) for p in params])
+
+    def _count(self, names: list[str], grads: list[Optional[Tensor]]) -> list[dict[str, Any]]:
+        """The parameters whose gradients hold inf/nan, with the counts (summed over the ranks when sharded)."""
         present = [g for g in grads if g is not None]
         if not present and not self._sharded:
             return []

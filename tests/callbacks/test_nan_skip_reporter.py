@@ -736,3 +736,68 @@ def test_sharded_offenders_and_loss_are_summed_and_averaged_over_the_ranks(monke
     ]
     assert record["loss"] == pytest.approx((model.losses[1] + 7.0) / 2)
     assert {c["theirs"].dtype for c in peer.calls} == {torch.int64, torch.float32}
+
+
+class _Alternating(TinyModel):
+    """Manual optimization as Lightning's GAN example writes it (``step()`` then ``zero_grad()``): a fused optimizer
+    steps on even batches, a plain one on odd batches; the losses of batches 2 and 3 are inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        fused, plain = self.optimizers()
+        x, y = batch
+        opt, net = (fused, self.net) if batch_idx % 2 == 0 else (plain, self.other)
+        loss = torch.nn.functional.mse_loss(net(x).float(), y) * (float("inf") if batch_idx in (2, 3) else 1.0)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()  # the gradients are gone before the update closes
+
+    def configure_optimizers(self):
+        fused = torch.optim.AdamW(self.net.parameters(), lr=1e-3, fused=True)
+        return fused, torch.optim.SGD(self.other.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("sync_fused", [False, True])
+def test_offenders_are_counted_when_the_step_is_skipped_before_the_gradients_are_zeroed(sync_fused):
+    """The plain optimizer's skip is known at its step: its offenders are named though ``zero_grad()`` ran before
+    the update closed; the fused optimizer's skip of the batch before is reported first (without names unless
+    ``sync_fused``)."""
+    reporter = NaNSkipReporter(max_warnings=0, sync_fused=sync_fused)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=6).fit(
+        _Alternating()
+    )
+    fused = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"] if sync_fused else None
+    named = [(r["step"], r["offenders"] and [o["name"] for o in r["offenders"]]) for r in reporter.skips]
+    assert named == [(2, fused), (3, ["other.weight", "other.bias"])]
+
+
+class _BothInOneBatch(_Alternating):
+    """Both optimizers step in every batch (``zero_grad()`` first, as in the README); batch 1's losses are inf."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for opt, net in zip(self.optimizers(), (self.net, self.other), strict=True):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x).float(), y) * (float("inf") if batch_idx == 1 else 1.0)
+            self.manual_backward(loss)
+            opt.step()
+
+
+def test_a_fused_optimizers_offenders_are_counted_at_the_close_when_its_skip_was_not_known_at_its_step():
+    reporter = NaNSkipReporter(max_warnings=0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=6).fit(
+        _BothInOneBatch()
+    )
+    (record,) = reporter.skips
+    assert [o["name"] for o in record["offenders"]] == [
+        "net.0.weight",  # the fused optimizer's, read when the update closed (the plain one's skip told the host)
+        "net.0.bias",
+        "net.2.weight",
+        "net.2.bias",
+        "other.weight",  # the plain optimizer's, counted at its step
+        "other.bias",
+    ]
