@@ -129,11 +129,12 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         plugin = find_plugin(trainer, type(self).__name__)
         self._plugin = plugin
-        if stage == "fit" and self._fit_scope.starts_afresh(trainer):  # a new Trainer's fit starts afresh
-            self.measurements = []
-            self._high = 0
-            self._warned = 0
-            self._raw = None  # an update of the earlier fit is not one of this fit's
+        if stage == "fit":
+            self._raw = None  # no update spans two fits (a retry on the same Trainer measures a failed step again)
+            if self._fit_scope.starts_afresh(trainer):  # a new Trainer's fit starts afresh
+                self.measurements = []
+                self._high = 0
+                self._warned = 0
         self._trainer = trainer
         self._interval = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", None) or 50)
         self._params = named_parameters(pl_module)

@@ -450,3 +450,35 @@ def test_a_monitor_left_out_of_the_next_fit_measures_nothing_there():
     assert len(monitor.measurements) == 2
     make_trainer(plugins=[plugin], max_steps=2).fit(TinyModel())  # the same plugin, without the monitor
     assert len(monitor.measurements) == 2
+
+
+class _FailsOnce(TinyModel):
+    """The first fit fails at step 3 after its gradients were measured (step 3's gradient holds an inf)."""
+
+    failing = True
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        if self.failing and self.trainer.global_step == 3:
+            raise RuntimeError("boom")
+
+
+def test_a_retry_on_the_same_trainer_measures_the_failed_step_afresh():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    monitor = GradUnderflowMonitor(every_n_steps=1)
+    seen = {}
+    trainer = make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=5)
+    model = _FailsOnce(grad_poison={3: "net.2.bias"})
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model)
+    model.failing, model.grad_poison = False, {}
+    plugin.before_unscale_listeners.append(
+        lambda optimizer, step: seen.setdefault(
+            step, max(float(p.grad.abs().max()) for g in optimizer.param_groups for p in g["params"])
+        )
+    )
+    trainer.fit(model)
+    # each attempt's measurement of step 3 is its own (the failed one saw the inf), never one merged record
+    assert [m["step"] for m in monitor.measurements] == [0, 1, 2, 3, 3, 4]
+    assert monitor.measurements[3]["headroom_bits"] is None
+    assert monitor.measurements[4]["headroom_bits"] == pytest.approx(math.log2(65504.0 / seen[3]))
