@@ -107,7 +107,7 @@ def test_rate_limited_lines_then_summary(caplog):
     assert not [w for w in caught if "skip" in str(w.message)]  # information goes to logging, not warnings
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
     assert [line.split(":")[0] for line in lines[:2]] == ["step 1 skipped", "step 3 skipped"]
-    assert "further skips are counted" in lines[2]
+    assert lines[2].startswith("`NaNSkipReporter`: 2 skipped steps printed; further skips are counted")
     assert lines[3].startswith("`NaNSkipReporter`: 4 of 9 updates skipped (at step 1, 3, 5, 7)")
     assert len(lines) == 4
 
@@ -801,3 +801,100 @@ def test_a_fused_optimizers_offenders_are_counted_at_the_close_when_its_skip_was
         "other.weight",  # the plain optimizer's, counted at its step
         "other.bias",
     ]
+
+
+class _MaskMaker(torch.nn.Module):
+    """Makes an attention-style mask: its output holds -inf by design."""
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[-1], device=x.device)
+        mask[-1] = float("-inf")
+        return mask
+
+
+class _Overflowing(torch.nn.Module):
+    """Attends with a mask; at ``overflow_at`` its float16 product overflows to +inf."""
+
+    overflow_at = -1
+
+    def forward(self, x, mask):
+        out = x * torch.softmax(x + mask, dim=-1)
+        return (out.half() * 7e4).float() / 7e4 if self.calls == self.overflow_at else out
+
+    calls = 0
+
+
+class _MaskedModel(TinyModel):
+    def __init__(self, overflow_at=-1, **kwargs):
+        super().__init__(**kwargs)
+        self.maker, self.attend = _MaskMaker(), _Overflowing()
+        self.attend.overflow_at = overflow_at
+
+    def forward(self, x):
+        return self.net(self.attend(x, self.maker(x)))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.attend.calls = batch_idx
+
+
+def test_a_module_whose_output_is_a_minus_inf_mask_is_no_origin_and_one_fed_a_mask_can_be():
+    """-inf alone is a mask in a module's output and in its inputs: the mask maker is never the origin, and a module
+    fed the mask whose own output overflows is."""
+    assert _origins(_MaskedModel(grad_poison={2: "net.0.weight"}), max_steps=4) == [(2, {"phase": "backward"})]
+    assert _origins(_MaskedModel(overflow_at=1), max_steps=3) == [
+        (1, {"phase": "forward", "module": "attend", "kind": "inf"})
+    ]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adamw"])
+def test_the_collapse_names_five_offenders_or_none_known(optimizer):
+    """A nan loss makes all six parameters offenders: the collapse names the first five; a fused optimizer's skips
+    name none ("unknown")."""
+    names = "net.0.weight, net.0.bias, net.1.weight, net.1.bias, net.2.weight" if optimizer == "sgd" else "unknown"
+    reporter = NaNSkipReporter(max_consecutive_skips=2, max_warnings=0)
+    with pytest.raises(LossScaleCollapseError, match=rf"; last offenders: {re.escape(names)}\. HINT: "):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter]).fit(
+            _Deep(poison={s: "nan" for s in range(1, 10)}, optimizer=optimizer, lr=1e-3)  # fused: step 0 is read
+        )
+
+
+def test_only_rank_zero_writes_the_report(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+
+    monkeypatch.setattr(Trainer, "is_global_zero", property(lambda self: False))
+    reporter = NaNSkipReporter(max_warnings=0, report_path=tmp_path / "skips.json")
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=3).fit(
+        TinyModel(poison={1: "inf"})
+    )
+    assert [r["step"] for r in reporter.skips] == [1]  # recorded on every rank
+    assert not (tmp_path / "skips.json").exists()
+
+
+class _OnlyExtra(_Temperature):
+    """The module's own parameters take no part in the loss: on this rank none has a gradient."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        scale = self.extra[0] * (float("inf") if self.trainer.global_step == 1 else 1.0)
+        return (x.sum() * scale).sum() * 1e-3
+
+
+def test_a_rank_without_any_gradient_of_the_module_still_joins_the_offender_sum(monkeypatch):
+    """Sharded: this rank holds no gradient of any module parameter, yet it joins the reduction (or the other ranks
+    would wait for it), and the record names what the other rank counted."""
+    from lightning_amp_plus.callbacks import nan_skip_reporter
+    from tests.helpers.sharded import FakePeer
+
+    def other_rank(tensor, op):
+        return torch.ones_like(tensor) if tensor.dtype == torch.int64 else tensor.clone()
+
+    reporter = NaNSkipReporter(max_warnings=0, find_origin=False)
+    trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=3)
+    peer = FakePeer(monkeypatch, other_rank)
+    monkeypatch.setattr(nan_skip_reporter, "shards_gradients", lambda trainer: True)
+    trainer.fit(_OnlyExtra())
+    (record,) = reporter.skips
+    assert record["offenders"] == [
+        {"name": name, "inf": 1, "nan": 1} for name in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias")
+    ]
+    assert [c["theirs"].dtype for c in peer.calls].count(torch.int64) == 1
