@@ -119,6 +119,7 @@ def test_fused_optimizer_skips_are_found_at_the_flush(tmp_path):
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=5, log_every_n_steps=2).fit(model)
     assert [r["step"] for r in reporter.skips] == [2]
     assert reporter.skips[0]["offenders"] is None
+    assert reporter.skips[0]["loss"] is None  # the record has every key, unknown ones None
 
 
 def test_fused_optimizer_offenders_with_sync_fused():
@@ -898,3 +899,33 @@ def test_a_rank_without_any_gradient_of_the_module_still_joins_the_offender_sum(
         {"name": name, "inf": 1, "nan": 1} for name in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias")
     ]
     assert [c["theirs"].dtype for c in peer.calls].count(torch.int64) == 1
+
+
+class _PlainThenFused(_Alternating):
+    """As ``_Alternating``, with the plain optimizer's batch 1 and the fused optimizer's batch 2 overflowing."""
+
+    def training_step(self, batch, batch_idx):
+        fused, plain = self.optimizers()
+        x, y = batch
+        opt, net = (fused, self.net) if batch_idx % 2 == 0 else (plain, self.other)
+        loss = torch.nn.functional.mse_loss(net(x).float(), y) * (float("inf") if batch_idx in (1, 2) else 1.0)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_device_skip_after_a_host_known_one_is_collected_past_it():
+    reporter = NaNSkipReporter(max_warnings=0, max_consecutive_skips=None)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=8).fit(
+        _PlainThenFused()
+    )
+    assert [(r["step"], r["offenders"] is None) for r in reporter.skips] == [(1, False), (2, True)]
+
+
+def test_an_odd_max_records_keeps_the_smaller_half_first_and_the_larger_last():
+    reporter = NaNSkipReporter(max_warnings=0, max_consecutive_skips=None, max_records=3)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**16)], callbacks=[reporter], max_steps=10).fit(
+        TinyModel(poison={s: "inf" for s in (1, 3, 5, 7, 9)})
+    )
+    assert [r["step"] for r in reporter.skips] == [1, 7, 9]
+    assert reporter.report()["records_dropped"] == 2
