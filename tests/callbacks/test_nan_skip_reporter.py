@@ -194,16 +194,25 @@ def test_scheduler_skipping_can_be_turned_off():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "expected"),
     [
-        ({"max_consecutive_skips": 0}, "max_consecutive_skips=0"),
-        ({"max_warnings": -1}, "max_warnings=-1"),
-        ({"sync_fused": "no"}, "sync_fused='no'"),
+        ({"max_consecutive_skips": 0}, ValueError, "an int >= 1"),
+        ({"max_warnings": -1}, ValueError, "an int >= 0"),
+        ({"sync_fused": "no"}, TypeError, "a bool, got str"),
+        ({"max_records": 1}, ValueError, "an int >= 2"),
+        ({"find_origin": "yes"}, TypeError, "a bool, got str"),
     ],
 )
-def test_bad_arguments(kwargs, match):
-    with pytest.raises((ValueError, TypeError), match=match):
+def test_bad_arguments(kwargs, error, expected):
+    ((name, value),) = kwargs.items()
+    with pytest.raises(error) as caught:
         NaNSkipReporter(**kwargs)
+    assert str(caught.value) == f"`NaNSkipReporter({name}={value!r})` is invalid: expected {expected}."
+
+
+def test_the_least_values_are_taken():
+    reporter = NaNSkipReporter(max_consecutive_skips=1, max_warnings=0, max_records=2, find_origin=False)
+    assert (reporter.max_consecutive_skips, reporter.max_records, reporter.find_origin) == (1, 2, False)
 
 
 # ---------------------------------------------------------------------------------------------- where inf/nan is born
