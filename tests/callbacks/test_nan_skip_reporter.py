@@ -938,3 +938,16 @@ def test_an_odd_max_records_keeps_the_smaller_half_first_and_the_larger_last():
     )
     assert [r["step"] for r in reporter.skips] == [1, 7, 9]
     assert reporter.report()["records_dropped"] == 2
+
+
+def test_a_fused_optimizers_collapse_stops_the_fit_at_the_logging_point_that_finds_it():
+    reporter = NaNSkipReporter(max_consecutive_skips=3, max_warnings=0)
+    trainer = make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[reporter],
+        max_steps=40,
+        log_every_n_steps=4,
+    )
+    with pytest.raises(LossScaleCollapseError, match=r"3 consecutive optimizer steps were skipped"):
+        trainer.fit(TinyModel(poison={s: "inf" for s in range(1, 40)}, optimizer="fused_adamw", lr=1e-3))
+    assert trainer.global_step <= 8  # found at the logging point after the third skip, not at the end of fit
