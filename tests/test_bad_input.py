@@ -1,6 +1,7 @@
 """Bad input and faults (issue: never NaN in the weights, never a masked error, never a silent wrong state)."""
 
 import json
+import math
 import os
 
 import pytest
@@ -321,3 +322,106 @@ def test_an_int_argument_of_another_type_names_the_type_it_got(value):
         TypeError, match=rf"^`LossScaleMonitor\(logging_interval={value!r}\)` is invalid: expected an int, got {got}\.$"
     ):
         LossScaleMonitor(logging_interval=value)
+
+
+# --------------------------------------------------------------------------- the scaler's knobs, each message whole
+_TINY, _MAX = 2.0**-126, 3.4028234663852886e38
+_SPAN = "[1.1754943508222875e-38, 3.4028234663852886e+38]"
+_SCALE = f"expected a finite float32 scale in {_SPAN} (2**-126 to float32's max), whose inverse float32 can hold too."
+_GROWTH = (
+    "expected a finite number > 1 that float32 can hold (the scale is multiplied by it after `growth_interval`"
+    " clean steps)."
+)
+_BACKOFF = (
+    "expected 0 < backoff_factor < 1, at least 2**-126 so that float32 can hold it (the scale is multiplied by it"
+    " when a step overflows)."
+)
+_INT = "expected an int in [1, 2147483647] (the device tracker is int32)."
+_MIN = f"expected 0 (no bound but float32's) or a finite float32 scale in {_SPAN}."
+_MAXS = f"expected inf or a finite float32 scale in {_SPAN}."
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "expected"),
+    [
+        ("init_scale", "x", TypeError, "expected a real number, got str."),
+        ("init_scale", math.inf, ValueError, _SCALE),
+        ("init_scale", 0.0, ValueError, _SCALE),
+        ("init_scale", _TINY / 2, ValueError, _SCALE),
+        ("init_scale", _MAX * 2, ValueError, _SCALE),
+        ("growth_factor", "x", TypeError, "expected a real number, got str."),
+        ("growth_factor", 1.0, ValueError, _GROWTH),
+        ("growth_factor", math.inf, ValueError, _GROWTH),
+        ("growth_factor", _MAX * 2, ValueError, _GROWTH),
+        (
+            "growth_factor",
+            1 + 2**-30,
+            ValueError,
+            "float32 rounds it to 1.0, so the scale would never grow; expected a factor float32 tells from 1"
+            " (> 1 + 2**-24, e.g. 1.001).",
+        ),
+        ("backoff_factor", "x", TypeError, "expected a real number, got str."),
+        ("backoff_factor", 1.0, ValueError, _BACKOFF),
+        ("backoff_factor", _TINY / 2, ValueError, _BACKOFF),
+        (
+            "backoff_factor",
+            1 - 2**-30,
+            ValueError,
+            "float32 rounds it to 1.0, so the scale would never back off; expected a factor float32 tells from 1"
+            " (< 1 - 2**-25, e.g. 0.999).",
+        ),
+        ("growth_interval", 1.5, TypeError, "expected an int, got float."),
+        ("growth_interval", True, TypeError, "expected an int, got bool."),
+        ("growth_interval", 0, ValueError, _INT),
+        ("growth_interval", 2**31, ValueError, _INT),
+        ("hysteresis", 0, ValueError, _INT),
+        ("hysteresis", "x", TypeError, "expected an int, got str."),
+        ("min_scale", "x", TypeError, "expected a real number, got str."),
+        ("min_scale", -1.0, ValueError, _MIN),
+        ("min_scale", math.inf, ValueError, _MIN),
+        ("min_scale", _TINY / 2, ValueError, _MIN),
+        ("max_scale", "x", TypeError, "expected a real number, got str."),
+        ("max_scale", 0.0, ValueError, _MAXS),
+        ("max_scale", _MAX * 2, ValueError, _MAXS),
+        ("max_scale", _TINY / 2, ValueError, _MAXS),
+    ],
+)
+def test_each_scaler_knob_is_refused_with_its_whole_message(name, value, error, expected):
+    with pytest.raises(error) as caught:
+        AmpPlusPrecision("16-mixed", **{name: value})
+    assert str(caught.value) == f"`AmpPlusPrecision({name}={value!r})` is invalid: {expected}"
+
+
+def test_the_scale_bounds_are_refused_together_with_their_whole_message():
+    with pytest.raises(ValueError, match="is invalid") as caught:
+        AmpPlusPrecision("16-mixed", min_scale=4.0, max_scale=2.0)
+    assert str(caught.value) == (
+        "`AmpPlusPrecision(min_scale=4.0, max_scale=2.0)` is invalid: expected min_scale <= max_scale."
+    )
+    with pytest.raises(ValueError, match="is invalid") as caught:
+        AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=2.0, max_scale=4.0)
+    assert str(caught.value) == (
+        "`AmpPlusPrecision(init_scale=1.0, min_scale=2.0, max_scale=4.0)` is invalid: expected min_scale <= init_scale"
+        " <= max_scale. HINT: widen `min_scale`/`max_scale` or change `init_scale`."
+    )
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"init_scale": _TINY, "min_scale": 0.0},
+        {"init_scale": _MAX, "max_scale": math.inf},
+        {"init_scale": 4.0, "min_scale": 4.0, "max_scale": 4.0},
+        {"growth_factor": _MAX},
+        {"growth_factor": 1 + 2**-20},
+        {"backoff_factor": _TINY},
+        {"backoff_factor": 1 - 2**-20},
+        {"growth_interval": 1, "hysteresis": 1},
+        {"growth_interval": 2**31 - 1, "hysteresis": 2**31 - 1},
+        {"min_scale": _TINY},
+        {"max_scale": _MAX},
+    ],
+)
+def test_every_boundary_value_is_taken(knobs):
+    knobs_in_force = AmpPlusPrecision("16-mixed", **knobs).scaler.knobs()
+    assert {k: knobs_in_force[k] for k in knobs} == knobs
