@@ -59,7 +59,12 @@ def test_reporter_continues_a_streak_across_resume(tmp_path):
     ("path", "error", "match"),
     [
         ("", ValueError, r"`NaNSkipReporter\(report_path=''\)` is invalid: expected a non-empty file path"),
-        (42, TypeError, r"`NaNSkipReporter\(report_path=42\)` is invalid: expected a file path"),
+        (
+            42,
+            TypeError,
+            r"^`NaNSkipReporter\(report_path=42\)` is invalid: expected a file path \(str or os\.PathLike\) or None,"
+            r" got int\.$",
+        ),
     ],
 )
 def test_report_path_type_is_checked_at_construction(path, error, match):
