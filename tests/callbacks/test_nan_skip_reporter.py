@@ -752,6 +752,8 @@ class _Alternating(TinyModel):
     """Manual optimization as Lightning's GAN example writes it (``step()`` then ``zero_grad()``): a fused optimizer
     steps on even batches, a plain one on odd batches; the losses of batches 2 and 3 are inf."""
 
+    poisoned = (2, 3)
+
     def __init__(self):
         super().__init__()
         self.automatic_optimization = False
@@ -761,7 +763,7 @@ class _Alternating(TinyModel):
         fused, plain = self.optimizers()
         x, y = batch
         opt, net = (fused, self.net) if batch_idx % 2 == 0 else (plain, self.other)
-        loss = torch.nn.functional.mse_loss(net(x).float(), y) * (float("inf") if batch_idx in (2, 3) else 1.0)
+        loss = torch.nn.functional.mse_loss(net(x).float(), y) * (float("inf") if batch_idx in self.poisoned else 1.0)
         self.manual_backward(loss)
         opt.step()
         opt.zero_grad()  # the gradients are gone before the update closes
@@ -913,14 +915,7 @@ def test_a_rank_without_any_gradient_of_the_module_still_joins_the_offender_sum(
 class _PlainThenFused(_Alternating):
     """As ``_Alternating``, with the plain optimizer's batch 1 and the fused optimizer's batch 2 overflowing."""
 
-    def training_step(self, batch, batch_idx):
-        fused, plain = self.optimizers()
-        x, y = batch
-        opt, net = (fused, self.net) if batch_idx % 2 == 0 else (plain, self.other)
-        loss = torch.nn.functional.mse_loss(net(x).float(), y) * (float("inf") if batch_idx in (1, 2) else 1.0)
-        self.manual_backward(loss)
-        opt.step()
-        opt.zero_grad()
+    poisoned = (1, 2)
 
 
 def test_a_device_skip_after_a_host_known_one_is_collected_past_it():
