@@ -17,12 +17,12 @@ def given_arguments(function: Any, arguments: dict[str, Any]) -> dict[str, Any]:
         ):
             continue
         value = arguments[name]
-        if parameter.default is inspect.Parameter.empty or not _same(value, parameter.default):
+        if parameter.default is inspect.Parameter.empty or not same_value(value, parameter.default):
             given[name] = value
     return given
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - values that cannot be compared differ

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
 
 #: the codes, most important first: a non-finite batch is no scaling problem; an fp32 island fixes a module that
-#: overflows; bf16 when no scale fits; then the knobs; then speed
+#: overflows; bf16 when no scale fits; then the knobs; then many skips nothing above explains; then speed
 CODES = (
     "nonfinite_loss",
     "fp32_module",
@@ -26,9 +26,9 @@ CODES = (
     "max_scale",
     "growth_interval",
     "hysteresis",
+    "skip_rate",
     "silent_fp32",
     "fused_optimizer",
-    "skip_rate",
 )
 #: codes that need figures only the live callback gathers (origins of skips, dtypes per module, the optimizers)
 LIVE_ONLY = ("nonfinite_loss", "fp32_module", "silent_fp32", "fused_optimizer")
@@ -87,6 +87,8 @@ class RunFigures:
         non_fused: optimizers with a fused implementation on their device that run non-fused (``name``,
             ``device``), when the run reads a skip flag on the host each step.
         bf16_available: whether bf16 autocast is available on the run's device.
+        plugin: the run's plugin class name (fix lines are the user's own call with one change).
+        plugin_args: the arguments the plugin was given (those that differ from its defaults), in order.
     """
 
     precision: Optional[str] = None
@@ -100,6 +102,8 @@ class RunFigures:
     fp32_rows: Optional[list[dict[str, Any]]] = None
     non_fused: Optional[list[dict[str, Any]]] = None
     bf16_available: Optional[bool] = None
+    plugin: str = "AmpPlusPrecision"
+    plugin_args: dict[str, Any] = field(default_factory=dict)
 
 
 def advise(figures: RunFigures) -> list[Advice]:
@@ -109,7 +113,7 @@ def advise(figures: RunFigures) -> list[Advice]:
         advice = rule(figures)
         if advice is not None:
             found.append(advice)
-    if not found:
+    if not any(a.code in _EXPLAIN_SKIPS for a in found):  # a speed hint explains no skip
         unexplained = _skip_rate(figures)
         if unexplained is not None:
             found.append(unexplained)
@@ -197,7 +201,7 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
         "fp32_module",
         f"Non-finite values were born in the forward of {module} in {count} of {len(origins)} skipped updates"
         f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}): its output overflows float16.",
-        f'AmpPlusPrecision("16-mixed", fp32_modules=["{module}"])',
+        plugin_fix(figures, fp32_modules=[*_given_islands(figures), module]),
         {"module": module, "skips": count, "told": len(origins), "kinds": dict(kinds)},
     )
 
@@ -215,7 +219,7 @@ def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
 def _bf16(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or figures.bf16_available is False:
         return None
-    fix = 'AmpPlusPrecision("bf16-mixed")  # float32\'s range: no loss scale needed'
+    fix = plugin_fix(figures, "float32's range: no loss scale needed", precision="bf16-mixed")
     measured = figures.underflow or []
     high = _high_underflow(figures)
     squeezed = [m for m in high if m.get("headroom_bits") is not None and m["headroom_bits"] < 1.0]
@@ -269,7 +273,7 @@ def _max_scale(figures: RunFigures) -> Optional[Advice]:
         f"The scale sits at max_scale={_scale(max_scale)} with {room:.1f} bits of headroom left while"
         f" {100 * max(m['underflow_fraction'] for m in pinned):.0f}% of the non-zero gradient elements sit below"
         " float16's smallest normal: the cap holds the scale down.",
-        f'AmpPlusPrecision("16-mixed", max_scale={_scale(new)}, init_scale={_scale(new)})',
+        plugin_fix(figures, max_scale=new, init_scale=new),
         {"max_scale": max_scale, "headroom_bits": room, "measurements": len(measured), "pinned": len(pinned)},
     )
 
@@ -305,7 +309,7 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
         "init_scale",
         f"The first {leading} updates were skipped while the loss scale came down from {_scale(init)} to"
         f" {_scale(settled)}: those batches trained nothing.",
-        f'AmpPlusPrecision("16-mixed", init_scale={_scale(settled)})',
+        plugin_fix(figures, init_scale=settled),
         {"leading_skips": leading, "init_scale": init, "settled_scale": settled},
     )
 
@@ -349,7 +353,7 @@ def _growth_interval(figures: RunFigures) -> Optional[Advice]:
         f" {clean_after} clean updates{what}, while {100 * sum(after_backoff) / len(after_backoff):.0f}% of the"
         " non-zero gradient elements sat below float16's smallest normal: the run is shorter than a few growth"
         " intervals.",
-        f'AmpPlusPrecision("16-mixed", growth_interval={suggested})',
+        plugin_fix(figures, growth_interval=suggested),
         {
             "backoff_step": step,
             "clean_updates_after": clean_after,
@@ -385,7 +389,7 @@ def _hysteresis(figures: RunFigures) -> Optional[Advice]:
         f"{len(isolated)} isolated overflows (at step {', '.join(map(str, isolated[:5]))}"
         f"{', ...' if len(isolated) > 5 else ''}) each halved the scale, which then took {min(gaps)} to {max(gaps)}"
         " updates to grow back.",
-        'AmpPlusPrecision("16-mixed", hysteresis=2)  # back off on the 2nd overflow in a row, not on each spike',
+        plugin_fix(figures, "back off on the 2nd overflow in a row, not on each spike", hysteresis=2),
         {"isolated_overflows": isolated, "growths_between": len(grew)},
     )
 
@@ -420,7 +424,7 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
         "fused_optimizer",
         f"{names} runs non-fused although torch has a fused implementation there: each step reads the overflow"
         " flag on the host (one sync per step); the fused step checks it on the device.",
-        f"torch.optim.{first['name']}(self.parameters(), lr=..., fused=True)",
+        first.get("fused_call") or f"torch.optim.{first['name']}(self.parameters(), lr=..., fused=True)",
         {"optimizers": list(figures.non_fused)},
     )
 
@@ -440,6 +444,9 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     )
 
 
+#: the codes that say why updates were skipped (a speed hint does not)
+_EXPLAIN_SKIPS = frozenset(CODES) - {"skip_rate", "silent_fp32", "fused_optimizer"}
+
 _RULES = (
     _nonfinite_loss,
     _fp32_module,
@@ -454,6 +461,48 @@ _RULES = (
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+#: the scaler's knobs: a bf16 fix drops them (bf16-mixed refuses them)
+SCALER_KNOBS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "hysteresis")
+
+
+def plugin_fix(figures: RunFigures, comment: Optional[str] = None, **change: Any) -> str:
+    """The run's own plugin call with ``change`` applied: every other argument the user gave stays as given.
+
+    Example:
+        >>> figures = RunFigures(plugin_args={"precision": "16-mixed", "growth_interval": 50})
+        >>> plugin_fix(figures, hysteresis=2)
+        'AmpPlusPrecision("16-mixed", growth_interval=50, hysteresis=2)'
+        >>> plugin_fix(figures, "no scale needed", precision="bf16-mixed")
+        'AmpPlusPrecision("bf16-mixed")  # no scale needed'
+    """
+    args = {**figures.plugin_args, **change}
+    precision = args.pop("precision", "16-mixed")
+    if precision == "bf16-mixed":
+        args = {k: v for k, v in args.items() if k not in SCALER_KNOBS}
+    parts = [f'"{precision}"', *(f"{k}={_literal(v)}" for k, v in args.items())]
+    line = f"{figures.plugin}({', '.join(parts)})"
+    return f"{line}  # {comment}" if comment else line
+
+
+def _given_islands(figures: RunFigures) -> list[str]:
+    return list(figures.plugin_args.get("fp32_modules") or [])
+
+
+def _literal(value: Any) -> str:
+    """A paste-able literal: powers of two as ``2.0**k``, strings in double quotes, lists of those."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, float):
+        exponent = math.log2(value) if value > 0 else 0.5
+        return _scale(value) if exponent == int(exponent) else repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_literal(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)
+
+
 def _scale(value: float) -> str:
     """``2.0**16`` for powers of two (paste-able, exact), else the number."""
     if value > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Optional, Union
 
@@ -13,7 +14,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import say
-from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._repr import KnobsRepr, given_arguments, same_value
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._series import held
 from lightning_amp_plus._validation import check_bool, check_path
@@ -208,6 +209,8 @@ class AmpAdvisor(KnobsRepr, Callback):
             fp32_rows=rows,
             non_fused=self._non_fused(trainer),
             bf16_available=_bf16_available(plugin.device),  # set when the plugin was connected
+            plugin=type(plugin).__name__,
+            plugin_args=_plugin_args(plugin),
         )
 
     def _non_fused(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
@@ -215,6 +218,8 @@ class AmpAdvisor(KnobsRepr, Callback):
         plugin = self._plugin
         if plugin.scaler is None and not plugin.skip_nonfinite:
             return []  # nothing reads a skip flag: fused or not, no sync
+        if plugin.sync_skips or _steps_a_scheduler_per_step(trainer, plugin):
+            return []  # a fused step's flag is read on the host each step too: fusing removes no sync
         try:
             from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -234,7 +239,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             if any(p.grad is not None and p.grad.is_sparse for p in params):
                 continue  # fused kernels refuse sparse gradients (an `Embedding(sparse=True)`)
             if devices <= set(_FUSED[name] or supported) and all(p.is_floating_point() for p in params):
-                found.append({"name": name, "device": ", ".join(sorted(devices))})
+                found.append({"name": name, "device": ", ".join(sorted(devices)), "fused_call": _fused_call(real)})
         return found
 
     def format(self) -> str:
@@ -283,6 +288,38 @@ def _find(callbacks: dict[type, Callback], kind: type) -> Any:
         if issubclass(cls, kind):
             return callback
     return None
+
+
+def _steps_a_scheduler_per_step(trainer: pl.Trainer, plugin: Any) -> bool:
+    """Whether the plugin reads each step's skip flag for a step-interval scheduler (fused or not: one sync)."""
+    if not plugin.skip_scheduler_on_overflow or not trainer.lightning_module.automatic_optimization:
+        return False
+    return any(config.interval == "step" for config in trainer.lr_scheduler_configs)
+
+
+def _plugin_args(plugin: Any) -> dict[str, Any]:
+    """The arguments the user gave the plugin, as literals a fix line can repeat (classes by import path)."""
+    args = dict(getattr(plugin, "_given", {}))
+    if args.get("fp32_modules"):
+        args["fp32_modules"] = [
+            e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in args["fp32_modules"]
+        ]
+    return args
+
+
+def _fused_call(optimizer: torch.optim.Optimizer) -> str:
+    """The user's optimizer call with ``fused=True``: every setting that differs from the class's default kept."""
+    cls = type(optimizer)
+    defaults = {
+        n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty
+    }
+    kept = [
+        f"{name}={value!r}"
+        for name, value in optimizer.defaults.items()
+        if name not in ("fused", "foreach") and name in defaults and not same_value(value, defaults[name])
+    ]
+    params, note = ("self.parameters()", "") if len(optimizer.param_groups) == 1 else ("param_groups", "  # as before")
+    return f"torch.optim.{cls.__name__}({', '.join([params, *kept, 'fused=True'])}){note}"
 
 
 def _private(callback: Any) -> Any:

@@ -29,6 +29,16 @@ def fit(model, plugin=None, callbacks=(), max_steps=12, **kwargs):
     return advisor, plugin
 
 
+def applied(fix):
+    """The plugin a printed fix line builds, pasted as printed."""
+    return eval(fix, {"AmpPlusPrecision": AmpPlusPrecision})
+
+
+def named(non_fused):
+    """The optimizers told to fuse, without their fused call."""
+    return [{k: v for k, v in o.items() if k != "fused_call"} for o in non_fused]
+
+
 def codes(advisor):
     return [a.code for a in advisor.advice]
 
@@ -56,13 +66,11 @@ def test_fp32_module_names_the_module_where_inf_is_born_and_the_island_fixes_it(
     advisor, plugin = fit(Overflowing(), max_steps=6)
     assert codes(advisor)[0] == "fp32_module"  # most important first
     advice = only(advisor, "fp32_module")
-    assert advice.fix == 'AmpPlusPrecision("16-mixed", fp32_modules=["big"])'
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["big"])'  # theirs + 1
     assert advice.evidence["module"] == "big"
     assert advice.evidence["skips"] == plugin.history.num_skipped
     assert "nonfinite_loss" not in codes(advisor)
-    fixed, fixed_plugin = fit(
-        Overflowing(), AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["big"]), max_steps=6
-    )
+    fixed, fixed_plugin = fit(Overflowing(), applied(advice.fix), max_steps=6)
     assert fixed_plugin.history.num_skipped < plugin.history.num_skipped
     assert "fp32_module" not in codes(fixed)
 
@@ -154,12 +162,9 @@ def test_init_scale_gives_the_scale_the_run_settled_at():
     assert plugin.history.skipped_steps[:leading] == list(range(leading))
     settled = plugin.history.scale_at(leading)
     assert advice.evidence["settled_scale"] == settled
-    assert advice.fix == f'AmpPlusPrecision("16-mixed", init_scale=2.0**{int(torch.tensor(settled).log2())})'
-    fixed, fixed_plugin = fit(
-        TinyModel(optimizer="fused_sgd", lr=0.01),
-        AmpPlusPrecision("16-mixed", init_scale=settled, max_scale=2.0**40),
-        max_steps=30,
-    )
+    exponent = int(torch.tensor(settled).log2())
+    assert advice.fix == f'AmpPlusPrecision("16-mixed", init_scale=2.0**{exponent}, max_scale=2.0**40)'
+    fixed, fixed_plugin = fit(TinyModel(optimizer="fused_sgd", lr=0.01), applied(advice.fix), max_steps=30)
     assert fixed_plugin.history.num_skipped < plugin.history.num_skipped
     assert "init_scale" not in codes(fixed)
 
@@ -172,11 +177,9 @@ def test_growth_interval_after_a_backoff_that_never_grows_back():
     assert advice.evidence["backoff_step"] == 11  # the halved scale is first used by the next update
     assert advice.evidence["clean_updates_after"] == 69
     assert advice.evidence["underflow_after"] > 0.05
-    assert advice.fix == 'AmpPlusPrecision("16-mixed", growth_interval=10)'
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=10)'
     model = Tiny(optimizer="fused_sgd", grad_poison={10: "net.0.weight"})
-    fixed, fixed_plugin = fit(
-        model, AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=10), max_steps=80, log_every_n_steps=20
-    )
+    fixed, fixed_plugin = fit(model, applied(advice.fix), max_steps=80, log_every_n_steps=20)
     assert fixed_plugin.history.scale_at(79) > plugin.history.scale_at(79)  # it grew back
     assert "growth_interval" not in codes(fixed)
 
@@ -189,12 +192,10 @@ def test_hysteresis_for_isolated_overflows_each_halving_the_scale():
     )
     advice = only(advisor, "hysteresis")
     assert advice.evidence["isolated_overflows"] == [10, 30, 50]
-    assert advice.fix.startswith('AmpPlusPrecision("16-mixed", hysteresis=2)')
-    fixed, fixed_plugin = fit(
-        TinyModel(optimizer="fused_sgd", grad_poison=poison),
-        AmpPlusPrecision("16-mixed", hysteresis=2, **knobs),
-        max_steps=60,
+    assert advice.fix.startswith(
+        'AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=5, max_scale=2.0**10, hysteresis=2)  #'
     )
+    fixed, fixed_plugin = fit(TinyModel(optimizer="fused_sgd", grad_poison=poison), applied(advice.fix), max_steps=60)
     assert [s for s, _ in fixed_plugin.history.curve()] == [0]  # no halving at all: the scale stayed at 1024
     assert len(plugin.history.curve()) > 1
     assert "hysteresis" not in codes(fixed)
@@ -215,13 +216,8 @@ def test_max_scale_when_the_cap_holds_the_scale_down_with_headroom_left():
     assert advice.evidence["headroom_bits"] > 20
     new = 16.0 * 2.0 ** int(advice.evidence["headroom_bits"] - 1)
     exponent = int(torch.tensor(new).log2())
-    assert advice.fix == f'AmpPlusPrecision("16-mixed", max_scale=2.0**{exponent}, init_scale=2.0**{exponent})'
-    fixed, _ = fit(
-        Tiny(optimizer="fused_sgd"),
-        AmpPlusPrecision("16-mixed", init_scale=new, max_scale=new),
-        max_steps=8,
-        log_every_n_steps=2,
-    )
+    assert advice.fix == f'AmpPlusPrecision("16-mixed", init_scale=2.0**{exponent}, max_scale=2.0**{exponent})'
+    fixed, _ = fit(Tiny(optimizer="fused_sgd"), applied(advice.fix), max_steps=8, log_every_n_steps=2)
     assert "max_scale" not in codes(fixed)
     assert "bf16" not in codes(fixed)
 
@@ -240,7 +236,8 @@ def test_bf16_when_gradients_overflow_at_min_scale():
     assert advice.fix.startswith('AmpPlusPrecision("bf16-mixed")')
     assert advice.evidence["overflows_at_min_scale"] == plugin.history.num_skipped == 6
     assert "fp32_module" not in codes(advisor)  # born in backward: no module to keep in float32
-    fixed, fixed_plugin = fit(Huge(optimizer="fused_sgd", lr=1e-12), AmpPlusPrecision("bf16-mixed"), max_steps=6)
+    assert advice.fix.startswith('AmpPlusPrecision("bf16-mixed")  #')  # the scaler's knobs go: bf16 refuses them
+    fixed, fixed_plugin = fit(Huge(optimizer="fused_sgd", lr=1e-12), applied(advice.fix), max_steps=6)
     assert fixed_plugin.history.num_skipped == 0
     assert codes(fixed) == []
 
@@ -248,8 +245,8 @@ def test_bf16_when_gradients_overflow_at_min_scale():
 def test_fused_optimizer_for_a_non_fused_adamw():
     advisor, _ = fit(TinyModel(optimizer="adamw"), max_steps=3)
     advice = only(advisor, "fused_optimizer")
-    assert advice.evidence["optimizers"] == [{"name": "AdamW", "device": "cpu"}]
-    assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=..., fused=True)"
+    assert named(advice.evidence["optimizers"]) == [{"name": "AdamW", "device": "cpu"}]
+    assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)"  # the lr as given
     fixed, _ = fit(TinyModel(optimizer="fused_adamw"), max_steps=3)
     assert codes(fixed) == []
 
@@ -519,7 +516,8 @@ def test_the_printed_and_markdown_text(tmp_path, caplog):
             second.fix,
             "```",
             "",
-            "Evidence: `optimizers`: [{'name': 'AdamW', 'device': 'cpu'}]",
+            "Evidence: `optimizers`: [{'name': 'AdamW', 'device': 'cpu', 'fused_call': "
+            "'torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)'}]",
             "",
         ]
     )
@@ -562,7 +560,7 @@ def test_what_the_advisor_gathers_in_bf16():
 def test_which_optimizers_count_as_non_fused(optimizer, plugin, expected):
     advisor = AmpAdvisor(print_advice=False)
     make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=2).fit(TinyModel(optimizer=optimizer))
-    assert advisor.figures.non_fused == expected
+    assert named(advisor.figures.non_fused) == expected
 
 
 def test_a_users_own_optimizer_class_is_not_told_to_fuse():
@@ -610,12 +608,13 @@ def test_which_optimizers_are_told_to_fuse_one_rule_per_optimizer():
     ]
     advisor = AmpAdvisor()
     trainer = SimpleNamespace(optimizers=optimizers)
-    advisor._plugin = SimpleNamespace(scaler=object(), skip_nonfinite=True)
+    plugin = dict(sync_skips=False, skip_scheduler_on_overflow=False)
+    advisor._plugin = SimpleNamespace(scaler=object(), skip_nonfinite=True, **plugin)
     told = [{"name": "AdamW", "device": "cpu"}, {"name": "Adagrad", "device": "cpu"}, {"name": "SGD", "device": "cpu"}]
-    assert advisor._non_fused(trainer) == told
-    advisor._plugin = SimpleNamespace(scaler=None, skip_nonfinite=True)  # bf16 reading its skip flag
-    assert advisor._non_fused(trainer) == told
-    advisor._plugin = SimpleNamespace(scaler=None, skip_nonfinite=False)  # no flag read: nothing to save
+    assert named(advisor._non_fused(trainer)) == told
+    advisor._plugin = SimpleNamespace(scaler=None, skip_nonfinite=True, **plugin)  # bf16 reading its skip flag
+    assert named(advisor._non_fused(trainer)) == told
+    advisor._plugin = SimpleNamespace(scaler=None, skip_nonfinite=False, **plugin)  # no flag read: nothing to save
     assert advisor._non_fused(trainer) == []
 
 
@@ -663,3 +662,77 @@ def test_the_advise_command_counts_its_findings_and_reads_a_curve_without_skips(
     assert main(["advise", str(stock)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("no finding in the logged series: ")
+
+
+class Calls(TinyModel):
+    """Its optimizer is built from a line of code, so a printed fix can be pasted in as printed."""
+
+    def __init__(self, call, scheduler_interval=None, **kwargs):
+        super().__init__(**kwargs)
+        self.call = call
+        self.scheduler_interval = scheduler_interval
+
+    def training_step(self, batch, batch_idx):  # no host read of its own: the syncs counted are the step's
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+    def configure_optimizers(self):
+        opt = eval(self.call, {"torch": torch, "self": self})
+        if self.scheduler_interval is None:
+            return opt
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1000)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
+
+
+def syncs_per_step(model_factory, plugin_factory=lambda: AmpPlusPrecision("16-mixed", init_scale=1024.0)):
+    from lightning_amp_plus.syncs import HostSyncCounter
+
+    counts = []
+    for steps in (4, 12):
+        with HostSyncCounter() as counter:
+            make_trainer(plugins=[plugin_factory()], max_steps=steps).fit(model_factory())
+        counts.append(counter.count)
+    return (counts[1] - counts[0]) / 8
+
+
+SGD_MOMENTUM = "torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)"
+
+
+def test_the_fused_optimizer_fix_keeps_the_users_settings_and_removes_the_sync():
+    advisor, _ = fit(Calls(SGD_MOMENTUM), max_steps=3)
+    advice = only(advisor, "fused_optimizer")
+    assert advice.fix == "torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=True)"
+    fixed = Calls(advice.fix)
+    fixed_advisor, _ = fit(fixed, max_steps=3)
+    assert "fused_optimizer" not in codes(fixed_advisor)
+    assert fixed.trainer.optimizers[0].defaults["momentum"] == 0.9  # the user's momentum is kept
+    assert syncs_per_step(lambda: Calls(SGD_MOMENTUM)) == 1.0
+    assert syncs_per_step(lambda: Calls(advice.fix)) == 0.0  # what the advice promises, measured
+
+
+def test_no_fused_optimizer_advice_where_a_step_scheduler_reads_the_flag_anyway():
+    advisor, _ = fit(Calls(SGD_MOMENTUM, scheduler_interval="step"), max_steps=3)
+    assert "fused_optimizer" not in codes(advisor)
+    fused = SGD_MOMENTUM[:-1] + ", fused=True)"
+    # the healthy look-alike's reason, measured: fused, the scheduler's skip check still syncs every step
+    assert syncs_per_step(lambda: Calls(fused, scheduler_interval="step")) == 1.0
+    epoch_advisor, _ = fit(Calls(SGD_MOMENTUM, scheduler_interval="epoch"), max_steps=3)
+    assert "fused_optimizer" in codes(epoch_advisor)  # an epoch scheduler reads no per-step flag
+    sync_advisor, _ = fit(Calls(SGD_MOMENTUM), callbacks=[NaNSkipReporter(sync_fused=True)], max_steps=3)
+    assert "fused_optimizer" not in codes(sync_advisor)  # sync_fused=True reads the fused flag every step
+
+
+def test_several_param_groups_keep_their_groups_in_the_fused_fix():
+    call = "torch.optim.AdamW([{'params': self.net[0].parameters()}, {'params': self.net[2].parameters()}], lr=0.01)"
+    advisor, _ = fit(Calls(call), max_steps=2)
+    assert only(advisor, "fused_optimizer").fix == "torch.optim.AdamW(param_groups, lr=0.01, fused=True)  # as before"
+
+
+def test_skip_rate_is_told_even_when_a_speed_hint_is_given():
+    poison = {i: "net.0.weight" for i in range(10)}
+    advisor, plugin = fit(TinyModel(optimizer="sgd", grad_poison=poison), max_steps=10)
+    assert plugin.history.num_skipped == 10
+    assert codes(advisor) == ["skip_rate", "fused_optimizer"]  # the skips first: a speed hint explains none
