@@ -207,7 +207,12 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
 
 
 def _high_underflow(figures: RunFigures) -> list[dict[str, Any]]:
-    return [m for m in figures.underflow or [] if m.get("underflow_fraction", 0.0) >= HIGH_UNDERFLOW]
+    return [m for m in _measured(figures) if m["underflow_fraction"] >= HIGH_UNDERFLOW]
+
+
+def _measured(figures: RunFigures) -> list[dict[str, Any]]:
+    """The measurements with an underflow figure (an overflowed update has none)."""
+    return [m for m in figures.underflow or [] if m.get("underflow_fraction") is not None]
 
 
 def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
@@ -220,7 +225,7 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or figures.bf16_available is False:
         return None
     fix = plugin_fix(figures, "float32's range: no loss scale needed", precision="bf16-mixed")
-    measured = figures.underflow or []
+    measured = _measured(figures)
     high = _high_underflow(figures)
     squeezed = [m for m in high if m.get("headroom_bits") is not None and m["headroom_bits"] < 1.0]
     if measured and 2 * len(squeezed) > len(measured):
@@ -255,7 +260,7 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
 
 
 def _max_scale(figures: RunFigures) -> Optional[Advice]:
-    measured = figures.underflow or []
+    measured = _measured(figures)
     pinned = [
         m
         for m in _high_underflow(figures)
@@ -335,7 +340,7 @@ def _growth_interval(figures: RunFigures) -> Optional[Advice]:
     step, before, after = backoffs[0]
     if any(b > a for s, a, b in _changes(figures.curve) if s > step):
         return None  # it grew back
-    after_backoff = [m["underflow_fraction"] for m in figures.underflow or [] if m["step"] >= step]
+    after_backoff = [m["underflow_fraction"] for m in _measured(figures) if m["step"] >= step]
     if not after_backoff or sum(after_backoff) / len(after_backoff) < GROWTH_UNDERFLOW:
         return None  # the lower scale costs nothing measured: no reason to grow back sooner
     skipped_after = [s for s in figures.skipped or [] if s >= step]

@@ -29,6 +29,23 @@ def find_plugin(trainer: pl.Trainer, owner: str) -> AmpPlusPrecision:
     return plugin
 
 
+def logging_interval(trainer: pl.Trainer, given: Optional[int] = None) -> int:
+    """Steps between logging points: ``given``, else ``Trainer(log_every_n_steps)`` (50 where it is 0 or unset)."""
+    return given or int(getattr(trainer, "log_every_n_steps", None) or 50)
+
+
+def is_logging_step(step: int, interval: int) -> bool:
+    """Whether ``step`` (the logger's step) is one Lightning writes ``self.log`` values at: the last of each interval.
+
+    Lightning logs when ``(batches_that_stepped + 1) % log_every_n_steps == 0``: at 9, 19, 29 for 10.
+
+    Example:
+        >>> [s for s in range(30) if is_logging_step(s, 10)]
+        [9, 19, 29]
+    """
+    return (step + 1) % interval == 0
+
+
 def log_to_all(trainer: pl.Trainer, metrics: dict[str, Any], step: int) -> None:
     """Log ``metrics`` at ``step`` to every logger of the trainer, from rank zero only."""
     if not trainer.is_global_zero:

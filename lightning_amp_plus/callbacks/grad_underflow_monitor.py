@@ -20,8 +20,10 @@ from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
     all_reduce_,
     find_plugin,
+    is_logging_step,
     local_tensor,
     log_to_all,
+    logging_interval,
     named_parameters,
     shards_gradients,
 )
@@ -56,11 +58,12 @@ def _larger(a: float, b: float) -> float:
 class GradUnderflowMonitor(KnobsRepr, Callback):
     """Measure the scaled gradients before they are unscaled, every ``every_n_steps`` optimizer steps (16-mixed).
 
-    Logs to every logger, at the optimizer step measured:
+    Measures on the steps Lightning logs ``self.log`` values at (the last step of each interval: 9, 19, ... for 10),
+    so its rows share the logger's step with every other series. Logs to every logger, at the step measured:
 
     * ``{prefix}underflow_fraction``: of the non-zero gradient elements, the fraction whose scaled magnitude is below
       float16's smallest normal (``2**-14``): subnormal in float16, losing significant bits, the tail of what float16
-      flushes to zero (0 when every element is zero);
+      flushes to zero (0 when every element is zero; omitted when the update overflowed: no fraction exists there);
     * ``{prefix}zero_fraction``: the fraction of gradient elements that are exactly zero. Most are structural (the
       rows of an embedding a batch did not use, dead units) and not lost to fp16; values flushed all the way to zero
       cannot be told from them without a float32 backward, so they are counted here, not as underflow;
@@ -136,7 +139,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
                 self._high = 0
                 self._warned = 0
         self._trainer = trainer
-        self._interval = self.every_n_steps or int(getattr(trainer, "log_every_n_steps", None) or 50)
+        self._interval = logging_interval(trainer, self.every_n_steps)
         self._params = named_parameters(pl_module)
         self._names = {id(p): n for n, p in self._params}
         if plugin.scaler is None:
@@ -159,7 +162,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self._sharded = shards_gradients(trainer)
 
     def _measure(self, optimizer: Optimizer, step: int) -> None:
-        if step % self._interval != 0:
+        if not is_logging_step(step, self._interval):
             return
         assert self._plugin is not None
         assert self._plugin.scaler is not None
@@ -231,21 +234,21 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         total = sum(numels)
         if not total:
             return
-        fraction = underflow_fraction(sum(below_counts), sum(zero_counts), total)
+        overflowed = not math.isfinite(largest_value)  # inf/nan: no fraction of the gradients exists
+        fraction = None if overflowed else underflow_fraction(sum(below_counts), sum(zero_counts), total)
         zero_fraction = sum(zero_counts) / total
         record: dict[str, Any] = {
             "step": step,
             "scale": scale_value,
             "underflow_fraction": fraction,
             "zero_fraction": zero_fraction,
+            "headroom_bits": math.log2(FP16_MAX / largest_value) if not overflowed and largest_value > 0 else None,
         }
-        metrics = {f"{self.prefix}underflow_fraction": fraction, f"{self.prefix}zero_fraction": zero_fraction}
-        if math.isfinite(largest_value) and largest_value > 0:
-            record["headroom_bits"] = math.log2(FP16_MAX / largest_value)
-            metrics[f"{self.prefix}headroom_bits"] = record["headroom_bits"]
-        else:
-            record["headroom_bits"] = None
-        if self.per_parameter:
+        metrics = {f"{self.prefix}zero_fraction": zero_fraction}
+        for key in ("underflow_fraction", "headroom_bits"):
+            if record[key] is not None:  # absent where undefined, never a healthy-looking value
+                metrics[f"{self.prefix}{key}"] = record[key]
+        if self.per_parameter and not overflowed:
             per = sorted(
                 (
                     (underflow_fraction(b, z, m), nm)
@@ -266,7 +269,10 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         assert self._plugin is not None
         assert self._plugin.scaler is not None
         at_floor = record["scale"] <= self._plugin.scaler.min_scale
-        self._high = self._high + 1 if (at_floor and record["underflow_fraction"] >= self.warn_fraction) else 0
+        fraction = record["underflow_fraction"]
+        if fraction is None:
+            return  # an overflowed update says nothing about underflow: the streak neither grows nor breaks
+        self._high = self._high + 1 if (at_floor and fraction >= self.warn_fraction) else 0
         if self._high >= self.patience and self._warned < self.max_warnings:
             self._warned += 1
             self._high = 0

@@ -16,7 +16,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
-from lightning_amp_plus.callbacks._common import find_plugin, log_to_all
+from lightning_amp_plus.callbacks._common import find_plugin, is_logging_step, log_to_all, logging_interval
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
@@ -86,7 +86,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
             self.reset()  # a new Trainer's fit starts afresh; a resumed one loads its checkpoint after this hook
         self._plugin = None
         self._stock = None
-        self._interval = self.logging_interval or int(getattr(trainer, "log_every_n_steps", None) or 50)
+        self._interval = logging_interval(trainer, self.logging_interval)
         plugin = trainer.strategy.precision_plugin
         if isinstance(plugin, (MixedPrecision, FSDPPrecision)) and not isinstance(plugin, AmpPlusPrecision):
             self._stock = plugin
@@ -121,7 +121,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
         last = self._plugin.history.last_step
         if last is None or last <= self._logged_upto:
             return
-        if last // self._interval > self._logged_upto // self._interval or self._logged_upto < 0:
+        if (last + 1) // self._interval > (self._logged_upto + 1) // self._interval:  # crossed Lightning's point
             self._log_until(trainer, last)
             history = self._plugin.history
             self._show(pl_module, history.scale_at(last) if history.scaled else None, float(self._skipped_logged))
@@ -141,7 +141,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
         # the next update's step, in the logger's unit: the counter moves after this hook when this batch stepped
         step = loop._batches_that_stepped + (0 if loop._should_accumulate() else 1)
         scaler = self._stock.scaler
-        if scaler is None or step <= self._logged_upto or (step % self._interval and self._logged_upto >= 0):
+        if scaler is None or step <= self._logged_upto or not is_logging_step(step, self._interval):
             return
         scale = float(scaler.get_scale())
         previous = self._last_sample

@@ -26,9 +26,11 @@ from lightning_amp_plus.callbacks._common import (
     check_writable,
     distributed,
     find_plugin,
+    is_logging_step,
     leaves_no_trace,
     local_tensor,
     log_to_all,
+    logging_interval,
     named_parameters,
     nonfinite_kind,
     shards_gradients,
@@ -451,7 +453,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         if (
             not self._plugin.skip_known_on_host
             and history.pending
-            and (history.last_step or 0) % getattr(trainer, "log_every_n_steps", 50) == 0
+            and is_logging_step(history.last_step or 0, logging_interval(trainer))
         ):
             self._collect_device_skips()
 

@@ -256,7 +256,7 @@ def test_a_healthy_run_gets_no_advice_and_says_so(tmp_path, caplog):
     logger = CSVLogger(tmp_path, name="run")
     advisor = AmpAdvisor(report_path=tmp_path / "advice.json")
     plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=100)
-    make_trainer(plugins=[plugin], callbacks=[advisor], logger=logger, max_steps=20).fit(
+    make_trainer(plugins=[plugin], callbacks=[advisor], logger=logger, max_steps=20, log_every_n_steps=5).fit(
         TinyModel(optimizer="fused_sgd")
     )
     assert advisor.advice == []

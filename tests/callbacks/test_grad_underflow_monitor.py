@@ -60,7 +60,7 @@ def test_logged_and_measured_only_every_n_steps(tmp_path):
     make_trainer(
         plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], logger=logger, max_steps=7
     ).fit(TinyModel())
-    assert [m["step"] for m in monitor.measurements] == [0, 3, 6]
+    assert [m["step"] for m in monitor.measurements] == [2, 5]  # Lightning's logging steps: the last of each 3
     with open(logger.experiment.metrics_file_path) as f:
         text = f.read()
     assert "amp/underflow_fraction" in text
@@ -99,14 +99,14 @@ def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path):
     seen = {}
 
     def capture(optimizer, step):  # runs right after the monitor's measurement, on the same scaled gradients
-        if step % 2 == 0:
+        if step % 2 == 1:
             seen[step] = [p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]]
 
     logger = CSVLogger(tmp_path, name="run")
     trainer = make_trainer(plugins=[plugin], callbacks=[monitor], logger=logger, max_steps=5)
     plugin.before_unscale_listeners.append(capture)
     trainer.fit(model)
-    assert sorted(seen) == [m["step"] for m in monitor.measurements] == [0, 2, 4]
+    assert sorted(seen) == [m["step"] for m in monitor.measurements] == [1, 3]
     rows = read_csv(logger.experiment.metrics_file_path)
     logged = {int(r["step"]): r for r in rows if r.get("amp/underflow_fraction")}
     names = [n for n, _ in model.named_parameters()]
@@ -482,3 +482,22 @@ def test_a_retry_on_the_same_trainer_measures_the_failed_step_afresh():
     assert [m["step"] for m in monitor.measurements] == [0, 1, 2, 3, 3, 4]
     assert monitor.measurements[3]["headroom_bits"] is None
     assert monitor.measurements[4]["headroom_bits"] == pytest.approx(math.log2(65504.0 / seen[3]))
+
+
+def test_an_overflowed_update_has_no_underflow_figure(tmp_path):
+    from tests.callbacks.test_loss_scale_monitor import read_csv
+
+    logger = CSVLogger(tmp_path, name="run")
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=2)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], logger=logger, max_steps=4
+    ).fit(TinyModel(grad_poison={2: "net.0.weight"}))
+    by_step = {m["step"]: m for m in monitor.measurements}
+    assert by_step[2]["underflow_fraction"] is None  # no fraction exists on an overflowed update
+    assert by_step[2]["headroom_bits"] is None
+    assert "worst" not in by_step[2]
+    assert all(by_step[s]["underflow_fraction"] is not None for s in (0, 1, 3))
+    rows = {int(r["step"]): r for r in read_csv(logger.experiment.metrics_file_path) if r.get("amp/zero_fraction")}
+    assert not rows[2].get("amp/underflow_fraction")  # absent in the logger too, never a healthy-looking 0
+    assert not any(k.startswith("amp/underflow/") and v for k, v in rows[2].items())
+    assert rows[3].get("amp/underflow_fraction")

@@ -61,11 +61,11 @@ def test_csv_curve_is_the_true_step_function(tmp_path):
     assert skipped[3] == 1.0
     assert skipped[4] == 2.0
     assert skipped[11] == 3.0
-    # logging points follow log_every_n_steps: 0, 5, 10, 15 and the end (19)
+    # logging points are Lightning's own for log_every_n_steps=5: 4, 9, 14, 19
     rate_steps = sorted(int(r["step"]) for r in rows if r.get("amp/skip_rate"))
-    assert rate_steps == [0, 5, 10, 15, 19]
+    assert rate_steps == [4, 9, 14, 19]
     rates = {int(r["step"]): float(r["amp/skip_rate"]) for r in rows if r.get("amp/skip_rate")}
-    assert rates == {0: 0.0, 5: 2 / 5, 10: 0.0, 15: 1 / 5, 19: 0.0}
+    assert rates == {4: 2 / 5, 9: 0.0, 14: 1 / 5, 19: 0.0}
 
 
 def test_tensorboard_tag_reads_back(tmp_path):
@@ -189,7 +189,7 @@ def test_counter_metrics_match_the_rule_at_every_logging_point(tmp_path):
             if value:
                 rows.setdefault(int(row["step"]), {})[key] = float(value)
     points = sorted(s for s, r in rows.items() if "amp/growths" in r)
-    assert points == [0, 4, 8, 12, 16, 20, 21]
+    assert points == [3, 7, 11, 15, 19, 21]  # Lightning's logging steps for 4, and the end
     for s in points:
         seen = scales[: s + 1]
         growths = sum(b > a for a, b in zip(seen, seen[1:], strict=False))
@@ -255,11 +255,11 @@ def test_progress_bar_shows_the_scale_and_skips_refreshed_at_logging_points(tmp_
         log_every_n_steps=1,  # what reaches the logger is written at every step: the bar's values must not be
         max_steps=8,
     ).fit(model)
-    # after the batch of each logging point (steps 0, 3, 6) the bar shows that point's scale and skip count
-    assert shown[0] == (1, 1024.0, 0.0)
-    assert shown[3] == (4, 512.0, 1.0)  # step 2 skipped: the scale step 3 used
-    assert shown[6] == (7, 256.0, 2.0)
-    assert shown[4][1:] == shown[5][1:] == (512.0, 1.0)  # unchanged between logging points
+    # after the batch of each logging point (Lightning's steps 2 and 5) the bar shows that point's scale and skips
+    assert shown[0][1:] == shown[1][1:] == (None, None)  # nothing before the first logging point
+    assert shown[2] == (3, 1024.0, 1.0)  # step 2 used 1024 and was skipped
+    assert shown[5] == (6, 512.0, 2.0)  # step 5 used the halved scale and was skipped
+    assert shown[3][1:] == shown[4][1:] == (1024.0, 1.0)  # unchanged between logging points
     rows = read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")
     assert {"amp/loss_scale", "amp/skipped_steps"} <= set(rows[0])  # the monitor's own metrics reach the logger
     assert not {"amp/scale", "amp/skipped"} & set(rows[0])  # the bar's do not
@@ -278,7 +278,7 @@ def test_no_bar_metric_without_a_bar_or_when_turned_off(tmp_path, progress_bar, 
     assert not {"amp/scale", "amp/skipped"} & set(trainer.progress_bar_metrics)
 
 
-def test_the_first_logging_point_rates_its_one_update(tmp_path):
+def test_a_run_shorter_than_one_interval_rates_every_update_at_its_end(tmp_path):
     logger = CSVLogger(tmp_path)
     make_trainer(
         plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
@@ -288,7 +288,7 @@ def test_the_first_logging_point_rates_its_one_update(tmp_path):
         max_steps=3,
     ).fit(TinyModel(poison={0: "inf"}))
     rows = read_csv(logger.experiment.metrics_file_path)
-    assert {int(r["step"]): float(r["amp/skip_rate"]) for r in rows if r.get("amp/skip_rate")} == {0: 1.0, 2: 0.0}
+    assert {int(r["step"]): float(r["amp/skip_rate"]) for r in rows if r.get("amp/skip_rate")} == {2: 1 / 3}
 
 
 def test_stock_plugin_gets_a_sampled_curve_said_once(tmp_path, caplog):
@@ -311,17 +311,17 @@ def test_stock_plugin_gets_a_sampled_curve_said_once(tmp_path, caplog):
     ).fit(model)
     rows = read_csv(logger.experiment.metrics_file_path)
     sampled = {int(r["step"]): float(r["amp/loss_scale"]) for r in rows if r.get("amp/loss_scale")}
-    assert sorted(sampled) == [1, 3, 6, 9, 12]  # the first batch end, then every 3 global steps
+    assert sorted(sampled) == [2, 5, 8, 11, 14]  # Lightning's logging steps for 3
     assert sampled == {s: true_scales[s] for s in sampled}  # the stock scaler's real values at the sample points
     backoffs = {int(r["step"]): float(r["amp/backoffs"]) for r in rows if r.get("amp/backoffs")}
-    values = [sampled[s] for s in sorted(sampled)]  # 1024, 512, 256, 512, 256: drops and rises between samples
-    assert backoffs[12] == sum(b < a for a, b in zip(values, values[1:], strict=False)) == 3
+    values = [sampled[s] for s in sorted(sampled)]  # 1024, 256, 512, 256, 512: drops and rises between samples
+    assert backoffs[14] == sum(b < a for a, b in zip(values, values[1:], strict=False)) == 2
     growths = {int(r["step"]): float(r["amp/growths"]) for r in rows if r.get("amp/growths")}
-    assert growths[12] == sum(b > a for a, b in zip(values, values[1:], strict=False)) == 1
+    assert growths[14] == sum(b > a for a, b in zip(values, values[1:], strict=False)) == 2
     assert caplog.text.count("is sampled at the logging points") == 1
     from lightning_amp_plus.plot import read_run
 
-    assert read_run(logger.log_dir).scale[0] == (1, sampled[1])  # the plot command reads it
+    assert read_run(logger.log_dir).scale[0] == (2, sampled[2])  # the plot command reads it
 
 
 def test_repr_shows_the_knobs_that_differ_from_the_defaults():
@@ -362,12 +362,12 @@ def test_stock_plugin_sampling_under_accumulation_counts_by_comparing_samples(tm
     ).fit(model)
     rows = [r for r in read_csv(logger.experiment.metrics_file_path) if r.get("amp/loss_scale")]
     steps = [int(r["step"]) for r in rows]
-    assert steps == [0, 3, 6, 9, 12, 15]  # once each, though two batch ends share every update's step
+    assert steps == [2, 5, 8, 11, 14]  # once each, though two batch ends share every update's step
     values = [float(r["amp/loss_scale"]) for r in rows]
-    assert values == [256.0, 256.0, 512.0, 512.0, 1024.0, 512.0]  # grown after updates 6 and 12, backed off at 13
-    assert [float(r["amp/growths"]) for r in rows] == [0, 0, 1, 1, 2, 2]
-    assert [float(r["amp/backoffs"]) for r in rows] == [0, 0, 0, 0, 0, 1]
-    assert bar[0] == 256.0  # the bar shows the samples
+    assert values == [256.0, 256.0, 512.0, 512.0, 512.0]  # grown after update 6; 12's growth undone at 13, unseen
+    assert [float(r["amp/growths"]) for r in rows] == [0, 0, 1, 1, 1]
+    assert [float(r["amp/backoffs"]) for r in rows] == [0, 0, 0, 0, 0]
+    assert bar[0] is None and bar[-1] == 512.0  # the bar shows the samples, from the first logging point
     assert bar[-1] == 512.0
 
 
@@ -385,3 +385,29 @@ def test_a_bf16_plugin_logs_no_scale(tmp_path, ours):
     path = tmp_path / "bf16" / "version_0" / "metrics.csv"
     logged = {k for r in read_csv(path) for k, v in r.items() if v} if path.exists() else set()
     assert not logged & {"amp/loss_scale", "amp/log2_loss_scale", "amp/growths", "amp/backoffs"}
+
+
+def test_amp_series_share_lightnings_logging_steps(tmp_path):
+    from lightning_amp_plus import GradUnderflowMonitor
+
+    class Logged(TinyModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return loss
+
+    logger = CSVLogger(tmp_path, name="run")
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=1000)],
+        callbacks=[LossScaleMonitor(), GradUnderflowMonitor()],
+        logger=logger,
+        log_every_n_steps=10,
+        max_steps=60,
+    ).fit(Logged())
+    rows = read_csv(logger.experiment.metrics_file_path)
+    theirs = {int(r["step"]) for r in rows if r.get("train_loss")}
+    assert theirs == {9, 19, 29, 39, 49, 59}
+    for key in ("amp/loss_scale", "amp/skip_rate", "amp/underflow_fraction", "amp/headroom_bits"):
+        ours = {int(r["step"]) for r in rows if r.get(key)}
+        assert theirs <= ours, key  # a join on `step` finds every one of Lightning's rows
+    assert {int(r["step"]) for r in rows if r.get("amp/skip_rate")} == theirs  # and no logging point of its own
