@@ -43,6 +43,8 @@ MIN_ISOLATED_BACKOFFS = 3
 GROWTH_UNDERFLOW = 0.05
 #: skip rate from which a run that no other code explains is reported (skip_rate)
 HIGH_SKIP_RATE = 0.5
+#: skipped updates in a row at the end of a run from which it is reported (skip_rate): it ended training on nothing
+TRAILING_STREAK = 3
 #: the highest scale a fix proposes (float32 holds up to 2**127; beyond 2**64 no gradient is that small)
 MAX_PROPOSED_SCALE = 2.0**64
 
@@ -435,18 +437,36 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
 
 
 def _skip_rate(figures: RunFigures) -> Optional[Advice]:
-    """A run that skipped many of its updates, which no other code explains: never called healthy."""
+    """A run that skipped many of its updates, or ended in a streak of skips, which no other code explains.
+
+    Either is never called healthy.
+    """
     skipped = len(figures.skipped or [])
-    if not figures.num_updates or skipped < 2 or skipped / figures.num_updates < HIGH_SKIP_RATE:
+    if not figures.num_updates or skipped < 2:
         return None
     rate = skipped / figures.num_updates
+    trailing = trailing_streak(figures)
+    if rate < HIGH_SKIP_RATE and trailing < TRAILING_STREAK:
+        return None
+    ended = f"; the last {trailing} in a row, where the run ended" if trailing >= TRAILING_STREAK else ""
     return Advice(
         "skip_rate",
-        f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.0f}%) and no rule here explains why:"
-        " the weights moved on the rest only.",
+        f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.0f}%){ended}{',' if ended else ''}"
+        " and no rule here explains why: the weights moved on the rest only.",
         'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
-        {"skipped": skipped, "updates": figures.num_updates, "rate": rate},
+        {"skipped": skipped, "updates": figures.num_updates, "rate": rate, "trailing_streak": trailing},
     )
+
+
+def trailing_streak(figures: RunFigures) -> int:
+    """Skipped updates in a row that end the run (at ``last_step``); 0 when its last update was applied."""
+    skipped = set(figures.skipped or [])
+    if figures.last_step is None:
+        return 0
+    count = 0
+    while figures.last_step - count in skipped:
+        count += 1
+    return count
 
 
 #: the codes that say why updates were skipped (a speed hint does not)

@@ -453,7 +453,23 @@ def test_skip_rate_boundaries(skipped, updates, fires):
     figures.knobs["hysteresis"] = 99  # the scale held: no other code
     assert (codes(figures) == ["skip_rate"]) is fires
     if fires:
-        assert only_code(figures, "skip_rate").evidence == {"skipped": skipped, "updates": updates, "rate": 1.0}
+        evidence = only_code(figures, "skip_rate").evidence
+        assert evidence == {"skipped": skipped, "updates": updates, "rate": 1.0, "trailing_streak": skipped}
+
+
+@pytest.mark.parametrize(("streak", "fires"), [(2, False), (3, True)])
+def test_a_run_that_ends_in_a_streak_of_skips_is_never_healthy(streak, fires):
+    last = 31
+    skipped = [5, 12, *range(last - streak + 1, last + 1)]  # a few spikes, then the end: well under half skipped
+    figures = run([(0, 1024.0)], skipped, last)
+    figures.knobs["hysteresis"] = 99  # the scale held: no other code
+    assert codes(figures) == (["skip_rate"] if fires else [])
+    if fires:
+        advice = only_code(figures, "skip_rate")
+        assert advice.evidence["trailing_streak"] == streak
+        assert f"the last {streak} in a row, where the run ended" in advice.message
+    figures.skipped = [*skipped[:-1]]  # the last update applied: no streak ends the run
+    assert "skip_rate" not in codes(figures)
 
 
 def test_silent_fp32_lists_five_by_time_share():

@@ -166,6 +166,18 @@ class LossScaleMonitor(KnobsRepr, Callback):
         if last is not None and last > self._logged_upto:
             self._log_until(trainer, last)
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # the state the run died in (a collapse: the scale at its floor) reaches the logger before it closes
+        if self._stock is not None or self._plugin is None:
+            return
+        last = self._plugin.history.last_step
+        try:
+            if last is not None and last > self._logged_upto:
+                self._log_until(trainer, last)
+        except Exception as error:  # the fit's own exception is the one that propagates
+            rank_zero_warn(f"`LossScaleMonitor`: the last state was not logged ({error!r}).", category=AmpPlusWarning)
+
     def _log_until(self, trainer: pl.Trainer, last: int) -> None:
         assert self._plugin is not None
         history = self._plugin.history

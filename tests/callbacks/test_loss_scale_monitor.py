@@ -411,3 +411,30 @@ def test_amp_series_share_lightnings_logging_steps(tmp_path):
         ours = {int(r["step"]) for r in rows if r.get(key)}
         assert theirs <= ours, key  # a join on `step` finds every one of Lightning's rows
     assert {int(r["step"]) for r in rows if r.get("amp/skip_rate")} == theirs  # and no logging point of its own
+
+
+def test_a_collapse_logs_the_state_the_run_died_in_and_the_advise_command_says_so(tmp_path, capsys):
+    from lightning_amp_plus import LossScaleCollapseError, NaNSkipReporter
+    from lightning_amp_plus.__main__ import main
+
+    logger = CSVLogger(tmp_path, name="run")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**16)
+    with pytest.raises(LossScaleCollapseError):
+        make_trainer(
+            plugins=[plugin],
+            callbacks=[LossScaleMonitor(), NaNSkipReporter(max_consecutive_skips=12, max_warnings=0)],
+            logger=logger,
+            log_every_n_steps=10,
+            max_steps=100,
+        ).fit(TinyModel(poison={s: "nan" for s in range(20, 40)}))
+    assert plugin.history.last_step == 31  # 12 in a row from step 20: 37.5% of 32 updates
+    rows = read_csv(logger.experiment.metrics_file_path)
+    last = max(int(r["step"]) for r in rows)
+    assert last == 31
+    final = {k: v for r in rows if int(r["step"]) == 31 for k, v in r.items() if v}
+    assert float(final["amp/skipped_steps"]) == 12.0
+    assert float(final["amp/loss_scale"]) == plugin.history.scale_at(31) == 2.0**5  # not the last logging point's
+    assert main(["advise", logger.log_dir]) == 0
+    out = capsys.readouterr().out
+    assert "looks healthy" not in out
+    assert "[skip_rate] 12 of 32 updates were skipped (38%); the last 12 in a row, where the run ended" in out
