@@ -125,6 +125,12 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
                 "`AmpPlusFabricPrecision(precision='16-mixed')` cannot step `torch.optim.LBFGS`: it re-evaluates the"
                 " closure, which loss scaling breaks. HINT: use precision='bf16-mixed' or 32-bit precision."
             )
+        if self.scaler is not None and self.scaler.scale_tensor() is None:
+            raise RuntimeError(
+                f"`{type(self).__name__}(precision='16-mixed')`: `optimizer.step()` found no scaled loss: nothing went"
+                " through `fabric.backward`. HINT: call `fabric.backward(loss)` (it scales the loss) instead of"
+                " `loss.backward()`."
+            )
         engine = self._engine
         engine.begin(optimizer)
         try:

@@ -644,6 +644,22 @@ class NonFiniteChecker(DynamicLossScaler):
 
     __repr__ = KnobsRepr.__repr__  # its knobs are fixed: the constructor's arguments say everything
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check ``optimizer``'s gradients; a backward that never went through :meth:`scale` is checked too."""
+        self._place_scale(optimizer)
+        super().unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Step unless the gradients hold inf/nan (``loss.backward()`` called directly steps as stock bf16 does)."""
+        self._place_scale(optimizer)
+        return super().step(optimizer, *args, **kwargs)
+
+    def _place_scale(self, optimizer: torch.optim.Optimizer) -> None:
+        # bf16 scales nothing: a scale of 1 on the parameters' device stands in for the one scale() would place
+        if self._scale is None:
+            params = [p for group in resolve_optimizer(optimizer).param_groups for p in group["params"]]
+            self._lazy_init_scale_growth_tracker(params[0].device if params else torch.device(self._device))
+
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         """``outputs`` unchanged (the scale is 1); the first call places the scale on the outputs' device."""
         if isinstance(outputs, Tensor):

@@ -129,3 +129,34 @@ def test_fabric_plugin_defaults_arguments_and_repr():
         repr(plugin)
         == "AmpPlusFabricPrecision(precision='bf16-mixed', device='cpu', warn_skip_streak=3, update='manual')"
     )
+
+
+def _fabric_setup(precision):
+    plugin = AmpPlusFabricPrecision(precision)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = fabric.setup_module(torch.nn.Linear(4, 1))
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    return plugin, model, opt
+
+
+def test_bf16_steps_after_a_direct_loss_backward_as_stock_does():
+    plugin, model, opt = _fabric_setup("bf16-mixed")
+    x = torch.randn(8, 4)
+    model.module(x).float().pow(2).mean().backward()  # not fabric.backward: bf16 scales nothing, so it may
+    expected = [p.detach() - 0.1 * p.grad for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected, strict=True))
+    opt.zero_grad()
+    (model.module(x).float().pow(2).mean() * float("nan")).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))  # still checked
+    assert plugin.history.skipped_steps == [1]
+
+
+def test_16_mixed_says_what_to_call_after_a_direct_loss_backward():
+    _, model, opt = _fabric_setup("16-mixed")
+    model.module(torch.randn(8, 4)).float().pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"found no scaled loss.*HINT: call `fabric.backward\(loss\)`"):
+        opt.step()
