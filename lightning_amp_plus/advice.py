@@ -20,6 +20,7 @@ from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skip
 #: overflows; bf16 when no scale fits; then the knobs; then many skips nothing above explains; then speed
 CODES = (
     "nonfinite_loss",
+    "model_nonfinite",
     "fp32_module",
     "bf16",
     "init_scale",
@@ -31,7 +32,7 @@ CODES = (
     "fused_optimizer",
 )
 #: codes that need figures only the live callback gathers (origins of skips, dtypes per module, the optimizers)
-LIVE_ONLY = ("nonfinite_loss", "fp32_module", "silent_fp32", "fused_optimizer")
+LIVE_ONLY = ("nonfinite_loss", "model_nonfinite", "fp32_module", "silent_fp32", "fused_optimizer")
 
 #: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
 HIGH_UNDERFLOW = 0.5
@@ -127,6 +128,7 @@ def needs_live(figures: RunFigures) -> list[str]:
     """The codes these figures cannot support (their figures were not measured)."""
     unmeasured = {
         "nonfinite_loss": figures.origins is None,
+        "model_nonfinite": figures.origins is None,
         "fp32_module": figures.origins is None,
         "silent_fp32": figures.fp32_rows is None,
         "fused_optimizer": figures.non_fused is None,
@@ -190,9 +192,36 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     )
 
 
+def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
+    """Most skips born in one module's forward that returns inf/nan in float32 too: no precision avoids them."""
+    origins = _known_origins(figures)
+    modules = Counter(
+        o.get("module", "") for o in origins if o.get("phase") == "forward" and o.get("float32") == "nonfinite"
+    )
+    if not modules:
+        return None
+    module, count = modules.most_common(1)[0]
+    if 2 * count <= len(origins):
+        return None
+    where = module or "the LightningModule's own code"
+    return Advice(
+        "model_nonfinite",
+        f"Non-finite values were born in the forward of {where} in {count} of {len(origins)} skipped updates, and"
+        " recomputed in float32 it returns them too: the model makes them in any precision (an all-masked attention"
+        " row, a log or division of 0), so no loss scale, fp32 island or bf16 fixes it.",
+        f"# fix the inputs of {where} (e.g. give every attention row one unmasked key), or replace its inf/nan:"
+        " out = torch.nan_to_num(out)",
+        {"module": module, "skips": count, "told": len(origins)},
+    )
+
+
 def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
-    modules = Counter(o["module"] for o in origins if o.get("phase") == "forward" and o.get("module"))
+    modules = Counter(
+        o["module"]
+        for o in origins
+        if o.get("phase") == "forward" and o.get("module") and o.get("float32") != "nonfinite"  # fp16's own
+    )
     if not modules:
         return None
     module, count = modules.most_common(1)[0]
@@ -472,8 +501,21 @@ def trailing_streak(figures: RunFigures) -> int:
 #: the codes that say why updates were skipped (a speed hint does not)
 _EXPLAIN_SKIPS = frozenset(CODES) - {"skip_rate", "silent_fp32", "fused_optimizer"}
 
+def origin_advice(figures: RunFigures) -> Optional[Advice]:
+    """The advice the skips' origins support (a bad batch or loss, a NaN the model makes, an fp16 overflow), if any.
+
+    The one reading of the origins: ``AmpAdvisor`` and ``NaNSkipReporter``'s collapse error both say this.
+    """
+    for rule in (_nonfinite_loss, _model_nonfinite, _fp32_module):
+        found = rule(figures)
+        if found is not None:
+            return found
+    return None
+
+
 _RULES = (
     _nonfinite_loss,
+    _model_nonfinite,
     _fp32_module,
     _bf16,
     _init_scale,

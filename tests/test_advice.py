@@ -186,7 +186,14 @@ def test_offline_figures_and_what_they_cannot_tell():
     assert figures.skipped == [0]
     assert figures.underflow == [{"step": 2, "scale": 2.0, "underflow_fraction": 0.1, "headroom_bits": 7.5}]
     assert (figures.last_step, figures.num_updates, figures.knobs, figures.origins) == (5, 6, None, None)
-    assert needs_live(figures) == ["nonfinite_loss", "fp32_module", "max_scale", "silent_fp32", "fused_optimizer"]
+    assert needs_live(figures) == [
+        "nonfinite_loss",
+        "model_nonfinite",
+        "fp32_module",
+        "max_scale",
+        "silent_fp32",
+        "fused_optimizer",
+    ]
 
 
 @pytest.mark.parametrize(("value", "text"), [(2.0**16, "2.0**16"), (1.0, "2.0**0"), (0.25, "2.0**-2"), (3.0, "3")])

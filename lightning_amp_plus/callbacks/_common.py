@@ -46,6 +46,16 @@ def is_logging_step(step: int, interval: int) -> bool:
     return (step + 1) % interval == 0
 
 
+def plugin_arguments(plugin: Any) -> dict[str, Any]:
+    """The arguments the user gave the plugin, as literals a fix line can repeat (classes by import path)."""
+    args = dict(getattr(plugin, "_given", {}))
+    if args.get("fp32_modules"):
+        args["fp32_modules"] = [
+            e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in args["fp32_modules"]
+        ]
+    return args
+
+
 def log_to_all(trainer: pl.Trainer, metrics: dict[str, Any], step: int) -> None:
     """Log ``metrics`` at ``step`` to every logger of the trainer, from rank zero only."""
     if not trainer.is_global_zero:
@@ -150,61 +160,3 @@ def shards_gradients(trainer: Optional[pl.Trainer]) -> bool:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
-
-
-# ---------------------------------------------------------------------------------------------- replays
-@contextlib.contextmanager
-def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]:
-    """Run a replay that leaves no trace: random-number state and every buffer (running statistics) restored."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-
-
-@contextlib.contextmanager
-def all_eager(module: torch.nn.Module) -> Iterator[None]:
-    """Every compiled module in ``module`` runs eagerly inside: a replay's hooks must run, never be traced.
-
-    ``torch.compiler.set_stance("force_eager")`` where torch has it (>= 2.6); before, each ``torch.compile`` wrapper's
-    compiled ``forward`` is set aside for its module's own call, and put back.
-    """
-    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    if set_stance is not None:
-        with set_stance("force_eager"):
-            yield
-        return
-    swapped = [m for m in module.modules() if is_compiled_wrapper(m) and "forward" in vars(m)]
-    saved = [vars(m)["forward"] for m in swapped]
-    try:
-        for wrapper in swapped:
-            wrapper.forward = wrapper._orig_mod.__call__  # type: ignore[method-assign,operator]
-        yield
-    finally:
-        for wrapper, forward in zip(swapped, saved, strict=True):
-            wrapper.forward = forward  # type: ignore[method-assign]
-
-
-def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
-    """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
-
-    With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design (an overflow to
-    ``-inf`` shows as ``nan`` or ``+inf`` one module later). A batch is checked without.
-    """
-    for tensor in tensors(value):
-        if tensor.is_floating_point():
-            if bool(torch.isposinf(tensor).any()) or (not masks and bool(torch.isneginf(tensor).any())):
-                return "inf"
-            if bool(torch.isnan(tensor).any()):
-                return "nan"
-    return None
-
-
-def versions(value: Any) -> list[int]:
-    """The version counters of the tensors in ``value``: an in-place change later shows as a different number."""
-    return [t._version for t in tensors(value)]

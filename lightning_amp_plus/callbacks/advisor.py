@@ -24,6 +24,7 @@ from lightning_amp_plus.callbacks._common import (
     check_writable,
     find_plugin,
     log_to_all,
+    plugin_arguments,
     write_json_atomically,
     write_text_atomically,
 )
@@ -210,7 +211,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             non_fused=self._non_fused(trainer),
             bf16_available=_bf16_available(plugin.device),  # set when the plugin was connected
             plugin=type(plugin).__name__,
-            plugin_args=_plugin_args(plugin),
+            plugin_args=plugin_arguments(plugin),
         )
 
     def _non_fused(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
@@ -295,16 +296,6 @@ def _steps_a_scheduler_per_step(trainer: pl.Trainer, plugin: Any) -> bool:
     if not plugin.skip_scheduler_on_overflow or not trainer.lightning_module.automatic_optimization:
         return False
     return any(config.interval == "step" for config in trainer.lr_scheduler_configs)
-
-
-def _plugin_args(plugin: Any) -> dict[str, Any]:
-    """The arguments the user gave the plugin, as literals a fix line can repeat (classes by import path)."""
-    args = dict(getattr(plugin, "_given", {}))
-    if args.get("fp32_modules"):
-        args["fp32_modules"] = [
-            e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in args["fp32_modules"]
-        ]
-    return args
 
 
 def _fused_call(optimizer: torch.optim.Optimizer) -> str:

@@ -14,30 +14,28 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_amp_plus._identity import clean_name, resolve_module
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
-    all_eager,
     all_reduce_,
     check_writable,
     distributed,
     find_plugin,
     is_logging_step,
-    leaves_no_trace,
     local_tensor,
     log_to_all,
     logging_interval,
     named_parameters,
-    nonfinite_kind,
+    plugin_arguments,
     shards_gradients,
-    versions,
     write_json_atomically,
 )
+from lightning_amp_plus.advice import RunFigures, origin_advice
 from lightning_amp_plus.engine import EngineView, SkipEvent
+from lightning_amp_plus.origins import BatchCalls, OriginFinder
 from lightning_amp_plus.syncs import FlagPeek, to_host
 
 
@@ -122,16 +120,10 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self.max_records = max_records
         self.find_origin = check_bool(owner, "find_origin", find_origin)
         self._private = False  # owned by another callback (AmpAdvisor): records only; no log, print, error or file
-        # this batch's calls of the module's children: name, module, args, kwargs, the tensors' version counters
-        self._calls: list[tuple[str, torch.nn.Module, Any, Any, list[int]]] = []
-        self._in_batch = False
-        self._losses: list[Tensor] = []  # this batch's losses (a GAN backpropagates two)
+        self.origins = OriginFinder()  # where each skip's inf/nan were born (replays the batch on a skip)
         self._stepped_from = 0  # the history's update count when the batch started
-        self._call_hooks: list[Any] = []
-        self._batch: Any = None
-        self._module: Optional[torch.nn.Module] = None
-        # a fused optimizer's skip, told one batch late without a sync: (step, flag copy, event, calls, batch, loss)
-        self._probe: Optional[tuple[int, FlagPeek, Any, Any, list[Tensor]]] = None
+        # a fused optimizer's skip, told one batch late without a sync: (step, flag copy, the batch's calls)
+        self._probe: Optional[tuple[int, FlagPeek, Optional[BatchCalls]]] = None
         self._device_origins: dict[int, Optional[dict[str, Any]]] = {}
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
@@ -214,7 +206,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.detach()
-        self._unhook_calls()
+        self._unhook()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -225,7 +217,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         finally:
             self._unchecked = []
             self.detach()  # Lightning skips `teardown` after an exception: a retry must not meet this reporter
-            self._unhook_calls()
+            self._unhook()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -233,28 +225,14 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._params = named_parameters(pl_module)
         self._names = {id(p): n for n, p in self._params}
         self._sharded = shards_gradients(trainer)
-        self._unhook_calls()
-        self._module = pl_module
-        if self.find_origin and not self._sharded:
-            self._hook_calls(pl_module)
+        self._unhook()
+        if self.find_origin and not self._sharded:  # sharded: a replay would need every rank's collectives
+            accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
+            self.origins.attach(pl_module, trainer.precision_plugin.forward_context, accumulating=accumulating)
 
     # ------------------------------------------------------------------ where non-finite values are born
-    def _hook_calls(self, pl_module: torch.nn.Module) -> None:
-        """Keep, by reference, each call of the module's direct children in this batch (for a replay on a skip)."""
-        for name, child in pl_module.named_children():
-
-            def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                if self._in_batch:  # training batches only (not validation inside fit)
-                    self._calls.append((name, mod, args, kwargs, versions((args, kwargs))))
-
-            self._call_hooks.append(child.register_forward_pre_hook(keep, with_kwargs=True))
-
-    def _unhook_calls(self) -> None:
-        for handle in self._call_hooks:
-            handle.remove()
-        self._call_hooks = []
-        self._calls = []
-        self._batch = None
+    def _unhook(self) -> None:
+        self.origins.detach()
         self._probe = None
 
     @override
@@ -262,10 +240,8 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._read_probe(wait=False)  # the previous batch's fused skip: its parameters are still the ones it used
-        self._calls = []
-        self._losses = []
-        self._in_batch = self.find_origin
-        self._batch = batch if self.find_origin else None
+        if self.find_origin:
+            self.origins.start_batch(batch)
         self._stepped_from = self._plugin.history.num_steps if self._plugin is not None else 0
 
     def _probe_device_skip(self) -> None:
@@ -278,7 +254,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         step, found = last
         if not isinstance(found, Tensor):
             return
-        self._probe = (step, FlagPeek(found), self._calls, self._batch, list(self._losses))
+        self._probe = (step, FlagPeek(found), self.origins.current)
 
     def _read_probe(self, wait: bool) -> None:
         """Tell the probed batch's origin once its flag is on the host (``wait``: at the end of fit, read it anyway).
@@ -288,90 +264,24 @@ class NaNSkipReporter(KnobsRepr, Callback):
         """
         if self._probe is None:
             return
-        step, peek, calls, batch, losses = self._probe
+        step, peek, calls = self._probe
         flag = peek.value(wait=wait)
         if flag is None:
             return
         self._probe = None
         if flag > 0:
-            self._device_origins[step] = self._origin(calls, batch, losses)
+            self._device_origins[step] = self._origin(calls)
 
-    def _origin(
-        self, calls: Optional[list[Any]] = None, batch: Any = None, losses: Optional[list[Tensor]] = None
-    ) -> Optional[dict[str, Any]]:
-        """Where a batch's non-finite values were born (see the class docstring); None when it cannot be told.
-
-        Without arguments: this batch's (its children's calls, the batch, its losses).
-        """
-        if calls is None:
-            calls, batch, losses = self._calls, self._batch, self._losses
-        if not self.find_origin or self._trainer is None or batch is None:
+    def _origin(self, calls: Optional[BatchCalls] = None) -> Optional[dict[str, Any]]:
+        """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told."""
+        if not self.find_origin or self._trainer is None:
             return None
-        if nonfinite_kind(batch) is not None:
-            return {"phase": "input"}
-        if self._sharded or self._module is None:
-            return None
-        born = self._replay(calls)
-        if born is _UNKNOWN:
-            return None
-        if born is not None:
-            return born
-        if any(nonfinite_kind(loss.detach()) is not None for loss in losses or []):
-            return {"phase": "loss"}
-        if getattr(self._trainer, "accumulate_grad_batches", 1) > 1:
-            return None  # an earlier micro-batch of the update may have made them: not replayed
-        return {"phase": "backward"}
-
-    def _replay(self, calls: list[Any]) -> Any:
-        """Replay the batch's children calls with every module hooked; the first module that made inf/nan."""
-        assert self._trainer is not None
-        assert self._module is not None
-        found: list[dict[str, Any]] = []
-        handles: list[Any] = []
-        owners: dict[int, str] = {}
-
-        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if found:
-                return
-            kind = nonfinite_kind(output, masks=True)
-            if kind is not None and nonfinite_kind((args, kwargs), masks=True) is None:
-                found.append({"phase": "forward", "module": owners[id(mod)], "kind": kind})
-
-        calls = list(calls)
-        try:
-            for child_name, child, _, _, _ in calls:
-                inner = resolve_module(child)  # a compiled child replays eagerly: no hook inside its graph
-                for name, module in inner.named_modules():
-                    if id(module) not in owners:
-                        owners[id(module)] = clean_name(f"{child_name}.{name}" if name else child_name)
-                        handles.append(module.register_forward_hook(post, with_kwargs=True))
-            device_type = getattr(self._module, "device", torch.device("cpu")).type
-            forward_context = self._trainer.precision_plugin.forward_context
-            with (
-                leaves_no_trace(self._module, device_type),
-                torch.no_grad(),
-                forward_context(),
-                all_eager(self._module),
-            ):
-                for _, child, args, kwargs, kept in calls:
-                    if versions((args, kwargs)) != kept:
-                        return _UNKNOWN  # changed in place after the call (by the child itself, maybe): not as it ran
-                    kind = nonfinite_kind((args, kwargs), masks=True)
-                    if kind is not None:  # made between the children: the module's own code
-                        return {"phase": "forward", "module": "", "kind": kind}
-                    resolve_module(child)(*args, **kwargs)
-                    if found:
-                        return found[0]
-        finally:
-            for handle in handles:
-                handle.remove()
-        return found[0] if found else None
+        return self.origins.origin(calls)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._loss = loss  # the true loss (the plugin scales after this hook); read (detached) only on skips
-        if self._in_batch:
-            self._losses.append(loss)
+        self.origins.add_loss(loss)
 
     # ------------------------------------------------------------------ host-known skips
     def _on_skip(self, event: SkipEvent) -> None:
@@ -445,10 +355,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         if self.find_origin and not self._plugin.skip_known_on_host and not self._sharded:
             self._probe_device_skip()  # the batch's inputs move into the probe until its flag is on the host
             self._read_probe(wait=False)  # at once when it is (host memory, or the device is done)
-        self._calls = []  # the kept inputs are released when the batch ends
-        self._losses = []
-        self._batch = None
-        self._in_batch = False
+        self.origins.take_batch()  # the kept inputs are released when the batch ends (or kept by the probe)
         history = self._plugin.history
         if (
             not self._plugin.skip_known_on_host
@@ -539,9 +446,21 @@ class NaNSkipReporter(KnobsRepr, Callback):
         offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
         message = (
             f"Mixed-precision training collapsed: {why}; loss scale {record['scale']:g}; last offenders: {offenders}."
-            " HINT: lower the learning rate, check the inputs for inf/nan, keep the named layers in float32"
-            " (`AmpPlusPrecision(fp32_modules=[...])`), or use precision='bf16-mixed'."
         )
+        # the origins read as AmpAdvisor reads them: one diagnosis, said the same way
+        figures = RunFigures(
+            origins=[{**r["origin"], "step": r["step"]} for r in self.skips if r.get("origin")],
+            plugin=type(self._plugin).__name__,
+            plugin_args=plugin_arguments(self._plugin),
+        )
+        cause = origin_advice(figures)
+        if cause is not None:
+            message += f" {cause.message} HINT: {cause.fix}"
+        else:
+            message += (
+                " HINT: lower the learning rate, check the inputs for inf/nan, keep the named layers in float32"
+                " (`AmpPlusPrecision(fp32_modules=[...])`), or use precision='bf16-mixed'."
+            )
         try:
             self._write_report()
         except OSError as error:  # the collapse is the error that matters
@@ -683,9 +602,6 @@ def _describe(record: dict[str, Any]) -> str:
     if record["new_scale"] is not None:
         scale += f" -> {record['new_scale']:g}"
     return f"step {record['step']} skipped: {where}, {scale}"
-
-
-_UNKNOWN = object()  # a replay that cannot tell (inputs changed in place since the call)
 
 
 def _describe_origin(origin: Optional[dict[str, Any]]) -> str:

@@ -17,7 +17,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._tree import map_tensors, tensors
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.callbacks._common import all_eager, leaves_no_trace
+from lightning_amp_plus.origins import all_eager, leaves_no_trace, replaying
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -188,6 +188,8 @@ class PrecisionReport(KnobsRepr, Callback):
         stats = self._stats.setdefault(name, {"module": module, "time": 0.0, "events": [], "compiled": compiled})
 
         def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
+            if replaying():
+                return  # an origin replay's calls are no part of the batch
             if name not in self._order:
                 self._order.append(name)
             stats["input"] = stats.get("input") or _first_dtype((args, kwargs))
@@ -200,6 +202,8 @@ class PrecisionReport(KnobsRepr, Callback):
                 stats["t0"] = time.perf_counter()
 
         def post(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if replaying():
+                return
             if use_events:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()

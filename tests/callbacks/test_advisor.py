@@ -378,8 +378,8 @@ def test_the_advise_command_gives_what_the_logged_series_support(tmp_path, capsy
     assert out[1].startswith(f"1. [init_scale] The first {len(leading)} updates were skipped")
     assert out[2] == f'    fix: AmpPlusPrecision("16-mixed", init_scale=2.0**{int(torch.tensor(settled).log2())})'
     assert out[3] == (
-        "not checked (they need the live callback, `AmpAdvisor`): nonfinite_loss, fp32_module, max_scale,"
-        " silent_fp32, fused_optimizer"
+        "not checked (they need the live callback, `AmpAdvisor`): nonfinite_loss, model_nonfinite, fp32_module,"
+        " max_scale, silent_fp32, fused_optimizer"
     )
 
 

@@ -1,0 +1,328 @@
+"""OriginFinder: where a skipped update's inf/nan were born, told by replaying the batch's calls on a skip.
+
+One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``): it keeps,
+by reference, the calls of the modules the LightningModule calls (its children; the children of a container such
+as ``nn.ModuleList``, which is never called itself), and on a skipped update replays them eagerly under autocast
+with every module hooked, without grad. The replay leaves the model as it found it: the random-number state,
+every buffer (in place or assigned), every attribute a module assigns. The first module whose inputs were finite
+and whose output was not is recomputed in float32: an fp16 overflow is finite there, a NaN the model makes in any
+precision (an all-masked attention row, ``log(0)``) is not, and the origin says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolve_module
+from lightning_amp_plus._tree import map_tensors, tensors
+
+#: an origin: ``{"phase": "input" | "forward" | "loss" | "backward", ...}`` (see :meth:`OriginFinder.origin`)
+Origin = dict[str, Any]
+
+_replays = [0]  # replays in progress (other callbacks' hooks ignore their calls)
+
+
+def replaying() -> bool:
+    """Whether an origin replay is running: module hooks that measure a batch ignore the calls it makes."""
+    return _replays[0] > 0
+
+
+@dataclass
+class BatchCalls:
+    """One batch's recorded calls (name, module, args, kwargs, the inputs' version counters), batch and losses."""
+
+    calls: list[tuple[str, torch.nn.Module, Any, Any, list[int]]] = field(default_factory=list)
+    batch: Any = None
+    losses: list[Tensor] = field(default_factory=list)
+
+
+class _Unknown(Exception):
+    """The replay cannot tell: an input was changed in place after its call (not as it ran)."""
+
+
+class OriginFinder:
+    """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
+
+    Clean steps cost one Python call per call of a recorded module (its inputs kept by reference until the batch
+    ends; no device op, no sync). Use :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` /
+    :meth:`take_batch` around each training batch, and :meth:`origin` on a skip.
+
+    Example:
+        >>> import torch
+        >>> finder = OriginFinder()
+        >>> finder.origin(BatchCalls(batch=torch.tensor([float("nan")])))
+        {'phase': 'input'}
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._module: Optional[torch.nn.Module] = None
+        self._forward_context: Callable[[], Any] = contextlib.nullcontext
+        self._current: Optional[BatchCalls] = None
+        self._accumulating = False
+
+    # ------------------------------------------------------------------ recording
+    def attach(self, module: torch.nn.Module, forward_context: Callable[[], Any], accumulating: bool = False) -> None:
+        """Record the calls of ``module``'s call frontier; replays run under ``forward_context`` (autocast).
+
+        ``accumulating``: updates span several micro-batches, of which only the last is recorded, so a finite
+        replay cannot say "backward".
+        """
+        self.detach()
+        self._module = module
+        self._forward_context = forward_context
+        self._accumulating = accumulating
+        for name, called in call_frontier(module):
+
+            def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+                if self._current is not None:  # training batches only (not validation inside fit)
+                    self._current.calls.append((name, mod, args, kwargs, versions((args, kwargs))))
+
+            self._handles.append(called.register_forward_pre_hook(keep, with_kwargs=True))
+
+    def detach(self) -> None:
+        """Stop recording; forget the batch."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._current = None
+
+    def start_batch(self, batch: Any) -> None:
+        """Record this training batch's calls from now on."""
+        self._current = BatchCalls(batch=batch)
+
+    def add_loss(self, loss: Tensor) -> None:
+        """A loss of this batch (a GAN backpropagates two)."""
+        if self._current is not None:
+            self._current.losses.append(loss)
+
+    def take_batch(self) -> Optional[BatchCalls]:
+        """This batch's record, handed over (for a replay later); recording stops until the next batch."""
+        current, self._current = self._current, None
+        return current
+
+    @property
+    def current(self) -> Optional[BatchCalls]:
+        """The batch being recorded (None between batches)."""
+        return self._current
+
+    # ------------------------------------------------------------------ telling
+    def origin(self, record: Optional[BatchCalls] = None) -> Optional[Origin]:
+        """Where ``record``'s (default: this batch's) non-finite values were born; None when it cannot be told.
+
+        ``{"phase": "input"}``: the batch held inf/nan. ``{"phase": "forward", "module": name, "kind": "inf"|"nan",
+        "float32": "finite"|"nonfinite"}``: the first module (in execution order) whose inputs were finite and whose
+        output was not; ``module`` is ``""`` for the LightningModule's own code between its modules; ``float32``
+        says what the module returned recomputed in float32 (``"finite"``: an fp16 overflow; ``"nonfinite"``: no
+        precision avoids it). ``{"phase": "loss"}``: every module output finite, the loss not. ``{"phase":
+        "backward"}``: forward and loss finite (the gradients overflowed).
+        """
+        record = record if record is not None else self._current
+        if record is None or record.batch is None:
+            return None
+        if nonfinite_kind(record.batch) is not None:
+            return {"phase": "input"}
+        if self._module is None:
+            return None  # not replayed (a sharded model: only the batch is told)
+        recording, self._current = self._current, None  # the replay's own calls are not the batch's
+        _replays[0] += 1
+        try:
+            born = self._replay(record.calls)
+        except _Unknown:
+            return None
+        finally:
+            _replays[0] -= 1
+            self._current = recording
+        if born is not None:
+            return born
+        if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
+            return {"phase": "loss"}
+        if self._accumulating:
+            return None  # an earlier micro-batch of the update may have made them: not replayed
+        return {"phase": "backward"}
+
+    def _replay(self, calls: list[Any]) -> Optional[Origin]:
+        """Replay the calls with every module hooked; the first module that made inf/nan."""
+        assert self._module is not None
+        found: list[Origin] = []
+        owners: dict[int, str] = {}
+        handles: list[Any] = []
+        device_type = _device_type(self._module)
+        recomputing = [False]
+
+        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if found or recomputing[0]:
+                return
+            kind = nonfinite_kind(output, masks=True)
+            if kind is None or nonfinite_kind((args, kwargs), masks=True) is not None:
+                return
+            recomputing[0] = True
+            try:
+                in_fp32 = _recompute_in_float32(mod, args, kwargs, device_type)
+            finally:
+                recomputing[0] = False
+            found.append({"phase": "forward", "module": owners[id(mod)], "kind": kind, "float32": in_fp32})
+
+        try:
+            for name, called, _, _, _ in calls:
+                inner = resolve_module(called)  # a compiled module replays eagerly: no hook inside its graph
+                for sub, module in inner.named_modules():
+                    if id(module) not in owners:
+                        owners[id(module)] = clean_name(f"{name}.{sub}" if sub else name)
+                        handles.append(module.register_forward_hook(post, with_kwargs=True))
+            with (
+                leaves_no_trace(self._module, device_type),
+                torch.no_grad(),
+                self._forward_context(),
+                all_eager(self._module),
+            ):
+                for _, called, args, kwargs, kept in calls:
+                    if versions((args, kwargs)) != kept:
+                        raise _Unknown  # changed in place after the call (by the module itself, maybe)
+                    kind = nonfinite_kind((args, kwargs), masks=True)
+                    if kind is not None:  # made between the recorded modules: the LightningModule's own code
+                        return {"phase": "forward", "module": "", "kind": kind}
+                    resolve_module(called)(*args, **kwargs)
+                    if found:
+                        return found[0]
+        finally:
+            for handle in handles:
+                handle.remove()
+        return None
+
+
+def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    """The modules ``module``'s own code calls: its children, and a container's children in its place.
+
+    A container (``nn.ModuleList``, ``nn.ModuleDict``, any module without a ``forward`` of its own) is never called
+    itself: its children are.
+
+    Example:
+        >>> from torch import nn
+        >>> m = nn.Module()
+        >>> m.layers, m.head = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]), nn.Linear(2, 1)
+        >>> [name for name, _ in call_frontier(m)]
+        ['layers.0', 'layers.1', 'head']
+    """
+    for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
+        if type(child).forward is torch.nn.Module.forward:  # `_forward_unimplemented`: a container
+            yield from call_frontier(child, f"{qualified}.")
+        else:
+            yield qualified, child
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device.type
+    first = next(iter(module.parameters()), None)
+    return first.device.type if first is not None else "cpu"
+
+
+def _recompute_in_float32(mod: torch.nn.Module, args: Any, kwargs: Any, device_type: str) -> str:
+    """``"finite"`` when ``mod`` returns finite values in float32 on the same inputs, else ``"nonfinite"``."""
+
+    def up(tensor: Tensor) -> Tensor:
+        return tensor.float() if tensor.is_floating_point() else tensor
+
+    with torch.autocast(device_type, enabled=False):
+        output = mod(*map_tensors(up, args), **map_tensors(up, kwargs))
+    return "finite" if nonfinite_kind(output, masks=True) is None else "nonfinite"
+
+
+@contextlib.contextmanager
+def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]:
+    """Run a replay that leaves ``module`` as it found it.
+
+    Restored afterwards: the random-number state, every buffer's values (running statistics updated in place), every
+    buffer, parameter or attribute a module assigned (``self.mean = 0.9 * self.mean + ...``), and tensors held as
+    plain attributes. A parameter changed in place is an error (its values were not copied).
+    """
+    modules = list(module.modules())
+    saved = [
+        (m, dict(vars(m)), dict(m._buffers), dict(m._parameters), dict(m._modules)) for m in modules  # noqa: SLF001
+    ]
+    values = [(t, t.detach().clone()) for t in _held_tensors(modules)]
+    params = [(p, p._version) for p in module.parameters()]
+    devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, copy in values:
+                    tensor.copy_(copy)
+            for m, attributes, buffers, parameters, children in saved:
+                for store, old in ((m._buffers, buffers), (m._parameters, parameters), (m._modules, children)):
+                    store.clear()
+                    store.update(old)
+                for key in [k for k in vars(m) if k not in attributes]:
+                    del m.__dict__[key]
+                m.__dict__.update(attributes)
+    changed = [p for p, version in params if p._version != version]
+    if changed:
+        raise RuntimeError(
+            f"`OriginFinder`: a module's forward changed {len(changed)} parameter(s) in place during the origin"
+            " replay. HINT: `NaNSkipReporter(find_origin=False)` for a model whose forward writes its parameters."
+        )
+
+
+def _held_tensors(modules: list[torch.nn.Module]) -> list[Tensor]:
+    """Every buffer, and every tensor held as a plain attribute, once each (a replay may change them in place)."""
+    seen: dict[int, Tensor] = {}
+    for m in modules:
+        for value in (*m._buffers.values(), *vars(m).values()):
+            for tensor in tensors(value) if not isinstance(value, torch.nn.Module) else ():
+                if not isinstance(tensor, torch.nn.Parameter):
+                    seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def all_eager(module: torch.nn.Module) -> Iterator[None]:
+    """Every compiled module in ``module`` runs eagerly inside: a replay's hooks must run, never be traced.
+
+    ``torch.compiler.set_stance("force_eager")`` where torch has it (>= 2.6); before, each ``torch.compile`` wrapper's
+    compiled ``forward`` is set aside for its module's own call, and put back.
+    """
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is not None:
+        with set_stance("force_eager"):
+            yield
+        return
+    swapped = [m for m in module.modules() if is_compiled_wrapper(m) and "forward" in vars(m)]
+    saved = [vars(m)["forward"] for m in swapped]
+    try:
+        for wrapper in swapped:
+            wrapper.forward = wrapper._orig_mod.__call__  # type: ignore[method-assign,operator]
+        yield
+    finally:
+        for wrapper, forward in zip(swapped, saved, strict=True):
+            wrapper.forward = forward  # type: ignore[method-assign]
+
+
+def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
+    """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
+
+    With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design (an overflow to
+    ``-inf`` shows as ``nan`` or ``+inf`` one module later). A batch is checked without.
+    """
+    for tensor in tensors(value):
+        if tensor.is_floating_point():
+            if bool(torch.isposinf(tensor).any()) or (not masks and bool(torch.isneginf(tensor).any())):
+                return "inf"
+            if bool(torch.isnan(tensor).any()):
+                return "nan"
+    return None
+
+
+def versions(value: Any) -> list[int]:
+    """The version counters of the tensors in ``value``: an in-place change later shows as a different number."""
+    return [t._version for t in tensors(value)]
