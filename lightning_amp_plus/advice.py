@@ -501,6 +501,7 @@ def trailing_streak(figures: RunFigures) -> int:
 #: the codes that say why updates were skipped (a speed hint does not)
 _EXPLAIN_SKIPS = frozenset(CODES) - {"skip_rate", "silent_fp32", "fused_optimizer"}
 
+
 def origin_advice(figures: RunFigures) -> Optional[Advice]:
     """The advice the skips' origins support (a bad batch or loss, a NaN the model makes, an fp16 overflow), if any.
 
@@ -529,7 +530,15 @@ _RULES = (
 
 # ---------------------------------------------------------------------------------------------- helpers
 #: the scaler's knobs: a bf16 fix drops them (bf16-mixed refuses them)
-SCALER_KNOBS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "hysteresis")
+SCALER_KNOBS = (
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+)
 
 
 def plugin_fix(figures: RunFigures, comment: Optional[str] = None, **change: Any) -> str:

@@ -12,9 +12,9 @@ precision (an all-masked attention row, ``log(0)``) is not, and the origin says 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -247,7 +247,8 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
     """
     modules = list(module.modules())
     saved = [
-        (m, dict(vars(m)), dict(m._buffers), dict(m._parameters), dict(m._modules)) for m in modules  # noqa: SLF001
+        (m, dict(vars(m)), dict(m._buffers), dict(m._parameters), dict(m._modules))
+        for m in modules  # noqa: SLF001
     ]
     values = [(t, t.detach().clone()) for t in _held_tensors(modules)]
     params = [(p, p._version) for p in module.parameters()]
@@ -260,7 +261,12 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                 for tensor, copy in values:
                     tensor.copy_(copy)
             for m, attributes, buffers, parameters, children in saved:
-                for store, old in ((m._buffers, buffers), (m._parameters, parameters), (m._modules, children)):
+                stores: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
+                    (m._buffers, buffers),
+                    (m._parameters, parameters),
+                    (m._modules, children),
+                )
+                for store, old in stores:
                     store.clear()
                     store.update(old)
                 for key in [k for k in vars(m) if k not in attributes]:

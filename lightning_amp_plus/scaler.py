@@ -649,11 +649,6 @@ class NonFiniteChecker(DynamicLossScaler):
         self._place_scale(optimizer)
         super().unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Step unless the gradients hold inf/nan (``loss.backward()`` called directly steps as stock bf16 does)."""
-        self._place_scale(optimizer)
-        return super().step(optimizer, *args, **kwargs)
-
     def _place_scale(self, optimizer: torch.optim.Optimizer) -> None:
         # bf16 scales nothing: a scale of 1 on the parameters' device stands in for the one scale() would place
         if self._scale is None:
@@ -676,6 +671,7 @@ class NonFiniteChecker(DynamicLossScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Step unless the gradients hold inf/nan; with ``closure=`` (LBFGS) check every evaluation, undo on inf/nan."""
         optimizer = resolve_optimizer(optimizer)
+        self._place_scale(optimizer)  # `loss.backward()` called directly: stepped as stock bf16 steps it
         closure = kwargs.pop("closure", None)
         if closure is None and args and callable(args[0]):
             closure, args = args[0], args[1:]
@@ -688,8 +684,6 @@ class NonFiniteChecker(DynamicLossScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(params[0].device)
         scale = self._scale
         assert scale is not None
         # float32 whatever the default dtype: torch's check takes float32 flags and an inverse scale

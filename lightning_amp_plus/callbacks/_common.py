@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolve_module
-from lightning_amp_plus._tree import tensors
+from lightning_amp_plus._identity import clean_name, resolve_module
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 

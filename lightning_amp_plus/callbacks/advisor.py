@@ -301,9 +301,7 @@ def _steps_a_scheduler_per_step(trainer: pl.Trainer, plugin: Any) -> bool:
 def _fused_call(optimizer: torch.optim.Optimizer) -> str:
     """The user's optimizer call with ``fused=True``: every setting that differs from the class's default kept."""
     cls = type(optimizer)
-    defaults = {
-        n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty
-    }
+    defaults = {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
     kept = [
         f"{name}={value!r}"
         for name, value in optimizer.defaults.items()

@@ -19,6 +19,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus.advice import RunFigures, origin_advice
 from lightning_amp_plus.callbacks._common import (
     all_reduce_,
     check_writable,
@@ -33,7 +34,6 @@ from lightning_amp_plus.callbacks._common import (
     shards_gradients,
     write_json_atomically,
 )
-from lightning_amp_plus.advice import RunFigures, origin_advice
 from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.origins import BatchCalls, OriginFinder
 from lightning_amp_plus.syncs import FlagPeek, to_host

@@ -1,0 +1,175 @@
+"""OriginFinder: the replay leaves no trace, containers' children are origins, fp16 overflow vs NaN in any precision."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
+from lightning_amp_plus.origins import OriginFinder, call_frontier, leaves_no_trace
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+
+class Tracker(nn.Module):
+    """Updates its running mean by assignment (a common idiom) and counts its calls in a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.calls = 0
+        self.last = torch.zeros(8)  # a tensor held as a plain attribute, changed in place
+
+    def forward(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().float().mean(0)
+        self.calls += 1
+        self.last.add_(1.0)
+        return x - self.mean
+
+
+class Tracking(TinyModel):
+    def __init__(self, **kwargs):
+        super().__init__(poison={s: "nan" for s in range(3, 22, 2)}, **kwargs)
+        self.tracker = Tracker()
+
+    def forward(self, x):
+        return self.net(self.tracker(x))
+
+
+def _fit(callbacks):
+    torch.manual_seed(0)
+    model = Tracking()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**16)
+    make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=24).fit(model)
+    return model, plugin
+
+
+@pytest.mark.parametrize("diagnostic", ["reporter", "advisor"])
+def test_the_replay_leaves_the_model_exactly_as_it_found_it(diagnostic):
+    plain, plain_plugin = _fit([NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=False)])
+    callback = (
+        NaNSkipReporter(max_consecutive_skips=None, max_warnings=0) if diagnostic == "reporter" else AmpAdvisor()
+    )
+    told, told_plugin = _fit([callback])
+    assert told_plugin.history.num_skipped == plain_plugin.history.num_skipped == 10  # 10 replays ran
+    for (name, a), (_, b) in zip(plain.state_dict().items(), told.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name  # weights and the assigned buffer, bit for bit
+    assert told.tracker.calls == plain.tracker.calls
+    assert torch.equal(told.tracker.last, plain.tracker.last)
+    reporter = callback if diagnostic == "reporter" else callback._reporter
+    assert [r["origin"] for r in reporter.skips][:1] == [{"phase": "loss"}]  # it did replay
+
+
+def test_a_replay_that_writes_a_parameter_in_place_is_an_error():
+    class Writer(nn.Linear):
+        def forward(self, x):
+            with torch.no_grad():
+                self.weight.mul_(1.0)
+            return super().forward(x)
+
+    module = nn.Sequential(Writer(2, 2))
+    with pytest.raises(RuntimeError, match=r"changed 1 parameter\(s\) in place.*find_origin=False"):  # noqa: PT012
+        with leaves_no_trace(module, "cpu"):
+            module(torch.ones(1, 2))
+
+
+class Stack(TinyModel):
+    """Its layers sit in an `nn.ModuleList`, which is never called itself; `layers.1` overflows float16."""
+
+    def __init__(self, **kwargs):
+        super().__init__(optimizer="fused_sgd", **kwargs)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)])
+        with torch.no_grad():
+            self.layers[1].weight.mul_(1e6)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.net(x)
+
+
+def test_call_frontier_descends_into_containers():
+    assert [n for n, _ in call_frontier(Stack())] == ["net", "layers.0", "layers.1", "layers.2"]
+
+
+def test_an_overflow_born_inside_a_module_list_is_named_and_its_island_fixes_it():
+    advisor = AmpAdvisor()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=8).fit(Stack())
+    assert plugin.history.num_skipped == 8
+    origins = [r["origin"] for r in advisor._reporter.skips]
+    assert origins[0] == {"phase": "forward", "module": "layers.1", "kind": "inf", "float32": "finite"}
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["layers.1"])'
+    assert "model_nonfinite" not in [a.code for a in advisor.advice]  # finite in float32: fp16's overflow
+    fixed = eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})  # pasted as printed
+    make_trainer(plugins=[fixed], max_steps=8).fit(Stack())
+    assert fixed.history.num_skipped == 0
+
+
+class Padded(TinyModel):
+    """Attention over a batch whose row 0 is all padding: NaN in float32 too (unless one key stays unmasked)."""
+
+    def __init__(self, unmask_one=False, **kwargs):
+        super().__init__(**kwargs)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.unmask_one = unmask_one
+
+    def forward(self, x):
+        seq = x.reshape(x.shape[0], 1, 8).expand(-1, 3, -1)
+        padding = torch.zeros(x.shape[0], 3, dtype=torch.bool)
+        padding[0] = True
+        if self.unmask_one:
+            padding[0, 0] = False
+        out, _ = self.attn(seq, seq, seq, key_padding_mask=padding)  # need_weights=True, the default
+        return self.net(out.mean(1))
+
+
+def test_nan_the_model_makes_in_any_precision_is_told_apart_from_an_fp16_overflow():
+    advisor = AmpAdvisor()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=6).fit(Padded())
+    assert plugin.history.num_skipped == 6
+    assert advisor._reporter.skips[0]["origin"] == {
+        "phase": "forward",
+        "module": "attn",
+        "kind": "nan",
+        "float32": "nonfinite",
+    }
+    codes = [a.code for a in advisor.advice]
+    assert codes[0] == "model_nonfinite"
+    assert "fp32_module" not in codes  # an island would change nothing: float32 makes the same NaN
+    assert "bf16" not in codes
+    (advice,) = [a for a in advisor.advice if a.code == "model_nonfinite"]
+    assert "in any precision" in advice.message
+    # the island the old advice proposed, measured: it does not help
+    island = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["attn"])
+    make_trainer(plugins=[island], max_steps=6).fit(Padded())
+    assert island.history.num_skipped == 6
+    # what the fix says (one unmasked key per row), measured: it does
+    fixed = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(plugins=[fixed], max_steps=6).fit(Padded(unmask_one=True))
+    assert fixed.history.num_skipped == 0
+
+
+def test_the_collapse_error_says_what_the_advisor_says():
+    advisor = AmpAdvisor(print_advice=False)
+    reporter = NaNSkipReporter(max_consecutive_skips=3, max_warnings=0)
+    with pytest.raises(LossScaleCollapseError) as error:
+        make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter, advisor], max_steps=10
+        ).fit(Padded())
+    first = advisor.advice[0]
+    assert first.code == "model_nonfinite"
+    assert f"{first.message} HINT: {first.fix}" in str(error.value)
+    assert "precision='bf16-mixed'" not in str(error.value)  # no scaling hint beside it
+
+
+def test_a_finder_without_a_batch_tells_nothing():
+    finder = OriginFinder()
+    assert finder.origin() is None
+    finder.start_batch(torch.ones(2))
+    assert finder.origin() is None  # not attached to a module: only the batch could be told
+    finder.start_batch(torch.tensor([float("inf")]))
+    assert finder.origin() == {"phase": "input"}
+    assert finder.take_batch() is not None
+    assert finder.current is None
