@@ -46,6 +46,10 @@ GROWTH_UNDERFLOW = 0.05
 HIGH_SKIP_RATE = 0.5
 #: skipped updates in a row at the end of a run from which it is reported (skip_rate): it ended training on nothing
 TRAILING_STREAK = 3
+#: how many times faster a float32 module must run lowered (measured) before silent_fp32 names it
+MIN_LOWERED_SPEEDUP = 1.2
+#: float16's largest finite value
+FP16_MAX = 65504.0
 #: the highest scale a fix proposes (float32 holds up to 2**127; beyond 2**64 no gradient is that small)
 MAX_PROPOSED_SCALE = 2.0**64
 
@@ -269,6 +273,17 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
             fix,
             {"measurements": len(measured), "squeezed": len(squeezed), "worst_underflow": worst},
         )
+    unfit = [(m, fit) for m, fit in _referenced(figures) if fit[1] >= HIGH_UNDERFLOW]
+    if measured and 2 * len(unfit) > len(measured):  # measured exactly: no scale keeps what float16 loses
+        scale, lost = max(unfit, key=lambda pair: pair[1][1])[1]
+        return Advice(
+            "bf16",
+            f"The gradients span more range than float16 has: in {len(unfit)} of {len(measured)} measurements, even"
+            f" at {_scale(scale)} (the largest scale that does not overflow) {100 * lost:.0f}% of the elements"
+            " whose float32 gradient is non-zero would sit below float16's smallest normal, so no loss scale fits.",
+            fix,
+            {"measurements": len(measured), "unfit": len(unfit), "lost_at_fitting_scale": lost},
+        )
     knobs = figures.knobs or {}
     min_scale = knobs.get("min_scale")
     if min_scale is None or figures.skipped is None or not figures.curve:
@@ -290,8 +305,54 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
     return None
 
 
+def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:
+    """From a float32 reference: the largest scale that fits, and what float16 would still lose there.
+
+    The scale is the largest power of two that keeps the largest true gradient a doubling below float16's overflow;
+    the fraction is that of the non-zero true gradient elements that would still sit below float16's smallest normal
+    at it. None without a reference.
+
+    Example:
+        >>> fitting_scale({"true_log2_max": -40.0, "true_log2_counts": {-41: 90, -70: 10}})  # 2**54: 2**-16 is lost
+        (1.8014398509481984e+16, 0.1)
+    """
+    top, counts = measurement.get("true_log2_max"), measurement.get("true_log2_counts")
+    if top is None or not counts:
+        return None
+    exponent = math.floor(math.log2(FP16_MAX) - top) - 1
+    lost = sum(c for e, c in counts.items() if int(e) + exponent < -14) / sum(counts.values())
+    return 2.0**exponent, lost
+
+
+def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, float]]]:
+    """The high-underflow measurements that have a float32 reference, with their fitting scale."""
+    found = []
+    for m in _high_underflow(figures):
+        fit = fitting_scale(m)
+        if fit is not None:
+            found.append((m, fit))
+    return found
+
+
 def _max_scale(figures: RunFigures) -> Optional[Advice]:
     measured = _measured(figures)
+    fits = [(m, fit) for m, fit in _referenced(figures) if fit[1] < HIGH_UNDERFLOW and fit[0] > m["scale"]]
+    if measured and 2 * len(fits) > len(measured):  # measured exactly: a higher scale keeps what float16 loses
+        new = min(min(fit[0] for _, fit in fits), MAX_PROPOSED_SCALE)
+        worst = max(m["underflow_fraction"] for m, _ in fits)
+        cap = (figures.knobs or {}).get("max_scale")
+        change: dict[str, Any] = (
+            {"max_scale": new, "init_scale": new} if cap is None or new > cap else {"init_scale": new}
+        )
+        return Advice(
+            "max_scale",
+            f"In {len(fits)} of {len(measured)} measurements up to {100 * worst:.0f}% of the gradient elements whose"
+            f" float32 gradient is non-zero were zero or subnormal in float16 at loss scale"
+            f" {_scale(fits[-1][0]['scale'])}; their float32 reference shows that {_scale(new)} fits (the largest"
+            " gradient a doubling below overflow) and keeps them.",
+            plugin_fix(figures, **change),
+            {"measurements": len(measured), "lost": len(fits), "worst_underflow": worst, "fitting_scale": new},
+        )
     pinned = [
         m
         for m in _high_underflow(figures)
@@ -431,7 +492,12 @@ def _hysteresis(figures: RunFigures) -> Optional[Advice]:
 
 
 def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
-    rows = [r for r in figures.fp32_rows or [] if r.get("island") is None]  # an island is the user's choice
+    # work autocast lowers, measured faster lowered on this device; an island is the user's choice
+    rows = [
+        r
+        for r in figures.fp32_rows or []
+        if r.get("island") is None and (r.get("lowered_speedup") or 0.0) >= MIN_LOWERED_SPEEDUP
+    ]
     if not rows:
         return None
     rows.sort(key=lambda r: r.get("time_share", 0.0), reverse=True)
@@ -441,13 +507,17 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
         fix = f"# run {top['name']} under autocast: remove the `with torch.autocast(..., enabled=False)` around it"
     else:
         fix = f"# drop the `.float()` (or the float32 op) before {top['name']}: let autocast choose its dtype"
-    names = ", ".join(f"{r['name']} ({100 * r.get('time_share', 0.0):.0f}%)" for r in rows[:5])
+    names = ", ".join(
+        f"{r['name']} ({100 * r.get('time_share', 0.0):.0f}% of the forward, {r['lowered_speedup']:.1f}x faster"
+        " lowered here)"
+        for r in rows[:5]
+    )
     return Advice(
         "silent_fp32",
         f"{len(rows)} heavy module(s) ran in float32 under {figures.precision or 'mixed precision'}: {names};"
         f" {top['name']}: {cause}.",
         fix,
-        {"modules": [{k: r.get(k) for k in ("name", "type", "time_share", "cause")} for r in rows]},
+        {"modules": [{k: r.get(k) for k in ("name", "type", "time_share", "cause", "lowered_speedup")} for r in rows]},
     )
 
 

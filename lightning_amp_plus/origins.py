@@ -29,8 +29,18 @@ _replays = [0]  # replays in progress (other callbacks' hooks ignore their calls
 
 
 def replaying() -> bool:
-    """Whether an origin replay is running: module hooks that measure a batch ignore the calls it makes."""
+    """Whether a replay is running: module hooks that record or measure a batch ignore the calls it makes."""
     return _replays[0] > 0
+
+
+@contextlib.contextmanager
+def replay_scope() -> Iterator[None]:
+    """Mark the calls made inside as a replay's (an origin replay, a float32 reference), not the batch's."""
+    _replays[0] += 1
+    try:
+        yield
+    finally:
+        _replays[0] -= 1
 
 
 @dataclass
@@ -81,7 +91,7 @@ class OriginFinder:
         for name, called in call_frontier(module):
 
             def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                if self._current is not None:  # training batches only (not validation inside fit)
+                if self._current is not None and not replaying():  # training batches only, not replays
                     self._current.calls.append((name, mod, args, kwargs, versions((args, kwargs))))
 
             self._handles.append(called.register_forward_pre_hook(keep, with_kwargs=True))
@@ -130,15 +140,11 @@ class OriginFinder:
             return {"phase": "input"}
         if self._module is None:
             return None  # not replayed (a sharded model: only the batch is told)
-        recording, self._current = self._current, None  # the replay's own calls are not the batch's
-        _replays[0] += 1
         try:
-            born = self._replay(record.calls)
+            with replay_scope():
+                born = self._replay(record.calls)
         except _Unknown:
             return None
-        finally:
-            _replays[0] -= 1
-            self._current = recording
         if born is not None:
             return born
         if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
@@ -243,12 +249,16 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
 
     Restored afterwards: the random-number state, every buffer's values (running statistics updated in place), every
     buffer, parameter or attribute a module assigned (``self.mean = 0.9 * self.mean + ...``), and tensors held as
-    plain attributes. A parameter changed in place is an error (its values were not copied).
+    plain attributes, and the contents of lists and dicts held as attributes (a list of losses, a metric's states).
+    A parameter changed in place is an error (its values were not copied).
     """
     modules = list(module.modules())
-    saved = [
-        (m, dict(vars(m)), dict(m._buffers), dict(m._parameters), dict(m._modules))
-        for m in modules  # noqa: SLF001
+    saved = [(m, dict(vars(m)), dict(m._buffers), dict(m._parameters), dict(m._modules)) for m in modules]
+    containers = [
+        (value, list(value) if isinstance(value, list) else dict(value))
+        for m in modules
+        for key, value in vars(m).items()
+        if not key.startswith("_") and type(value) in (list, dict)
     ]
     values = [(t, t.detach().clone()) for t in _held_tensors(modules)]
     params = [(p, p._version) for p in module.parameters()]
@@ -272,6 +282,12 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                 for key in [k for k in vars(m) if k not in attributes]:
                     del m.__dict__[key]
                 m.__dict__.update(attributes)
+            for container, content in containers:
+                if isinstance(container, list):
+                    container[:] = content
+                else:
+                    container.clear()
+                    container.update(content)
     changed = [p for p, version in params if p._version != version]
     if changed:
         raise RuntimeError(

@@ -322,9 +322,12 @@ def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
         {"name": "head", "type": "Linear", "time_share": 0.3, "cause": "an explicit cast to float32", "island": None},
         {"name": "enc", "type": "Linear", "time_share": 0.5, "cause": "autocast disabled around it", "island": None},
     ]
+    for row, speedup in zip(rows, (1.5, 3.0), strict=True):
+        row["lowered_speedup"] = speedup
     (advice,) = advise(run([(0, 1024.0)], [], 5, fp32_rows=rows))
     assert advice.message == (
-        "2 heavy module(s) ran in float32 under 16-mixed: enc (50%), head (30%); enc: autocast disabled around it."
+        "2 heavy module(s) ran in float32 under 16-mixed: enc (50% of the forward, 3.0x faster lowered here),"
+        " head (30% of the forward, 1.5x faster lowered here); enc: autocast disabled around it."
     )
     assert advice.fix == "# run enc under autocast: remove the `with torch.autocast(..., enabled=False)` around it"
     assert advice.evidence["modules"][0] == {
@@ -332,6 +335,7 @@ def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
         "type": "Linear",
         "time_share": 0.5,
         "cause": "autocast disabled around it",
+        "lowered_speedup": 3.0,
     }
     (advice,) = advise(run([(0, 1024.0)], [], 5, fp32_rows=rows[:1]))
     assert advice.fix == "# drop the `.float()` (or the float32 op) before head: let autocast choose its dtype"
@@ -479,16 +483,38 @@ def test_a_run_that_ends_in_a_streak_of_skips_is_never_healthy(streak, fires):
     assert "skip_rate" not in codes(figures)
 
 
+@pytest.mark.parametrize(("speedup", "fires"), [(None, False), (0.5, False), (1.19, False), (1.2, True)])
+def test_silent_fp32_needs_the_module_measured_faster_lowered(speedup, fires):
+    row = {
+        "name": "head",
+        "type": "Linear",
+        "time_share": 0.9,
+        "cause": "x",
+        "island": None,
+        "lowered_speedup": speedup,
+    }
+    assert ("silent_fp32" in codes(run([(0, 1024.0)], [], 5, fp32_rows=[row]))) is fires
+
+
 def test_silent_fp32_lists_five_by_time_share():
     rows = [
-        {"name": f"m{i}", "type": "Linear", "time_share": share, "cause": "an explicit cast", "island": None}
+        {
+            "name": f"m{i}",
+            "type": "Linear",
+            "time_share": share,
+            "cause": "an explicit cast",
+            "island": None,
+            "lowered_speedup": 2.0,
+        }
         for i, share in enumerate([0.05, 0.3, 0.1, 0.2, 0.15, 0.12])
     ]
-    figures = run([(0, 1024.0)], [], 5, fp32_rows=rows + [{"name": "x", "type": "Linear", "island": None}])
+    extra = {"name": "x", "type": "Linear", "island": None, "lowered_speedup": 2.0}
+    figures = run([(0, 1024.0)], [], 5, fp32_rows=[*rows, extra])
     figures.precision = None
     advice = only_code(figures, "silent_fp32")
+    lowered = "of the forward, 2.0x faster lowered here"
     assert advice.message.startswith(
-        "7 heavy module(s) ran in float32 under mixed precision: m1 (30%), m3 (20%), m4 (15%), m5 (12%), m2 (10%);"
+        f"7 heavy module(s) ran in float32 under mixed precision: m1 (30% {lowered}), m3 (20% {lowered}),"
     )
     assert advice.message.endswith("m1: an explicit cast.")
 

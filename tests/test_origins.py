@@ -46,9 +46,7 @@ def _fit(callbacks):
 @pytest.mark.parametrize("diagnostic", ["reporter", "advisor"])
 def test_the_replay_leaves_the_model_exactly_as_it_found_it(diagnostic):
     plain, plain_plugin = _fit([NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=False)])
-    callback = (
-        NaNSkipReporter(max_consecutive_skips=None, max_warnings=0) if diagnostic == "reporter" else AmpAdvisor()
-    )
+    callback = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0) if diagnostic == "reporter" else AmpAdvisor()
     told, told_plugin = _fit([callback])
     assert told_plugin.history.num_skipped == plain_plugin.history.num_skipped == 10  # 10 replays ran
     for (name, a), (_, b) in zip(plain.state_dict().items(), told.state_dict().items(), strict=True):
@@ -67,9 +65,11 @@ def test_a_replay_that_writes_a_parameter_in_place_is_an_error():
             return super().forward(x)
 
     module = nn.Sequential(Writer(2, 2))
-    with pytest.raises(RuntimeError, match=r"changed 1 parameter\(s\) in place.*find_origin=False"):  # noqa: PT012
-        with leaves_no_trace(module, "cpu"):
-            module(torch.ones(1, 2))
+    with (
+        pytest.raises(RuntimeError, match=r"changed 1 parameter\(s\) in place.*find_origin=False"),
+        leaves_no_trace(module, "cpu"),
+    ):
+        module(torch.ones(1, 2))
 
 
 class Stack(TinyModel):

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
-from lightning_amp_plus._validation import check_fraction, check_int, check_prefix
+from lightning_amp_plus._validation import check_bool, check_fraction, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
 from lightning_amp_plus.callbacks._common import (
     all_reduce_,
@@ -27,7 +27,8 @@ from lightning_amp_plus.callbacks._common import (
     named_parameters,
     shards_gradients,
 )
-from lightning_amp_plus.precision import AmpPlusPrecision
+from lightning_amp_plus.callbacks._reference import BatchState, float32_gradients, why_no_reference
+from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
 from lightning_amp_plus.syncs import to_host
 
 FP16_TINY = 2.0**-24  # smallest positive float16 subnormal
@@ -48,6 +49,19 @@ def underflow_fraction(below: float, zeros: float, total: float) -> float:
     """
     nonzero = total - zeros
     return (below - zeros) / nonzero if nonzero > 0 else 0.0
+
+
+#: the powers of two a float32 reference's magnitudes are counted in (float32's subnormals to far beyond overflow)
+_LOG2_LOW, _LOG2_HIGH = -150, 50
+
+
+def _magnitudes(reference: list[Tensor], device: torch.device) -> Tensor:
+    """``[log2 max |g|, count per power of two from 2**_LOG2_LOW ...]`` over the non-zero reference elements."""
+    flat = torch.cat([r.detach().abs().flatten().float().to(device) for r in reference])
+    # zeros go below the counted range (a mask, not an index: no host sync for its size)
+    exponents = torch.where(flat > 0, torch.floor(torch.log2(flat)), torch.full_like(flat, 2.0 * _LOG2_LOW))
+    counts = torch.histc(exponents, bins=_LOG2_HIGH - _LOG2_LOW, min=_LOG2_LOW, max=_LOG2_HIGH)
+    return torch.cat([torch.log2(flat.max()).reshape(1), counts])
 
 
 def _larger(a: float, b: float) -> float:
@@ -106,6 +120,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         patience: int = 3,
         max_warnings: int = 3,
         prefix: str = "amp/",
+        exact: bool = True,
     ) -> None:
         self._given = given_arguments(GradUnderflowMonitor.__init__, locals())
         self._fit_scope = FitScope()
@@ -121,7 +136,10 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self.patience = patience
         self.max_warnings = max_warnings
         self.prefix = check_prefix(owner, prefix)
+        self.exact = check_bool(owner, "exact", exact)
         self.measurements: list[dict[str, Any]] = []
+        self.no_reference: Optional[str] = None  # why this fit's measurements have no float32 reference
+        self._batch_state: Optional[tuple[int, BatchState]] = None  # the measured batch, for its reference
         self._private = False  # owned by another callback (AmpAdvisor): measurements only; no log, no warning
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
@@ -160,6 +178,40 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self._params = named_parameters(pl_module)
         self._names = {id(p): n for n, p in self._params}
         self._sharded = shards_gradients(trainer)
+        self._batch_state = None
+        self.no_reference = "exact=False" if not self.exact else why_no_reference(trainer, self._sharded)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = logger_step(pl_module)
+        if self.no_reference is None and step is not None and is_logging_step(step, self._interval):
+            self._batch_state = (step, BatchState(batch, batch_idx, self._plugin.device or "cpu"))  # type: ignore[union-attr]
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_state = None  # the batch is released
+
+    def _reference(
+        self, optimizer: Optimizer, step: int, keys: list[int], grads: list[Optional[Tensor]]
+    ) -> Optional[list[Tensor]]:
+        """The measured gradients' float32 reference (zero for a parameter without one), or None."""
+        if self._batch_state is None or self._batch_state[0] != step or self._trainer is None:
+            return None
+        by_id = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+        params = [by_id[k] for k in keys]
+        reference = float32_gradients(
+            self._trainer.lightning_module,
+            self._batch_state[1],
+            params,
+            self._plugin.device or "cpu",  # type: ignore[union-attr]
+        )
+        if reference is None:
+            return None
+        return [torch.zeros_like(p) if r is None else r for r, p in zip(reference, params, strict=True)]
 
     def _measure(self, optimizer: Optimizer, step: int) -> None:
         if not is_logging_step(step, self._interval):
@@ -200,22 +252,38 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             )
             none = torch.zeros((), device=device)
             zeros = torch.stack([none if g is None else (g == 0).sum().float().to(device) for g in grads])
-            below = torch.stack(
-                [none if g is None else (g.abs() < FP16_SMALLEST_NORMAL).sum().float().to(device) for g in grads]
-            )
+            reference = self._reference(optimizer, step, keys, grads)
+            if reference is None:  # the scaled gradients alone: a zero cannot be told structural or flushed
+                structural = zeros
+                below = torch.stack(
+                    [none if g is None else (g.abs() < FP16_SMALLEST_NORMAL).sum().float().to(device) for g in grads]
+                )
+                true_figures = torch.zeros(0, device=device)
+            else:  # an element is structural when its float32 gradient is zero, lost when only float16's is
+                structural = torch.stack([(r == 0).sum().float().to(device) for r in reference])
+                below = structural + torch.stack(
+                    [
+                        none if g is None else ((g.abs() < FP16_SMALLEST_NORMAL) & (r != 0)).sum().float().to(device)
+                        for g, r in zip(grads, reference, strict=True)
+                    ]
+                )
+                true_figures = _magnitudes(reference, device)
             sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
-            counts_and_sizes = torch.cat([zeros, below, sizes])
+            counts_and_sizes = torch.cat([zeros, below, sizes, structural])
             if self._sharded:
                 all_reduce_(counts_and_sizes)
                 largest = all_reduce_(largest.reshape(1).clone(), op="max").reshape(())
-            packed = torch.cat([largest.reshape(1), scale.reshape(1).to(device), counts_and_sizes])
+            packed = torch.cat([largest.reshape(1), scale.reshape(1).to(device), counts_and_sizes, true_figures])
             values = to_host(packed)  # the one host transfer of this measurement
         n = len(grads)
         largest_value, scale_value = values[0], values[1]
-        # per parameter: its name, exact zeros, elements below float16's smallest normal, elements
+        # per parameter: its name, fp16's exact zeros, elements below float16's smallest normal (lost or structural),
+        # elements, structural zeros
         measured = {
-            key: (names[i], values[2 + i], values[2 + n + i], values[2 + 2 * n + i]) for i, key in enumerate(keys)
+            key: (names[i], values[2 + i], values[2 + n + i], values[2 + 2 * n + i], values[2 + 3 * n + i])
+            for i, key in enumerate(keys)
         }
+        true_values = values[2 + 4 * n :]
         raw = self._raw
         if raw is not None and raw["step"] == step:
             # another optimizer's measurement at the same update (manual optimization with several optimizers): one
@@ -231,11 +299,12 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         zero_counts = [v[1] for v in raw["per"].values()]
         below_counts = [v[2] for v in raw["per"].values()]
         numels = [v[3] for v in raw["per"].values()]
+        structural_counts = [v[4] for v in raw["per"].values()]
         total = sum(numels)
         if not total:
             return
         overflowed = not math.isfinite(largest_value)  # inf/nan: no fraction of the gradients exists
-        fraction = None if overflowed else underflow_fraction(sum(below_counts), sum(zero_counts), total)
+        fraction = None if overflowed else underflow_fraction(sum(below_counts), sum(structural_counts), total)
         zero_fraction = sum(zero_counts) / total
         record: dict[str, Any] = {
             "step": step,
@@ -243,8 +312,19 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             "underflow_fraction": fraction,
             "zero_fraction": zero_fraction,
             "headroom_bits": math.log2(FP16_MAX / largest_value) if not overflowed and largest_value > 0 else None,
+            "reference": "float32" if true_values else None,
         }
+        if true_values:
+            record["structural_fraction"] = sum(structural_counts) / total
+            record["true_log2_max"] = true_values[0] if true_values[0] > -math.inf else None
+            record["true_log2_counts"] = {
+                _LOG2_LOW + i: int(c)
+                for i, c in enumerate(true_values[1:])
+                if c  # elements per power of two
+            }
         metrics = {f"{self.prefix}zero_fraction": zero_fraction}
+        if true_values:
+            metrics[f"{self.prefix}structural_fraction"] = record["structural_fraction"]
         for key in ("underflow_fraction", "headroom_bits"):
             if record[key] is not None:  # absent where undefined, never a healthy-looking value
                 metrics[f"{self.prefix}{key}"] = record[key]
@@ -252,7 +332,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             per = sorted(
                 (
                     (underflow_fraction(b, z, m), nm)
-                    for b, z, m, nm in zip(below_counts, zero_counts, numels, names, strict=True)
+                    for b, z, m, nm in zip(below_counts, structural_counts, numels, names, strict=True)
                     if m
                 ),
                 reverse=True,

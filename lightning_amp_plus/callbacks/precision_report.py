@@ -17,7 +17,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._tree import map_tensors, tensors
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.origins import all_eager, leaves_no_trace, replaying
+from lightning_amp_plus.origins import all_eager, leaves_no_trace, replay_scope, replaying
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -52,6 +52,49 @@ def _island_of(name: str, islands: list[str]) -> Optional[str]:
 def _copied(value: Any) -> Any:
     """``value`` with every tensor copied (``requires_grad`` kept): what a call received, safe from in-place change."""
     return map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), value)
+
+
+#: timed runs of each variant when a flagged module's lowered speed is measured (the median is kept)
+SPEED_RUNS = 5
+
+
+def lowered_speedup(module: nn.Module, args: Any, kwargs: Any, device_type: str, dtype: torch.dtype) -> float:
+    """How many times faster ``module`` runs these inputs lowered by autocast than in float32 (median of runs).
+
+    Each variant is warmed up once, then timed :data:`SPEED_RUNS` times, alternating, without grad, the module left
+    as it was found. Above 1: autocast would make it faster on this device; at or below 1 it would not (float16 on
+    most CPUs).
+    """
+    cuda = device_type == "cuda"
+
+    def low(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    def high(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.is_floating_point() else t
+
+    def lowered() -> None:
+        with torch.autocast(device_type, dtype=dtype):
+            module(*map_tensors(low, args), **map_tensors(low, kwargs))
+
+    def full() -> None:
+        with torch.autocast(device_type, enabled=False):
+            module(*map_tensors(high, args), **map_tensors(high, kwargs))
+
+    times: dict[Any, list[float]] = {lowered: [], full: []}
+    with replay_scope(), leaves_no_trace(module, device_type), torch.no_grad():
+        for run in range(SPEED_RUNS + 1):
+            for variant in (lowered, full):
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                variant()
+                if cuda:
+                    torch.cuda.synchronize()
+                if run:  # the first run of each is a warm-up
+                    times[variant].append(time.perf_counter() - start)
+    median = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    return median[full] / median[lowered] if median[lowered] > 0 else 1.0
 
 
 def _name(dtype: Optional[torch.dtype]) -> str:
@@ -111,6 +154,7 @@ class PrecisionReport(KnobsRepr, Callback):
         self._precision = ""
         self._islands: list[str] = []
         self._inspecting = False  # hooks (or a reason for none) in place for this batch
+        self._device_type = "cpu"
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -161,6 +205,7 @@ class PrecisionReport(KnobsRepr, Callback):
         self._inspecting = True
         self._islands = list(getattr(self._plugin, "fp32_module_names", []) or [])
         device_type = pl_module.device.type
+        self._device_type = device_type
         if getattr(pl_module, "_compiler_ctx", None) is not None:
             self.skipped_reason = (
                 "the LightningModule is compiled as a whole (`trainer.fit(torch.compile(model))`): hooks inside its"
@@ -185,6 +230,7 @@ class PrecisionReport(KnobsRepr, Callback):
 
     def _hook_leaf(self, name: str, module: nn.Module, device_type: str, *, compiled: bool, handles: list[Any]) -> None:
         use_events = device_type == "cuda"
+        heavy = isinstance(module, HEAVY_TYPES)
         stats = self._stats.setdefault(name, {"module": module, "time": 0.0, "events": [], "compiled": compiled})
 
         def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
@@ -193,6 +239,8 @@ class PrecisionReport(KnobsRepr, Callback):
             if name not in self._order:
                 self._order.append(name)
             stats["input"] = stats.get("input") or _first_dtype((args, kwargs))
+            if heavy and "call" not in stats:  # kept by reference until the rows are built: its speed lowered
+                stats["call"] = (args, kwargs)
             stats["autocast"] = torch.is_autocast_enabled(device_type)
             if use_events:
                 start = torch.cuda.Event(enable_timing=True)
@@ -284,6 +332,12 @@ class PrecisionReport(KnobsRepr, Callback):
                     cause = "an op autocast keeps in float32 (its fp32 list), or fp32 inputs"
                 else:
                     cause = "an explicit cast to float32 (`.float()`), or an op autocast keeps in float32"
+            speedup = None
+            if flagged and heavy and island is None and "call" in s:
+                low = torch.bfloat16 if self._precision.startswith("bf16") else torch.float16
+                args, kwargs = s["call"]
+                speedup = lowered_speedup(module, args, kwargs, self._device_type, low)
+            s.pop("call", None)  # the inputs are released
             rows.append(
                 {
                     "name": name,
@@ -298,6 +352,7 @@ class PrecisionReport(KnobsRepr, Callback):
                     "compiled": s["compiled"],
                     "flagged": flagged,
                     "cause": cause,
+                    "lowered_speedup": speedup,
                 }
             )
         return rows

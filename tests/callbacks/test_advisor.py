@@ -140,15 +140,71 @@ class Slow(TinyModel):
             return self.head(h.float())
 
 
-def test_silent_fp32_names_the_module_and_the_cause():
+@pytest.fixture
+def lowered_runs_faster(monkeypatch):
+    """A device where autocast's lower precision runs 3x faster (a GPU's tensor cores): timings are injected."""
+    from lightning_amp_plus.callbacks import precision_report
+
+    measured = []
+
+    def faster(module, *args, **kwargs):
+        measured.append(module)
+        return 3.0
+
+    monkeypatch.setattr(precision_report, "lowered_speedup", faster)
+    return measured
+
+
+def test_silent_fp32_names_the_module_and_the_cause(lowered_runs_faster):
     advisor, _ = fit(Slow(fp32=True), max_steps=3)
     advice = only(advisor, "silent_fp32")
-    assert "head" in advice.message
+    assert "head (" in advice.message
+    assert "3.0x faster lowered here" in advice.message
     assert "autocast disabled" in advice.message
     assert "enabled=False" in advice.fix
     assert [m["name"] for m in advice.evidence["modules"]] == ["head"]
     fixed, _ = fit(Slow(fp32=False), max_steps=3)
     assert "silent_fp32" not in codes(fixed)
+
+
+class Norms(TinyModel):
+    """Most of the forward in a LayerNorm and a GELU, which autocast keeps in (or passes through as) float32."""
+
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", features=512)
+        self.norm, self.act = nn.LayerNorm(512), nn.GELU()
+
+    def forward(self, x):
+        return self.net(self.act(self.norm(x.repeat(1, 1) * 2)))
+
+    def train_dataloader(self):
+        return make_loader(features=512, batch_size=64)
+
+
+def test_no_silent_fp32_for_work_autocast_would_not_lower(lowered_runs_faster):
+    advisor, _ = fit(Norms(), max_steps=3)
+    assert "silent_fp32" not in codes(advisor)  # nothing to lower: a norm and an activation
+    assert all(type(m).__name__ not in ("LayerNorm", "GELU") for m in lowered_runs_faster)
+
+
+class BigHead(Slow):
+    def __init__(self):
+        super().__init__(fp32=True)
+        self.net = nn.Sequential(nn.Linear(8, 512), nn.ReLU())
+        self.head = nn.Linear(512, 512)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return self(x).float().pow(2).mean()
+
+
+def test_silent_fp32_follows_the_measured_speed_on_this_device():
+    # float16 on a CPU: a float32 head is not slower, so the advice stays silent (its figure says why)
+    advisor, _ = fit(BigHead(), max_steps=2)
+    (row,) = [r for r in advisor._report.rows if r["name"] == "head"]
+    assert row["flagged"]
+    assert row["lowered_speedup"] is not None  # measured, not assumed
+    assert ("silent_fp32" in codes(advisor)) is (row["lowered_speedup"] >= 1.2)
 
 
 def test_init_scale_gives_the_scale_the_run_settled_at():
@@ -208,13 +264,22 @@ class Tiny(TinyModel):
         return super().training_step(batch, batch_idx) * 1e-6
 
 
-def test_max_scale_when_the_cap_holds_the_scale_down_with_headroom_left():
+@pytest.mark.parametrize("exact", [True, False])
+def test_max_scale_when_the_cap_holds_the_scale_down_with_headroom_left(exact):
+    import math
+
     plugin = AmpPlusPrecision("16-mixed", init_scale=16.0, max_scale=16.0)
-    advisor, _ = fit(Tiny(optimizer="fused_sgd"), plugin, max_steps=8, log_every_n_steps=2)
+    monitor = [GradUnderflowMonitor(exact=False)] if not exact else []
+    advisor, _ = fit(Tiny(optimizer="fused_sgd"), plugin, callbacks=monitor, max_steps=8, log_every_n_steps=2)
     advice = only(advisor, "max_scale")
-    assert advice.evidence["max_scale"] == 16.0
-    assert advice.evidence["headroom_bits"] > 20
-    new = 16.0 * 2.0 ** int(advice.evidence["headroom_bits"] - 1)
+    if exact:  # the float32 reference's largest gradient, a doubling below overflow
+        top = max(m["true_log2_max"] for m in advisor.figures.underflow)
+        new = 2.0 ** (math.floor(math.log2(65504.0) - top) - 1)
+        assert advice.evidence["fitting_scale"] == new
+    else:  # the scaled gradients' headroom at the cap
+        assert advice.evidence["max_scale"] == 16.0
+        assert advice.evidence["headroom_bits"] > 20
+        new = 16.0 * 2.0 ** int(advice.evidence["headroom_bits"] - 1)
     exponent = int(torch.tensor(new).log2())
     assert advice.fix == f'AmpPlusPrecision("16-mixed", init_scale=2.0**{exponent}, max_scale=2.0**{exponent})'
     fixed, _ = fit(Tiny(optimizer="fused_sgd"), applied(advice.fix), max_steps=8, log_every_n_steps=2)
@@ -736,3 +801,55 @@ def test_skip_rate_is_told_even_when_a_speed_hint_is_given():
     advisor, plugin = fit(TinyModel(optimizer="sgd", grad_poison=poison), max_steps=10)
     assert plugin.history.num_skipped == 10
     assert codes(advisor) == ["skip_rate", "fused_optimizer"]  # the skips first: a speed hint explains none
+
+
+class Dead(TinyModel):
+    """`loss * 1e-14`: every gradient below float16's range at any scale up to max_scale (flushed to zero)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 1e-14
+
+
+def _deltas(model, plugin, max_steps=8):
+    before = [p.detach().clone() for p in model.parameters()]
+    advisor = AmpAdvisor()
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=max_steps, log_every_n_steps=2).fit(model)
+    return advisor, [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+
+
+def test_a_dead_run_reads_its_underflow_and_the_printed_scale_revives_it():
+    torch.manual_seed(0)
+    advisor, deltas = _deltas(Dead(optimizer="fused_sgd", lr=1e12), AmpPlusPrecision("16-mixed"))
+    assert all(not d.any() for d in deltas)  # the optimizer consumed zeros: nothing trained
+    fractions = [m["underflow_fraction"] for m in advisor.figures.underflow]
+    assert fractions
+    assert min(fractions) >= 0.9  # no longer 0.0 with zero_fraction 1.0
+    assert "looks healthy" not in advisor.format()
+    (advice,) = [a for a in advisor.advice if a.code == "max_scale"]
+    fixed_plugin = applied(advice.fix)
+    assert fixed_plugin.scaler.get_scale() > 2.0**24  # beyond the default cap
+    torch.manual_seed(0)
+    fixed, fixed_deltas = _deltas(Dead(optimizer="fused_sgd", lr=1e12), fixed_plugin)
+    assert all(d.any() for d in fixed_deltas)  # the gradients reach the optimizer
+    assert max(m["underflow_fraction"] for m in fixed.figures.underflow) < 0.05
+    assert "max_scale" not in codes(fixed)
+
+
+class Sparse(TinyModel):
+    """An embedding of 80 rows of which each batch uses 8: 90% of its gradient is structurally zero."""
+
+    def __init__(self, **kwargs):
+        super().__init__(optimizer="fused_sgd", **kwargs)
+        self.embed = nn.Embedding(80, 8)
+
+    def forward(self, x):
+        return self.net(self.embed((x.abs() * 3).long().clamp(max=7)).sum(dim=1))
+
+
+def test_an_embedding_run_with_unused_rows_reads_no_underflow_and_gets_no_advice():
+    advisor, _ = _deltas(Sparse(), AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=1000))
+    measured = advisor.figures.underflow
+    assert measured
+    assert all(m["underflow_fraction"] <= 0.05 for m in measured)
+    assert all(m["structural_fraction"] > 0.5 for m in measured)  # the unused rows, told apart
+    assert advisor.advice == []

@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, AmpPlusWarning, GradUnderflowMonitor
 from lightning_amp_plus.syncs import HostSyncCounter
-from tests.helpers.models import TinyModel
+from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
 
@@ -68,8 +68,15 @@ def test_logged_and_measured_only_every_n_steps(tmp_path):
 
 
 def test_one_host_transfer_per_measurement():
+    class Quiet(TinyModel):  # no host read of its own: the recomputed reference step adds none
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self(batch[0]).float(), batch[1])
+
+        def on_before_optimizer_step(self, optimizer):
+            pass
+
     def syncs(monitor):
-        model = TinyModel()
+        model = Quiet()
         plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
         callbacks = [monitor] if monitor else []
         trainer = make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=8)
@@ -77,7 +84,7 @@ def test_one_host_transfer_per_measurement():
             trainer.fit(model)
         return counter.count
 
-    # TinyModel reads its loss once a step; the monitor adds exactly its 2 measurements (steps 0 and 4)
+    # the monitor adds exactly its 2 measurements (steps 3 and 7), float32 reference included
     assert syncs(GradUnderflowMonitor(every_n_steps=4)) - syncs(None) == 2
 
 
@@ -88,19 +95,25 @@ def test_bf16_warns_and_measures_nothing():
     assert monitor.measurements == []
 
 
-def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path):
+@pytest.mark.parametrize("exact", [True, False])
+def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path, exact):
     import math
 
     from tests.callbacks.test_loss_scale_monitor import read_csv
 
     model = TinyGrads()
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, max_scale=2.0**24)  # part subnormal
-    monitor = GradUnderflowMonitor(every_n_steps=2, per_parameter=1)
-    seen = {}
+    monitor = GradUnderflowMonitor(every_n_steps=2, per_parameter=1, exact=exact)
+    seen, true = {}, {}
+    batches = list(make_loader())
 
     def capture(optimizer, step):  # runs right after the monitor's measurement, on the same scaled gradients
         if step % 2 == 1:
-            seen[step] = [p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            seen[step] = [p.grad.detach().clone() for p in params]
+            x, y = batches[step]  # the test's own float32 reference of the same batch
+            loss = torch.nn.functional.mse_loss(model(x).float(), y) * 1e-6
+            true[step] = torch.autograd.grad(loss, params)
 
     logger = CSVLogger(tmp_path, name="run")
     trainer = make_trainer(plugins=[plugin], callbacks=[monitor], logger=logger, max_steps=5)
@@ -112,21 +125,32 @@ def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path):
     names = [n for n, _ in model.named_parameters()]
     for m in monitor.measurements:
         grads = seen[m["step"]]
+        # exact: structural where the float32 gradient is zero, lost where only float16's is below the smallest normal
+        structural_masks = [(r == 0) if exact else (g == 0) for g, r in zip(grads, true[m["step"]], strict=True)]
+        lost_masks = [(g.abs() < 2.0**-14) & ~z for g, z in zip(grads, structural_masks, strict=True)]
+        structural = sum(int(z.sum()) for z in structural_masks)
+        lost = sum(int(mask.sum()) for mask in lost_masks)
+        total = sum(g.numel() for g in grads)
+        fraction = lost / (total - structural)
         zeros = sum(int((g == 0).sum()) for g in grads)
-        subnormal = sum(int(((g != 0) & (g.abs() < 2.0**-14)).sum()) for g in grads)
-        fraction = subnormal / (sum(g.numel() for g in grads) - zeros)
-        assert m["zero_fraction"] == pytest.approx(zeros / sum(g.numel() for g in grads), abs=1e-12)
+        assert m["zero_fraction"] == pytest.approx(zeros / total, abs=1e-12)
         assert float(logged[m["step"]]["amp/zero_fraction"]) == pytest.approx(m["zero_fraction"], rel=1e-6)
         largest = max(float(g.abs().max()) for g in grads)
         assert m["underflow_fraction"] == pytest.approx(fraction, abs=1e-12)
         assert m["headroom_bits"] == pytest.approx(math.log2(65504.0 / largest), abs=1e-9)
         assert float(logged[m["step"]]["amp/underflow_fraction"]) == pytest.approx(fraction, rel=1e-6)
         assert float(logged[m["step"]]["amp/headroom_bits"]) == pytest.approx(m["headroom_bits"], rel=1e-6)
-        per = [int(((g != 0) & (g.abs() < 2.0**-14)).sum()) / max(1, int((g != 0).sum())) for g in grads]
+        per = [int(mask.sum()) / max(1, int((~z).sum())) for mask, z in zip(lost_masks, structural_masks, strict=True)]
         worst = max(range(len(per)), key=lambda i: (per[i], names[i]))
         assert m["worst"] == [{"name": names[worst], "underflow_fraction": per[worst]}]
         assert float(logged[m["step"]][f"amp/underflow/{names[worst]}"]) == pytest.approx(per[worst], rel=1e-6)
         assert m["scale"] == 2.0**10
+        assert m["reference"] == ("float32" if exact else None)
+        if exact:
+            assert m["structural_fraction"] == pytest.approx(structural / total, abs=1e-12)
+            largest_true = max(float(r.abs().max()) for r in true[m["step"]])
+            assert m["true_log2_max"] == pytest.approx(math.log2(largest_true), abs=1e-6)
+            assert sum(m["true_log2_counts"].values()) == total - structural
     assert 0 < monitor.measurements[0]["underflow_fraction"] < 1  # both kinds present: the count is discriminating
 
 
@@ -393,8 +417,8 @@ def test_a_rank_holding_no_gradient_element_still_joins_the_sums_and_reports_the
     def other_rank(tensor, op):
         if op == torch.distributed.ReduceOp.MAX:
             return torch.full_like(tensor, 2.0)
-        n = tensor.numel() // 3  # zeros, below, sizes per parameter
-        return torch.cat([torch.zeros(n), torch.ones(n), torch.full((n,), 4.0)])
+        n = tensor.numel() // 4  # zeros, below, sizes, structural zeros per parameter
+        return torch.cat([torch.zeros(n), torch.ones(n), torch.full((n,), 4.0), torch.zeros(n)])
 
     monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
     trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1)
