@@ -461,34 +461,64 @@ def _growth_interval(figures: RunFigures) -> Optional[Advice]:
 
 
 def _hysteresis(figures: RunFigures) -> Optional[Advice]:
+    """Rare spikes at ``max_scale``, each halving a scale the run holds, where the halved scale loses gradient bits.
+
+    An overflow right after the scale grew is the scale finding its ceiling (a saw-tooth): hysteresis there only
+    adds skips. A spike is an overflow at ``max_scale`` after at least ``growth_interval`` clean updates there (the
+    run holds that scale), and the advice needs the measured cost of halving it: underflow at the halved scale.
+    """
     if figures.precision == "bf16-mixed" or not figures.curve or figures.skipped is None:
         return None
-    if (figures.knobs or {}).get("hysteresis", 1) != 1:
-        return None
+    knobs = figures.knobs or {}
+    interval, cap = knobs.get("growth_interval"), knobs.get("max_scale")
+    if knobs.get("hysteresis", 1) != 1 or interval is None or cap is None:
+        return None  # offline the knobs are unknown: a spike cannot be told from the scale's ceiling
     skipped = set(figures.skipped)
-    leading = _leading_skips(figures)
-    halved = {s: (a, b) for s, a, b in _changes(figures.curve) if b < a}
+    halved = {s for s, a, b in _changes(figures.curve) if b < a}
     scaling = set(_scaling_skips(figures))
-    isolated = [
+    spikes = [
         s
-        for s in figures.skipped[leading:]
+        for s in figures.skipped[_leading_skips(figures) :]
         if s in scaling
-        if s - 1 not in skipped and s + 1 not in skipped and s + 1 in halved  # one overflow, one halving
+        and s - 1 not in skipped
+        and s + 1 not in skipped
+        and s + 1 in halved  # one overflow, one halving
+        and value_at(figures.curve, s) >= cap
+        and _held_clean(figures, s) >= interval
     ]
-    if len(isolated) < MIN_ISOLATED_BACKOFFS:
+    if len(spikes) < MIN_ISOLATED_BACKOFFS:
         return None
-    grew = [s for s, a, b in _changes(figures.curve) if b > a and s > isolated[0]]
-    if len(grew) < len(isolated) - 1:
+    regrowth = [_regrowth(figures, s) for s in spikes]
+    if any(r is None for r in regrowth[:-1]):
         return None  # no regrowth between them: not rare spikes
-    gaps = [b - a for a, b in zip(isolated, isolated[1:], strict=False)]
+    lost = [m["underflow_fraction"] for m in _measured(figures) if m["scale"] < cap]
+    if not lost or sum(lost) / len(lost) < GROWTH_UNDERFLOW:
+        return None  # the halved scale costs nothing measured: hysteresis would only add skips
+    grown = [r for r in regrowth if r is not None]
     return Advice(
         "hysteresis",
-        f"{len(isolated)} isolated overflows (at step {', '.join(map(str, isolated[:5]))}"
-        f"{', ...' if len(isolated) > 5 else ''}) each halved the scale, which then took {min(gaps)} to {max(gaps)}"
-        " updates to grow back.",
-        plugin_fix(figures, "back off on the 2nd overflow in a row, not on each spike", hysteresis=2),
-        {"isolated_overflows": isolated, "growths_between": len(grew)},
+        f"{len(spikes)} isolated overflows at max_scale={_scale(cap)} (at step {', '.join(map(str, spikes[:5]))}"
+        f"{', ...' if len(spikes) > 5 else ''}), each after {interval}+ clean updates there, halved the scale, which"
+        f" took {min(grown)} to {max(grown)} updates to grow back while"
+        f" {100 * sum(lost) / len(lost):.0f}% of the non-zero gradient elements were lost to float16 at the lower"
+        " scale.",
+        plugin_fix(figures, "back off on the 2nd overflow, not on each spike", hysteresis=2),
+        {"isolated_overflows": spikes, "regrowth_updates": grown, "underflow_below_cap": sum(lost) / len(lost)},
     )
+
+
+def _held_clean(figures: RunFigures, step: int) -> int:
+    """Clean updates in a row at the scale ``step`` used, before it."""
+    since = max(s for s, _ in figures.curve if s <= step)
+    skipped = set(figures.skipped or [])
+    return sum(1 for s in range(since, step) if s not in skipped)
+
+
+def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
+    """Updates from the halving after ``step`` until the scale was back where it was (None: never)."""
+    before = value_at(figures.curve, step)
+    back = [s for s, v in figures.curve if s > step + 1 and v >= before]
+    return back[0] - (step + 1) if back else None
 
 
 def _silent_fp32(figures: RunFigures) -> Optional[Advice]:

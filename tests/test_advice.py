@@ -94,23 +94,41 @@ def test_growth_interval_is_silent_when_the_scale_grew_back():
     assert "growth_interval" not in codes(figures)
 
 
+def spiky(at, regrow=5, cap=1024.0, interval=5, underflow=0.2, last=None):
+    """Overflows at ``at`` with the scale at ``cap``, each halving it and regrown ``regrow`` updates later."""
+    curve, skipped = [(0, cap)], []
+    for s in at:
+        skipped.append(s)
+        curve += [(s + 1, cap / 2), (s + 1 + regrow, cap)]
+    measured = [{"step": s + 2, "scale": cap / 2, "underflow_fraction": underflow} for s in at]
+    figures = run(curve, skipped, last or at[-1] + 20, underflow=measured)
+    figures.knobs.update(max_scale=cap, growth_interval=interval)
+    return figures
+
+
 @pytest.mark.parametrize(("spikes", "fires"), [(2, False), (3, True)])
-def test_hysteresis_from_three_isolated_halvings_with_regrowth(spikes, fires):
-    curve, skipped = [(0, 1024.0)], []
-    for k in range(spikes):
-        at = 10 + 20 * k
-        skipped.append(at)
-        curve += [(at + 1, 512.0), (at + 6, 1024.0)]
-    figures = run(curve, skipped, 80)
-    assert ("hysteresis" in codes(figures)) is fires
+def test_hysteresis_from_three_isolated_spikes_at_the_cap_with_regrowth(spikes, fires):
+    assert ("hysteresis" in codes(spiky([10 + 20 * k for k in range(spikes)]))) is fires
+
+
+def test_no_hysteresis_for_the_saw_tooth_or_a_halving_that_costs_nothing():
+    assert "hysteresis" in codes(spiky([10, 30, 50]))
+    # the saw-tooth: each overflow right after the scale grew to it (its ceiling), fewer clean updates than the interval
+    assert "hysteresis" not in codes(spiky([10, 30, 50], interval=50))
+    below_cap = spiky([10, 30, 50])
+    below_cap.knobs["max_scale"] = 2048.0  # the scale could still grow: overflowing there is the ceiling
+    assert "hysteresis" not in codes(below_cap)
+    assert "hysteresis" not in codes(spiky([10, 30, 50], underflow=0.01))  # the halved scale loses nothing
+    unmeasured = spiky([10, 30, 50])
+    unmeasured.underflow = None
+    assert "hysteresis" not in codes(unmeasured)  # no evidence the halving costs anything
+    offline = spiky([10, 30, 50])
+    offline.knobs = None
+    assert "hysteresis" not in codes(offline)  # the cap and interval unknown: a spike cannot be told
 
 
 def test_hysteresis_is_silent_when_already_set():
-    curve, skipped = [(0, 1024.0)], []
-    for at in (10, 30, 50):
-        skipped.append(at)
-        curve += [(at + 1, 512.0), (at + 6, 1024.0)]
-    figures = run(curve, skipped, 80)
+    figures = spiky([10, 30, 50])
     figures.knobs["hysteresis"] = 2
     assert "hysteresis" not in codes(figures)
 
@@ -305,16 +323,20 @@ def test_growth_interval_and_hysteresis_in_full():
         "growth_interval": 2000,
         "underflow_after": 0.25,
     }
-    curve, skipped = [(0, 1024.0)], []
-    for at in (10, 30, 60):
-        skipped.append(at)
-        curve += [(at + 1, 512.0), (at + 6, 1024.0)]
-    (advice,) = advise(run(curve, skipped, 80))
+    (advice,) = advise(spiky([10, 30, 60], regrow=7))
     assert advice.message == (
-        "3 isolated overflows (at step 10, 30, 60) each halved the scale, which then took 20 to 30 updates to grow"
-        " back."
+        "3 isolated overflows at max_scale=2.0**10 (at step 10, 30, 60), each after 5+ clean updates there, halved"
+        " the scale, which took 7 to 7 updates to grow back while 20% of the non-zero gradient elements were lost to"
+        " float16 at the lower scale."
     )
-    assert advice.evidence == {"isolated_overflows": [10, 30, 60], "growths_between": 3}
+    assert advice.fix == (
+        'AmpPlusPrecision("16-mixed", hysteresis=2)  # back off on the 2nd overflow, not on each spike'
+    )
+    assert advice.evidence == {
+        "isolated_overflows": [10, 30, 60],
+        "regrowth_updates": [7, 7, 7],
+        "underflow_below_cap": pytest.approx(0.2),
+    }
 
 
 def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
@@ -424,26 +446,17 @@ def test_growth_interval_boundaries():
 
 
 def test_hysteresis_boundaries():
-    def spikes(at, regrow=5):
-        curve, skipped = [(0, 1024.0)], []
-        for s in at:
-            skipped.append(s)
-            curve += [(s + 1, 512.0), (s + 1 + regrow, 1024.0)]
-        return curve, skipped
-
-    curve, skipped = spikes([10, 30, 50, 70, 90, 110])
-    advice = only_code(run(curve, skipped, 130), "hysteresis")
-    assert advice.message.startswith("6 isolated overflows (at step 10, 30, 50, 70, 90, ...) each halved")
-    curve, skipped = spikes([10, 30, 50])
-    pair = run(curve + [(71, 512.0)], [*skipped, 69, 70], 90)  # two overflows in a row are not isolated
+    advice = only_code(spiky([10, 30, 50, 70, 90, 110]), "hysteresis")
+    assert advice.message.startswith("6 isolated overflows at max_scale=2.0**10 (at step 10, 30, 50, 70, 90, ...),")
+    pair = spiky([10, 30, 50], last=90)
+    pair.curve.append((71, 512.0))
+    pair.skipped += [69, 70]  # two overflows in a row are not isolated
     assert only_code(pair, "hysteresis").evidence["isolated_overflows"] == [10, 30, 50]
-    no_regrowth = run([(0, 1024.0), (11, 512.0), (31, 256.0), (51, 128.0), (52, 256.0)], [10, 30, 50], 90)
-    assert "hysteresis" not in codes(no_regrowth)  # not rare spikes: the scale did not grow back between them
-    one_regrowth = run([(0, 1024.0), (11, 512.0), (16, 1024.0), (31, 512.0), (51, 256.0)], [10, 30, 50], 90)
-    assert "hysteresis" not in codes(one_regrowth)
-    unknown_knobs = run(*spikes([10, 30, 50]), 90)
-    unknown_knobs.knobs = None  # offline: hysteresis taken as torch's 1
-    assert "hysteresis" in codes(unknown_knobs)
+    never = spiky([10, 30, 50])
+    never.curve = [(0, 1024.0), (11, 512.0), (16, 1024.0), (31, 512.0), (51, 256.0)]  # no regrowth after 30
+    assert "hysteresis" not in codes(never)
+    early = spiky([4, 30, 50, 70])  # the first after 4 clean updates at the cap (interval 5): not a held scale
+    assert only_code(early, "hysteresis").evidence["isolated_overflows"] == [30, 50, 70]
 
 
 def test_init_scale_needs_the_scale_to_have_come_down():
