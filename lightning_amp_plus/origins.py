@@ -203,6 +203,31 @@ class OriginFinder:
         return None
 
 
+#: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite
+_TELLING = {"input": 0, "loss": 1, "forward": 2, "backward": 3}
+
+
+def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
+    """The origin of one skipped update from every rank's: the most telling one, with the ``rank`` that saw it.
+
+    With DDP every rank skips the update (its gradients are averaged), yet only the rank whose batch, loss or forward
+    made the inf/nan can tell where they were born; the others replay a finite forward and would say "backward".
+
+    Example:
+        >>> job_origin([{"phase": "backward"}, {"phase": "input"}])
+        {'phase': 'input', 'rank': 1}
+        >>> job_origin([None, None]) is None
+        True
+    """
+    told = [(rank, o) for rank, o in enumerate(per_rank) if o]
+    if not told:
+        return None
+    if len(per_rank) == 1:
+        return told[0][1]
+    rank, origin = min(told, key=lambda pair: (_TELLING.get(pair[1].get("phase"), 9), pair[0]))
+    return {**origin, "rank": rank}
+
+
 def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
     """The modules ``module``'s own code calls: its children, and a container's children in its place.
 

@@ -146,3 +146,55 @@ def test_ddp_subprocess_launcher(tmp_path):
     assert ranks[0] == ranks[1]
     assert ranks[0]["skipped"] == [1]
     assert ranks[0]["scale"] == 256.0
+
+
+class RankBatchPoison(RankPoisonModel):
+    """NaN in rank 1's batch at the poisoned steps (as the data loader handed it in)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_rank == self.poison_rank and self.trainer.global_step in self.rank_poison:
+            batch[0][0, 0] = float("nan")
+
+
+class Advice(Callback):
+    """Rank zero writes the reporter's origins and the advisor's codes (after the advisor's own end of training)."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_amp_plus import AmpAdvisor
+
+        if trainer.global_rank != 0:
+            return
+        advisor = next(c for c in trainer.callbacks if isinstance(c, AmpAdvisor))
+        reporter = next(c for c in trainer.callbacks if isinstance(c, NaNSkipReporter))
+        out = {"origins": [r["origin"] for r in reporter.skips], "codes": [a.code for a in advisor.advice]}
+        with open(f"{self.folder}/advice.json", "w") as f:
+            json.dump(out, f)
+
+
+@pytest.mark.slow
+def test_ddp_the_origin_is_the_jobs_not_rank_zeros(tmp_path):
+    from lightning_amp_plus import AmpAdvisor
+
+    model = RankBatchPoison(poison_rank=1, poison={2: "nan", 4: "nan", 6: "nan"})
+    report = tmp_path / "skips.json"
+    trainer = make_trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[
+            NaNSkipReporter(report_path=report, max_warnings=0),
+            AmpAdvisor(print_advice=False),
+            Advice(tmp_path),
+        ],
+        max_steps=8,
+    )
+    trainer.fit(model)
+    skips = json.loads(report.read_text())["skips"]
+    assert [(r["step"], r["origin"]) for r in skips] == [(s, {"phase": "input", "rank": 1}) for s in (2, 4, 6)]
+    told = json.loads((tmp_path / "advice.json").read_text())
+    assert told["origins"] == [{"phase": "input", "rank": 1}] * 3  # rank 0's batch was finite: it could not tell
+    assert told["codes"][0] == "nonfinite_loss"  # the batch, not init_scale or bf16
+    assert "init_scale" not in told["codes"]

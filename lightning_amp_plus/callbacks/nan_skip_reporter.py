@@ -35,7 +35,7 @@ from lightning_amp_plus.callbacks._common import (
     write_json_atomically,
 )
 from lightning_amp_plus.engine import EngineView, SkipEvent
-from lightning_amp_plus.origins import BatchCalls, OriginFinder
+from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
 from lightning_amp_plus.syncs import FlagPeek, to_host
 
 
@@ -294,10 +294,18 @@ class NaNSkipReporter(KnobsRepr, Callback):
             "new_scale": event.new_scale,
             "loss": _finite_or_none(self._mean_loss()),
             "offenders": self._offenders(event),
-            "origin": self._origin(),
+            "origin": self._job_origin(self._origin()),
         }
         self._at_step = {}
         self._add(record, event.consecutive)
+
+    def _job_origin(self, origin: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        """The update's origin over every rank (each skips it, so each calls this): the rank that saw it born tells."""
+        if not self.find_origin or not distributed():
+            return origin
+        gathered: list[Optional[dict[str, Any]]] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, origin)  # on skipped updates only
+        return job_origin(gathered)
 
     def _on_skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._sharded:  # sharded: every rank counts its shards of every parameter when the update closes
