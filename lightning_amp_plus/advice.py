@@ -48,8 +48,6 @@ HIGH_SKIP_RATE = 0.5
 TRAILING_STREAK = 3
 #: how many times faster a float32 module must run lowered (measured) before silent_fp32 names it
 MIN_LOWERED_SPEEDUP = 1.2
-#: float16's largest finite value
-FP16_MAX = 65504.0
 #: the highest scale a fix proposes (float32 holds up to 2**127; beyond 2**64 no gradient is that small)
 MAX_PROPOSED_SCALE = 2.0**64
 
@@ -308,20 +306,17 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
 def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:
     """From a float32 reference: the largest scale that fits, and what float16 would still lose there.
 
-    The scale is the largest power of two that keeps the largest true gradient a doubling below float16's overflow;
-    the fraction is that of the non-zero true gradient elements that would still sit below float16's smallest normal
-    at it. None without a reference.
+    ``GradUnderflowMonitor`` measures both: the largest power of two that keeps the largest true gradient a doubling
+    below float16's overflow, and the fraction of the non-zero true gradient elements still below float16's smallest
+    normal at it. None without a reference.
 
     Example:
-        >>> fitting_scale({"true_log2_max": -40.0, "true_log2_counts": {-41: 90, -70: 10}})  # 2**54: 2**-16 is lost
+        >>> fitting_scale({"fitting_scale": 2.0**54, "lost_at_fitting_scale": 0.1})
         (1.8014398509481984e+16, 0.1)
     """
-    top, counts = measurement.get("true_log2_max"), measurement.get("true_log2_counts")
-    if top is None or not counts:
+    if measurement.get("fitting_scale") is None:
         return None
-    exponent = math.floor(math.log2(FP16_MAX) - top) - 1
-    lost = sum(c for e, c in counts.items() if int(e) + exponent < -14) / sum(counts.values())
-    return 2.0**exponent, lost
+    return measurement["fitting_scale"], measurement["lost_at_fitting_scale"]
 
 
 def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, float]]]:

@@ -224,7 +224,7 @@ def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
         return None
     if len(per_rank) == 1:
         return told[0][1]
-    rank, origin = min(told, key=lambda pair: (_TELLING.get(pair[1].get("phase"), 9), pair[0]))
+    rank, origin = min(told, key=lambda pair: (_TELLING.get(str(pair[1].get("phase")), 9), pair[0]))
     return {**origin, "rank": rank}
 
 

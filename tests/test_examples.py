@@ -56,6 +56,8 @@ def test_benchmark_smoke(capsys):
         "AmpPlusPrecision",
         "AmpPlusPrecision + callbacks",
         "AmpPlusPrecision + callbacks + AmpAdvisor",
+        "+ GradUnderflowMonitor()",
+        "+ GradUnderflowMonitor(exact=False)",
         "stock AMP + 2 empty callbacks",
     ]
     assert rows[1]["syncs_per_step"] == 1.0
@@ -66,6 +68,7 @@ def test_benchmark_smoke(capsys):
     assert "MLP (256, 512, 4) batch 8 SGD clip 1.0" in out
     assert "| AmpPlusPrecision + callbacks |" in out
     assert "us/step over stock" in out
+    assert "float32 reference (one float32 forward and backward every log_every_n_steps=50):" in out
 
 
 def test_cli_builds_everything_from_yaml(tmp_path, monkeypatch, capsys):

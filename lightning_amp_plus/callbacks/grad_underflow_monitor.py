@@ -51,17 +51,21 @@ def underflow_fraction(below: float, zeros: float, total: float) -> float:
     return (below - zeros) / nonzero if nonzero > 0 else 0.0
 
 
-#: the powers of two a float32 reference's magnitudes are counted in (float32's subnormals to far beyond overflow)
-_LOG2_LOW, _LOG2_HIGH = -150, 50
-
-
 def _magnitudes(reference: list[Tensor], device: torch.device) -> Tensor:
-    """``[log2 max |g|, count per power of two from 2**_LOG2_LOW ...]`` over the non-zero reference elements."""
-    flat = torch.cat([r.detach().abs().flatten().float().to(device) for r in reference])
-    # zeros go below the counted range (a mask, not an index: no host sync for its size)
-    exponents = torch.where(flat > 0, torch.floor(torch.log2(flat)), torch.full_like(flat, 2.0 * _LOG2_LOW))
-    counts = torch.histc(exponents, bins=_LOG2_HIGH - _LOG2_LOW, min=_LOG2_LOW, max=_LOG2_HIGH)
-    return torch.cat([torch.log2(flat.max()).reshape(1), counts])
+    """``[log2 max |g|, fitting scale's exponent, elements still lost there, non-zero elements]`` of a reference.
+
+    The fitting scale is the largest power of two that keeps the largest true gradient a doubling below float16's
+    overflow; the elements still lost there are the non-zero ones it leaves below float16's smallest normal. On the
+    device, no host read (the measurement's one transfer carries them).
+    """
+    present = [r.detach().float().to(device) for r in reference if r.numel()]
+    largest = torch.stack([r.abs().max() for r in present]).max() if present else torch.zeros((), device=device)
+    log2_max = torch.log2(largest)
+    exponent = torch.floor(math.log2(FP16_MAX) - log2_max) - 1  # inf when every element is zero: nothing counted
+    scale = torch.exp2(exponent.clamp(max=126.0))
+    lost = sum(((r != 0) & (r.abs() * scale < FP16_SMALLEST_NORMAL)).sum() for r in present)
+    nonzero = sum((r != 0).sum() for r in present)
+    return torch.stack([log2_max, exponent, torch.as_tensor(lost).float(), torch.as_tensor(nonzero).float()]).to(device)
 
 
 def _larger(a: float, b: float) -> float:
@@ -316,12 +320,11 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         }
         if true_values:
             record["structural_fraction"] = sum(structural_counts) / total
-            record["true_log2_max"] = true_values[0] if true_values[0] > -math.inf else None
-            record["true_log2_counts"] = {
-                _LOG2_LOW + i: int(c)
-                for i, c in enumerate(true_values[1:])
-                if c  # elements per power of two
-            }
+            log2_max, exponent, lost, nonzero = true_values
+            record["true_log2_max"] = log2_max if math.isfinite(log2_max) else None
+            if math.isfinite(log2_max) and nonzero:  # the scale the reference fits, and what float16 loses there
+                record["fitting_scale"] = 2.0**exponent
+                record["lost_at_fitting_scale"] = lost / nonzero
         metrics = {f"{self.prefix}zero_fraction": zero_fraction}
         if true_values:
             metrics[f"{self.prefix}structural_fraction"] = record["structural_fraction"]

@@ -150,7 +150,10 @@ def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path, exact):
             assert m["structural_fraction"] == pytest.approx(structural / total, abs=1e-12)
             largest_true = max(float(r.abs().max()) for r in true[m["step"]])
             assert m["true_log2_max"] == pytest.approx(math.log2(largest_true), abs=1e-6)
-            assert sum(m["true_log2_counts"].values()) == total - structural
+            fitting = 2.0 ** (math.floor(math.log2(65504.0) - math.log2(largest_true)) - 1)
+            assert m["fitting_scale"] == fitting  # the largest true gradient a doubling below overflow
+            still_lost = sum(int(((r != 0) & (r.abs() * fitting < 2.0**-14)).sum()) for r in true[m["step"]])
+            assert m["lost_at_fitting_scale"] == pytest.approx(still_lost / (total - structural), abs=1e-12)
     assert 0 < monitor.measurements[0]["underflow_fraction"] < 1  # both kinds present: the count is discriminating
 
 

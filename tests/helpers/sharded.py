@@ -61,6 +61,11 @@ class FakePeer:
         monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
         monkeypatch.setattr(torch.distributed, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(torch.distributed, "all_gather_object", self.all_gather_object)
+        self.told: Any = None  # what the other rank contributes to an object gather (an origin it could not tell)
+
+    def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:
+        out[0], out[1] = obj, self.told
 
     def all_reduce(self, tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
         import torch
