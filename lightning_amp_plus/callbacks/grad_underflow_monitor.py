@@ -52,20 +52,21 @@ def underflow_fraction(below: float, zeros: float, total: float) -> float:
 
 
 def _magnitudes(reference: list[Tensor], device: torch.device) -> Tensor:
-    """``[log2 max |g|, fitting scale's exponent, elements still lost there, non-zero elements]`` of a reference.
+    """``[log2 max |g|, the fitting scale's exponent, non-zero elements still lost there]`` of a reference.
 
     The fitting scale is the largest power of two that keeps the largest true gradient a doubling below float16's
     overflow; the elements still lost there are the non-zero ones it leaves below float16's smallest normal. On the
     device, no host read (the measurement's one transfer carries them).
     """
-    present = [r.detach().float().to(device) for r in reference if r.numel()]
-    largest = torch.stack([r.abs().max() for r in present]).max() if present else torch.zeros((), device=device)
+    present = [r.detach().float() for r in reference if r.numel()]
+    if not present:
+        return torch.tensor([-math.inf, math.inf, 0.0], device=device)
+    largest = torch.stack([m.to(device) for m in torch._foreach_norm(present, float("inf"))]).max()
     log2_max = torch.log2(largest)
     exponent = torch.floor(math.log2(FP16_MAX) - log2_max) - 1  # inf when every element is zero: nothing counted
-    scale = torch.exp2(exponent.clamp(max=126.0))
-    lost = sum(((r != 0) & (r.abs() * scale < FP16_SMALLEST_NORMAL)).sum() for r in present)
-    nonzero = sum((r != 0).sum() for r in present)
-    return torch.stack([log2_max, exponent, torch.as_tensor(lost).float(), torch.as_tensor(nonzero).float()]).to(device)
+    threshold = FP16_SMALLEST_NORMAL / torch.exp2(exponent.clamp(max=126.0))  # |g| below it is lost at that scale
+    lost = torch.stack([((r != 0) & (r.abs() < threshold.to(r.device))).sum().to(device) for r in present]).sum()
+    return torch.stack([log2_max, exponent, lost.float()])
 
 
 def _larger(a: float, b: float) -> float:
@@ -320,7 +321,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         }
         if true_values:
             record["structural_fraction"] = sum(structural_counts) / total
-            log2_max, exponent, lost, nonzero = true_values
+            log2_max, exponent, lost = true_values
+            nonzero = total - sum(structural_counts)
             record["true_log2_max"] = log2_max if math.isfinite(log2_max) else None
             if math.isfinite(log2_max) and nonzero:  # the scale the reference fits, and what float16 loses there
                 record["fitting_scale"] = 2.0**exponent
