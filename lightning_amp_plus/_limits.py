@@ -5,3 +5,16 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 2.0**-126
 #: the device-side growth and hysteresis trackers are int32
 INT32_MAX = 2**31 - 1
+
+
+def scale_floor(min_scale: float) -> float:
+    """The lowest scale a scaler with ``min_scale`` reaches: ``min_scale=0`` still stops at float32's smallest normal.
+
+    The one floor rule: the scaler backs off to it, and "the scale sits at its floor" is ``scale <= scale_floor(...)``
+    everywhere (the collapse, the underflow warning, the advice).
+
+    Example:
+        >>> scale_floor(1.0), scale_floor(0.0) == 2.0**-126
+        (1.0, True)
+    """
+    return max(min_scale, FLOAT32_TINY)

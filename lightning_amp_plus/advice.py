@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
 
 #: the codes, most important first: a non-finite batch is no scaling problem; an fp32 island fixes a module that
@@ -290,7 +291,9 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
     # that makes inf/nan does so at any scale, and other codes say it
     born = {o["step"]: o.get("phase") for o in _known_origins(figures) if "step" in o}
     at_floor = [
-        s for s in figures.skipped if value_at(figures.curve, s) <= min_scale and born.get(s, "backward") == "backward"
+        s
+        for s in figures.skipped
+        if value_at(figures.curve, s) <= scale_floor(min_scale) and born.get(s, "backward") == "backward"
     ]
     if len(at_floor) >= 2:
         return Advice(

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_amp_plus._identity import resolve_optimizer
-from lightning_amp_plus._limits import FLOAT32_TINY, INT32_MAX
+from lightning_amp_plus._limits import INT32_MAX, scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import _is_int, _is_real, check_bool, check_scaler_args
@@ -349,7 +349,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ the rule
     @property
     def _floor(self) -> float:
-        return max(self._min_scale, FLOAT32_TINY)  # min_scale=0 still never reaches 0 (whose inverse is inf)
+        return scale_floor(self._min_scale)  # min_scale=0 still never reaches 0 (whose inverse is inf)
 
     def known_outcome(self) -> bool | None:
         """Whether this cycle overflowed, as the host already knows it (free: no host sync).

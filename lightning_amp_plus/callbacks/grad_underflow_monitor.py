@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int, check_prefix
@@ -353,7 +354,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
     def _check(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None
         assert self._plugin.scaler is not None
-        at_floor = record["scale"] <= self._plugin.scaler.min_scale
+        at_floor = record["scale"] <= scale_floor(self._plugin.scaler.min_scale)
         fraction = record["underflow_fraction"]
         if fraction is None:
             return  # an overflowed update says nothing about underflow: the streak neither grows nor breaks

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
@@ -436,7 +437,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
     def _check_collapse(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None
         scaler = self._plugin.scaler
-        at_floor = scaler is not None and record["scale"] <= scaler.min_scale
+        at_floor = scaler is not None and record["scale"] <= scale_floor(scaler.min_scale)
         limit = self.max_consecutive_skips
         if not at_floor and (limit is None or self._consecutive < limit):
             return

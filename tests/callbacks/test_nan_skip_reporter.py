@@ -946,3 +946,14 @@ def test_a_fused_optimizers_collapse_stops_the_fit_at_the_logging_point_that_fin
     with pytest.raises(LossScaleCollapseError, match=r"3 consecutive optimizer steps were skipped"):
         trainer.fit(TinyModel(poison={s: "inf" for s in range(1, 40)}, optimizer="fused_adamw", lr=1e-3))
     assert trainer.global_step <= 8  # found at the logging point after the third skip, not at the end of fit
+
+
+def test_min_scale_zero_collapses_at_the_scalers_real_floor():
+    # min_scale=0: the scaler stops at float32's smallest normal (2**-126), and that is the floor the collapse reads
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**-124, min_scale=0.0)
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    with pytest.raises(LossScaleCollapseError, match=r"overflowed while the loss scale already sat at min_scale=0"):
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=10).fit(
+            TinyModel(poison={s: "nan" for s in range(10)})
+        )
+    assert plugin.history.num_steps == 3  # 2**-124, 2**-125, then 2**-126: the floor
