@@ -430,3 +430,18 @@ def test_the_scale_bounds_are_refused_together_with_their_whole_message():
 def test_every_boundary_value_is_taken(knobs):
     knobs_in_force = AmpPlusPrecision("16-mixed", **knobs).scaler.knobs()
     assert {k: knobs_in_force[k] for k in knobs} == knobs
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"),
+    [
+        ("NaNSkipReporter", "quiet"),
+        ("GradUnderflowMonitor", "quiet"),
+        ("GradUnderflowMonitor", "exact"),
+    ],
+)
+def test_the_new_switches_take_a_bool_only(cls, name):
+    import lightning_amp_plus
+
+    with pytest.raises(TypeError, match=rf"^`{cls}\({name}=1\)` is invalid: expected a bool, got int\.$"):
+        getattr(lightning_amp_plus, cls)(**{name: 1})

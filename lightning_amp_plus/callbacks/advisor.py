@@ -104,10 +104,10 @@ class AmpAdvisor(KnobsRepr, Callback):
         self._report = _find(theirs, PrecisionReport)
         own: dict[type, Any] = {type(c): c for c in self._own}
         if self._underflow is None and self._plugin.scaler is not None:
-            self._underflow = own.get(GradUnderflowMonitor) or _private(GradUnderflowMonitor(max_warnings=0))
+            self._underflow = own.get(GradUnderflowMonitor) or GradUnderflowMonitor(max_warnings=0, quiet=True)
         if self._reporter is None:
-            self._reporter = own.get(NaNSkipReporter) or _private(
-                NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, max_records=None)
+            self._reporter = own.get(NaNSkipReporter) or NaNSkipReporter(
+                max_consecutive_skips=None, max_warnings=0, max_records=None, quiet=True
             )
         if self._report is None:
             self._report = own.get(PrecisionReport) or PrecisionReport(print_table=False)
@@ -169,8 +169,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         if self._plugin.history.num_steps == 0:
             return  # nothing ran (a failed setup, max_steps=0): nothing to advise on
         if self._reporter is not None:  # theirs or ours: the skips a fused optimizer decided, whatever hook runs first
-            self._reporter._read_probe(wait=True)
-            self._reporter._collect_device_skips(check=False)  # reported; the collapse check stays its own
+            self._reporter.collect(check=False)  # reported; the collapse check stays its own
         self.figures = self.gather(trainer)
         self.advice = advise(self.figures)
         text = self.format()
@@ -309,11 +308,6 @@ def _fused_call(optimizer: torch.optim.Optimizer) -> str:
     ]
     params, note = ("self.parameters()", "") if len(optimizer.param_groups) == 1 else ("param_groups", "  # as before")
     return f"torch.optim.{cls.__name__}({', '.join([params, *kept, 'fused=True'])}){note}"
-
-
-def _private(callback: Any) -> Any:
-    callback._private = True
-    return callback
 
 
 def _bf16_available(device: str) -> bool:

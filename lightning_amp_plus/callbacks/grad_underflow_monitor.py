@@ -104,6 +104,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         patience: high measurements in a row before warning (default 3).
         max_warnings: warnings at most (default 3).
         prefix: key prefix (default ``"amp/"``).
+        exact: measure against a float32 reference of the batch (default True; see above).
+        quiet: measurements only, no metric and no warning (for a callback that holds this one, as ``AmpAdvisor``).
 
     Example:
         >>> from lightning_amp_plus import GradUnderflowMonitor
@@ -127,6 +129,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         max_warnings: int = 3,
         prefix: str = "amp/",
         exact: bool = True,
+        quiet: bool = False,
     ) -> None:
         self._given = given_arguments(GradUnderflowMonitor.__init__, locals())
         self._fit_scope = FitScope()
@@ -146,7 +149,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self.measurements: list[dict[str, Any]] = []
         self.no_reference: Optional[str] = None  # why this fit's measurements have no float32 reference
         self._batch_state: Optional[tuple[int, BatchState]] = None  # the measured batch, for its reference
-        self._private = False  # owned by another callback (AmpAdvisor): measurements only; no log, no warning
+        self.quiet = check_bool(owner, "quiet", quiet)
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
         self._high = 0
@@ -167,7 +170,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self._params = named_parameters(pl_module)
         self._names = {id(p): n for n, p in self._params}
         if plugin.scaler is None:
-            if self._private:
+            if self.quiet:
                 return
             rank_zero_warn(
                 "`GradUnderflowMonitor` measures float16 underflow of scaled gradients; with bf16-mixed there is no"
@@ -347,7 +350,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             for f, nm in per[: self.per_parameter]:
                 metrics[f"{self.prefix}underflow/{nm}"] = f
         self.measurements.append(record)
-        if not self._private:
+        if not self.quiet:
             log_to_all(self._trainer, metrics, step)
             self._check(record)
 

@@ -87,6 +87,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         prefix: key prefix of the logged metrics (default ``"amp/"``).
         max_records: skip records kept in full (the first and the last half; default 100; ``None`` keeps all).
         find_origin: tell where each skip's non-finite values were born (default True; see above).
+        quiet: records only: no metric, line, error or file (for a callback that holds this one, as ``AmpAdvisor``).
 
     Example:
         >>> from lightning_amp_plus import NaNSkipReporter
@@ -103,6 +104,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         prefix: str = "amp/",
         max_records: Optional[int] = 100,
         find_origin: bool = True,
+        quiet: bool = False,
     ) -> None:
         self._given = given_arguments(NaNSkipReporter.__init__, locals())
         self._fit_scope = FitScope()
@@ -120,7 +122,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self.prefix = check_prefix(owner, prefix)
         self.max_records = max_records
         self.find_origin = check_bool(owner, "find_origin", find_origin)
-        self._private = False  # owned by another callback (AmpAdvisor): records only; no log, print, error or file
+        self.quiet = check_bool(owner, "quiet", quiet)
         self.origins = OriginFinder()  # where each skip's inf/nan were born (replays the batch on a skip)
         self._stepped_from = 0  # the history's update count when the batch started
         # a fused optimizer's skip, told one batch late without a sync: (step, flag copy, the batch's calls)
@@ -373,6 +375,15 @@ class NaNSkipReporter(KnobsRepr, Callback):
         ):
             self._collect_device_skips()
 
+    def collect(self, check: bool = True) -> None:
+        """Report now every skip a fused optimizer decided on the device (waits for a held flag: one sync at most).
+
+        ``check=False`` leaves their collapse check to this reporter's own end of fit (a reader that is not the
+        reporter, ``AmpAdvisor``, must not raise in its place).
+        """
+        self._read_probe(wait=True)
+        self._collect_device_skips(check=check)
+
     def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True) -> None:
         """Report the skips in the history not reported yet (decided on the device), up to ``upto`` (default: all)."""
         assert self._plugin is not None
@@ -405,7 +416,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         assert self._plugin is not None
         self._consecutive = consecutive
         self._keep(record)
-        if self._private:
+        if self.quiet:
             return
         if self._trainer is not None:
             log_to_all(
