@@ -11,7 +11,11 @@ precision (an all-masked attention row, ``log(0)``) is not, and the origin says 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy as copy_module
+import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -280,11 +284,12 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
     modules = list(module.modules())
     saved = [(m, dict(vars(m)), dict(m._buffers), dict(m._parameters), dict(m._modules)) for m in modules]
     containers = [
-        (value, list(value) if isinstance(value, list) else dict(value))
+        (value, _structure(value))
         for m in modules
         for key, value in vars(m).items()
-        if not key.startswith("_") and type(value) in (list, dict)
+        if not key.startswith("_") and isinstance(value, _CONTAINERS)
     ]
+    host_rng = host_random_state()
     values = [(t, t.detach().clone()) for t in _held_tensors(modules)]
     params = [(p, p._version) for p in module.parameters()]
     devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
@@ -308,17 +313,57 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                     del m.__dict__[key]
                 m.__dict__.update(attributes)
             for container, content in containers:
-                if isinstance(container, list):
-                    container[:] = content
-                else:
-                    container.clear()
-                    container.update(content)
+                _restore_into(container, content)
+            set_host_random_state(host_rng)
     changed = [p for p, version in params if p._version != version]
     if changed:
         raise RuntimeError(
             f"`OriginFinder`: a module's forward changed {len(changed)} parameter(s) in place during the origin"
             " replay. HINT: `NaNSkipReporter(find_origin=False)` for a model whose forward writes its parameters."
         )
+
+
+#: the Python containers a replay restores the contents of (nested ones included), as module attributes
+_CONTAINERS = (list, dict, set, collections.deque)
+
+
+def _structure(value: Any) -> Any:
+    """A copy of ``value``'s containers, nested ones too, holding the very same leaves (tensors are not copied)."""
+    if not isinstance(value, _CONTAINERS):
+        return value
+    copy: Any = copy_module.copy(value)  # the same class: a defaultdict keeps its factory, a deque its maxlen
+    if isinstance(value, dict):
+        copy.clear()
+        copy.update({k: _structure(v) for k, v in value.items()})
+    else:
+        _restore_into(copy, [_structure(v) for v in value])
+    return copy
+
+
+def _restore_into(container: Any, content: Any) -> None:
+    """Put ``content`` (a :func:`_structure` copy) back into ``container`` in place; nested containers as copied."""
+    container.clear()
+    if isinstance(container, dict):
+        container.update(content)
+    elif isinstance(container, (list, collections.deque)):
+        container.extend(content)
+    else:
+        container.update(content)
+
+
+def host_random_state() -> tuple[Any, Any]:
+    """Python's and (when loaded) numpy's global random state: a replay that draws from them must not move them."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def set_host_random_state(state: tuple[Any, Any]) -> None:
+    """Put back what :func:`host_random_state` saved."""
+    python_state, numpy_state = state
+    random.setstate(python_state)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
 
 
 def _held_tensors(modules: list[torch.nn.Module]) -> list[Tensor]:

@@ -173,3 +173,72 @@ def test_a_finder_without_a_batch_tells_nothing():
     assert finder.origin() == {"phase": "input"}
     assert finder.take_batch() is not None
     assert finder.current is None
+
+
+class Augment(nn.Module):
+    """Draws from Python's and numpy's random state and keeps counts in a defaultdict, a dict of lists and a deque."""
+
+    def __init__(self):
+        super().__init__()
+        import collections
+
+        self.calls = collections.defaultdict(int)
+        self.history = {"seen": []}
+        self.recent = collections.deque(maxlen=3)
+        self.tags = set()
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        self.calls["n"] += 1
+        self.history["seen"].append(1)
+        self.recent.append(self.calls["n"])
+        self.tags.add(self.calls["n"])
+        return x * (0.5 + random.random()) * float(1.0 + np.random.rand())
+
+
+class Augmented(TinyModel):
+    def __init__(self):
+        super().__init__(poison={3: "nan", 6: "nan"})
+        self.augment = Augment()
+
+    def forward(self, x):
+        return self.net(self.augment(x))
+
+
+def _fit_augmented(callbacks):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = Augmented()
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=callbacks, max_steps=10).fit(model)
+    return model
+
+
+@pytest.mark.parametrize("diagnostic", ["replay", "reference"])
+def test_host_random_state_and_nested_containers_are_left_as_found(diagnostic):
+    from lightning_amp_plus import GradUnderflowMonitor
+
+    base = _fit_augmented([NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=False)])
+    extra = (
+        [NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)]
+        if diagnostic == "replay"
+        else [
+            NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=False),
+            GradUnderflowMonitor(every_n_steps=1),
+        ]
+    )
+    told = _fit_augmented(extra)
+    for (name, a), (_, b) in zip(base.state_dict().items(), told.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert told.augment.calls == base.augment.calls == {"n": 10}
+    assert told.augment.history == base.augment.history
+    assert list(told.augment.recent) == list(base.augment.recent)
+    assert told.augment.tags == base.augment.tags
+    assert told.augment.recent.maxlen == 3

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus.callbacks._common import all_reduce_, distributed
-from lightning_amp_plus.origins import leaves_no_trace, replay_scope
+from lightning_amp_plus.origins import host_random_state, leaves_no_trace, replay_scope, set_host_random_state
 
 
 class BatchState:
@@ -27,6 +27,7 @@ class BatchState:
         self.batch_idx = batch_idx
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state() if device_type == "cuda" and torch.cuda.is_available() else None
+        self.host_rng = host_random_state()  # Python's and numpy's: a step may draw from them too
 
 
 def why_no_reference(trainer: pl.Trainer, sharded: bool) -> Optional[str]:
@@ -59,6 +60,7 @@ def float32_gradients(
         torch.set_rng_state(state.cpu_rng)
         if state.cuda_rng is not None:
             torch.cuda.set_rng_state(state.cuda_rng)
+        set_host_random_state(state.host_rng)
         output = module.training_step(state.batch, state.batch_idx)
         loss = output.get("loss") if isinstance(output, dict) else output
         if not isinstance(loss, Tensor) or not loss.requires_grad:
