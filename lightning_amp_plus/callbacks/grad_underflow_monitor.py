@@ -189,6 +189,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self._sharded = shards_gradients(trainer)
         self._batch_state = None
         self.no_reference = "exact=False" if not self.exact else why_no_reference(trainer, self._sharded)
+        if self._plugin is None or self._plugin.scaler is None:
+            self.no_reference = "bf16-mixed (nothing is measured)"
 
     @override
     def on_train_batch_start(
