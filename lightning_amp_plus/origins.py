@@ -18,7 +18,7 @@ import random
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor
@@ -247,7 +247,8 @@ def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[s
     """
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
-        if type(child).forward is torch.nn.Module.forward:  # `_forward_unimplemented`: a container
+        container = type(child).forward is torch.nn.Module.forward and "forward" not in vars(child)
+        if container and not is_compiled_wrapper(child):  # `_forward_unimplemented`: never called itself
             yield from call_frontier(child, f"{qualified}.")
         else:
             yield qualified, child
@@ -306,14 +307,19 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                     (m._parameters, parameters),
                     (m._modules, children),
                 )
+                # only what changed is written back: an untouched dict keeps its version (torch.compile's guards)
                 for store, old in stores:
-                    store.clear()
-                    store.update(old)
+                    if not _unchanged(store, old):
+                        store.clear()
+                        store.update(old)
                 for key in [k for k in vars(m) if k not in attributes]:
                     del m.__dict__[key]
-                m.__dict__.update(attributes)
+                for key, value in attributes.items():
+                    if m.__dict__.get(key, _ABSENT) is not value:
+                        m.__dict__[key] = value
             for container, content in containers:
-                _restore_into(container, content)
+                if not _unchanged(container, content):
+                    _restore_into(container, content)
             set_host_random_state(host_rng)
     changed = [p for p, version in params if p._version != version]
     if changed:
@@ -338,6 +344,23 @@ def _structure(value: Any) -> Any:
     else:
         _restore_into(copy, [_structure(v) for v in value])
     return copy
+
+
+_ABSENT = object()
+
+
+def _unchanged(current: Any, saved: Any) -> bool:
+    """Whether ``current`` holds what ``saved`` (its :func:`_structure` copy) holds: alike containers, same leaves."""
+    if not isinstance(saved, _CONTAINERS):
+        return current is saved
+    if type(current) is not type(saved) or len(current) != len(saved):
+        return False
+    if isinstance(saved, dict):
+        now = cast(dict, current)
+        return all(k in now and _unchanged(now[k], v) for k, v in saved.items())
+    if isinstance(saved, set):
+        return current == saved
+    return all(_unchanged(a, b) for a, b in zip(current, saved, strict=True))
 
 
 def _restore_into(container: Any, content: Any) -> None:
