@@ -203,6 +203,57 @@ def run_once(
     return timer.times, _peak_mib(device), timer.syncs if count_syncs else measured
 
 
+class _AtenCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every aten op dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_fit(
+    make: Callable, sizes: tuple[int, int, int], batch: int, steps: int, clip: Optional[float]
+) -> tuple[int, int]:
+    """Python function calls and aten ops of one whole ``fit`` of ``steps`` steps (deterministic for a config)."""
+    import sys
+
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, sizes[0]), torch.randn(batch, sizes[2])
+    plugins, callbacks = make()
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    with tempfile.TemporaryDirectory(prefix="amp-count-") as log_dir:
+        trainer = _trainer("cpu", plugins, callbacks, steps, log_dir, clip)
+        model = MLP(sizes)
+        aten = _AtenCounter()
+        sys.setprofile(profile)
+        try:
+            with aten:
+                trainer.fit(model, train_dataloaders=Batches(x, y, steps))
+        finally:
+            sys.setprofile(None)
+    return calls, aten.count
+
+
+def counts_per_step(table: dict[str, Callable], sizes: tuple[int, int, int], batch: int, clip: Optional[float]) -> None:
+    """Print Python calls and aten ops per step: a 300-step fit minus a 100-step fit, over 200 (no timing noise)."""
+    print("| config | Python calls/step | aten ops/step |")
+    print("|---|---:|---:|")
+    for name, make in table.items():
+        long_calls, long_ops = count_fit(make, sizes, batch, 300, clip)
+        short_calls, short_ops = count_fit(make, sizes, batch, 100, clip)
+        print(f"| {name} | {(long_calls - short_calls) / 200:.0f} | {(long_ops - short_ops) / 200:.0f} |")
+
+
 def _trainer(
     device: str, plugins: list, callbacks: list, max_steps: int, log_dir: str, clip: Optional[float]
 ) -> Trainer:
@@ -235,6 +286,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         choices=["default", "small"],
         help="small: MLP 256-512-4, batch 8, gradient_clip_val=1.0 (host-bound steps)",
     )
+    parser.add_argument(
+        "--counts",
+        action="store_true",
+        help="print Python calls and aten ops per step instead of timing (CPU; deterministic)",
+    )
     args = parser.parse_args(argv)
     import logging
 
@@ -247,6 +303,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     else:
         sizes, batch = (512, 256, 128), 64
     table = configs(args.device, args.precision, floor=args.size == "small")
+    if args.counts:
+        counts_per_step(table, sizes, batch, clip)
+        return []
     times: dict[str, list[float]] = {name: [] for name in table}
     peaks: dict[str, float] = {name: 0.0 for name in table}
     order = random.Random(0)

@@ -34,19 +34,26 @@ def _imported(module_name: str, class_name: str) -> type | None:
 
 
 #: per type, where it keeps what it wraps. Exact and never stale: a wrapper's instance exists only once its module
-#: is imported, and a type's bases never change. Weak: Lightning and Fabric make a class per wrapper instance, and an
-#: entry goes with its class.
-_INNER: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
+#: is imported, and a type's bases never change. Keyed by weak references (equal when their types are, looked up
+#: in C): Lightning and Fabric make a class per wrapper instance, and an entry goes with its class.
+_INNER: dict[weakref.ref[type], str | None] = {}
+_UNSEEN = object()
 
 
 def _inner_attribute(cls: type) -> str | None:
     """Where a wrapper of type ``cls`` keeps what it wraps (``None``: not a wrapper we know); one lookup when known."""
-    if cls not in _INNER:
-        _INNER[cls] = next(
+    attribute = _INNER.get(weakref.ref(cls), _UNSEEN)
+    if attribute is _UNSEEN:
+        attribute = next(
             (attribute for module, name, attribute in _WRAPPERS if issubclass(cls, _imported(module, name) or ())),
             None,
         )
-    return _INNER[cls]
+        _INNER[weakref.ref(cls, _forget)] = attribute
+    return attribute  # type: ignore[return-value]
+
+
+def _forget(key: weakref.ref[type]) -> None:
+    _INNER.pop(key, None)
 
 
 def resolve_optimizer(optimizer: Any) -> Any:
@@ -67,9 +74,13 @@ def resolve_optimizer(optimizer: Any) -> Any:
         >>> resolve_optimizer(wrapper) is wrapper
         True
     """
-    while _inner_attribute(type(optimizer)) == "_optimizer":
+    while True:
+        attribute = _INNER.get(weakref.ref(type(optimizer)), _UNSEEN)  # the common case without a call
+        if attribute is _UNSEEN:
+            attribute = _inner_attribute(type(optimizer))
+        if attribute != "_optimizer":
+            return optimizer
         optimizer = optimizer._optimizer
-    return optimizer
 
 
 #: name segments that wrappers insert between the user's modules: FSDP1, activation checkpointing, torch.compile

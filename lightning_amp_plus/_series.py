@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Optional
 
 from lightning_amp_plus._limits import FLOAT32_MAX
@@ -40,18 +42,17 @@ def scale_changes(series: Series, key: str) -> list[tuple[int, float]]:
 
 
 def value_at(curve: list[tuple[int, float]], step: int) -> float:
-    """The value of a step function given by its change points ``[(step, value)]`` at ``step``.
+    """The value at ``step`` of a step function given by its sorted change points ``[(step, value)]``.
+
+    The one curve lookup of the package (history, monitor, plot, advice). A step before the first point reads the
+    first value.
 
     Example:
-        >>> value_at([(0, 4.0), (5, 2.0)], 4), value_at([(0, 4.0), (5, 2.0)], 5)
-        (4.0, 2.0)
+        >>> value_at([(0, 4.0), (5, 2.0)], 4), value_at([(0, 4.0), (5, 2.0)], 5), value_at([(3, 4.0)], 1)
+        (4.0, 2.0, 4.0)
     """
-    value = curve[0][1]
-    for s, v in curve:
-        if s > step:
-            break
-        value = v
-    return value
+    index = bisect.bisect_right(curve, (step, math.inf))  # the first point after `step`
+    return curve[max(index - 1, 0)][1]
 
 
 def held(curve: list[tuple[int, float]], last_step: Optional[int]) -> list[tuple[int, float]]:

@@ -10,31 +10,33 @@ import math
 import os
 import struct
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 import torch
 
 from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> TypeGuard[float]:
+    """An int or a float, not a bool: the one test every real-number check uses."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int, not a bool: the one test every integer check uses."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_real(owner: str, name: str, value: Any) -> float:
     """Return ``value`` as a float, or raise ``TypeError`` if it is not a real number (bools are refused)."""
-    if not _is_real(value):
+    if not is_real(value):
         raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected a real number, got {type(value).__name__}.")
     return float(value)
 
 
 def check_int(owner: str, name: str, value: Any, *, minimum: int) -> int:
     """Return ``value`` if it is an int >= ``minimum``; raise ``TypeError``/``ValueError`` otherwise."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected an int, got {type(value).__name__}.")
     if value < minimum:
         raise ValueError(f"`{owner}({name}={value!r})` is invalid: expected an int >= {minimum}.")
@@ -96,12 +98,12 @@ def check_scaler_args(
         return f"`{owner}({names.get(name, name)}={value!r})` is invalid"
 
     def real(name: str, value: Any) -> float:
-        if not _is_real(value):
+        if not is_real(value):
             raise TypeError(f"{call(name, value)}: expected a real number, got {type(value).__name__}.")
         return float(value)
 
     def integer(name: str, value: Any, minimum: int) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise TypeError(f"{call(name, value)}: expected an int, got {type(value).__name__}.")
         if not minimum <= value <= INT32_MAX:
             raise ValueError(

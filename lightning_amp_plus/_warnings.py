@@ -19,7 +19,6 @@ class AmpPlusWarning(UserWarning):
 #: wrappers they run the user's code through): a warning points past them, at the line that led there
 _LIBRARIES = frozenset(
     {"lightning_amp_plus", "lightning", "lightning_fabric", "pytorch_lightning", "torch", "contextlib", "functools"}
-    | {"mutmut"}  # its trampolines sit between a mutated function and its caller
 )
 
 

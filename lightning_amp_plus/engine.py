@@ -22,14 +22,20 @@ from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+from torch.optim import LBFGS, Optimizer
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import global_rank, say
 from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int, check_scaler_args
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.history import ScaleHistory
-from lightning_amp_plus.scaler import DynamicLossScaler, NonFiniteChecker, ShardedDynamicLossScaler
+from lightning_amp_plus.scaler import (
+    DynamicLossScaler,
+    NonFiniteChecker,
+    ShardedDynamicLossScaler,
+    any_skipped,
+    steps_on_device,
+)
 
 
 @dataclass
@@ -63,13 +69,7 @@ class UpdateCycle:
         self.unscaled: list[Optimizer] = []
         self.stepped: list[Optimizer] = []
 
-    # optimizers define no __eq__: `in` is identity, in C
-    def did_step(self, optimizer: Optimizer) -> bool:
-        return optimizer in self.stepped
-
-    def did_unscale(self, optimizer: Optimizer) -> bool:
-        return optimizer in self.unscaled
-
+    # optimizers define no __eq__: `in` is identity, in C (so callers test `o in cycle.unscaled` directly)
     def unscaled_not_stepped(self) -> list[Optimizer]:
         return [o for o in self.unscaled if o not in self.stepped]
 
@@ -163,11 +163,11 @@ class AmpEngine:
             stale = [o for o in [*self._unstepped, *forgotten] if _has_gradients(o)]
             self._unstepped = []
         if stale:
-            warn_at_user(
-                f"{len(stale)} optimizer(s) had their gradients unscaled (e.g. by clipping) but did not step"
-                " before this backward. Their unscale was undone so that the next step unscales everything it"
-                " applies; the gradients unscaled earlier are now divided by the scale twice. HINT: unscale or"
-                " clip only right before `optimizer.step()`."
+            warn_unstepped(
+                len(stale),
+                "before this backward",
+                "Their unscale was undone so that the next step unscales everything it applies; the gradients"
+                " unscaled earlier are now divided by the scale twice.",
             )
         self._backwards += 1
         return self.checker.scale(loss) if self.checker is not None else loss
@@ -186,18 +186,15 @@ class AmpEngine:
         """Whether an update is open: some optimizer unscaled or stepped and the scale not yet updated."""
         return self._cycle is not None
 
-    def next_step(self) -> int:
-        """The step index the next cycle gets when the caller has none: one past the last recorded."""
-        last = self.history.last_step
-        return 0 if last is None else last + 1
-
     def begin(self, optimizer: Optimizer, step: Optional[int] = None) -> UpdateCycle:
         """Open an update (or join the open one) for ``optimizer``; ``step`` is the caller's step index."""
-        if self._cycle is not None and self._cycle.did_step(optimizer):
+        if self._cycle is not None and optimizer in self._cycle.stepped:
             self.end_cycle()  # the same optimizer steps twice before the update closed: close it first
         cycle = self._cycle
         if cycle is None:
-            cycle = self._cycle = UpdateCycle(self.next_step() if step is None else max(step, self.next_step()))
+            last = self.history.last_step
+            following = 0 if last is None else last + 1
+            cycle = self._cycle = UpdateCycle(following if step is None else max(step, following))
             if self.checker is not None:
                 self.checker.forget_skips()
                 # unscaled in an update that closed without their step (it raised, say), no backward since: still
@@ -206,13 +203,14 @@ class AmpEngine:
                     carried = [o for o in self._unstepped if self.checker.is_unscaled(o)]
                     cycle.unscaled.extend(carried)
                     self._unstepped = [o for o in self._unstepped if o not in carried]
-        self._know(optimizer)
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
         return cycle
 
     def unscale(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients once per update (bf16: check them for inf/nan once)."""
         cycle = self._cycle if self._cycle is not None else self.begin(optimizer)
-        if cycle.did_unscale(optimizer):
+        if optimizer in cycle.unscaled:
             return
         cycle.unscaled.append(optimizer)
         self._unscaled_at[id(optimizer)] = self._backwards
@@ -239,12 +237,12 @@ class AmpEngine:
         except BaseException:
             cycle.stepped.remove(optimizer)
             for leftover in ("grad_scale", "found_inf"):  # torch's GradScaler.step removes them only on success
-                if hasattr(optimizer, leftover) and getattr(optimizer, "_step_supports_amp_scaling", False):
+                if hasattr(optimizer, leftover) and steps_on_device(optimizer):
                     delattr(optimizer, leftover)
             if self.checker is not None and self.checker.is_unscaled(optimizer):
                 # divided in place before the failure: the same gradients must not be divided again (a backward
                 # before a retry makes new gradients: it forgets this unscale, as for any unscale without a step)
-                if not cycle.did_unscale(optimizer):
+                if optimizer not in cycle.unscaled:
                     cycle.unscaled.append(optimizer)
             else:
                 self._forget(optimizer)
@@ -291,10 +289,6 @@ class AmpEngine:
         finally:
             self._cycle = None
 
-    def unscaled_not_stepped(self) -> list[Optimizer]:
-        """Optimizers unscaled (e.g. clipped) in the open cycle that have not stepped."""
-        return self._cycle.unscaled_not_stepped() if self._cycle is not None else []
-
     def apply_pending_update(self) -> None:
         """Close the open cycle, if any optimizer stepped in it."""
         if self._cycle is not None and self._cycle.stepped:
@@ -313,7 +307,7 @@ class AmpEngine:
         # unscaled but not stepped (clipped, then no step; or a step that raised): the next backward forgets the
         # unscale, so the next step unscales everything it applies, and says so if those gradients were kept; a
         # retry before any backward applies them once
-        self._unstepped = cycle.unscaled_not_stepped() if cycle.unscaled else []
+        self._unstepped = cycle.unscaled_not_stepped() if cycle.unscaled != cycle.stepped else []
         if not cycle.stepped:
             return
         checker = self.checker
@@ -326,18 +320,19 @@ class AmpEngine:
             assert scale is not None
             # what the host knows costs no device op: an unchanged scale, a skip torch already read
             overflowed = checker.known_outcome()
+            flag = checker.found_inf() if overflowed is None else None
             self.history.record(
                 cycle.step,
                 None if checker.scale_kept and self._recorded_since_load else scale,
-                checker.found_inf() if overflowed is None else float(overflowed),
+                flag if flag is not None else float(bool(overflowed)),
             )
             self._recorded_since_load = True
-            skipped = overflowed if overflowed is not None else self._cycle_skipped(cycle.stepped)
+            skipped = overflowed if overflowed is not None else any_skipped(checker.outcomes(), sync=self.sync_skips)
             if skipped is True and self.scaler is not None:
                 scale_before = float(scale.item())  # only on skipped steps
             pending = self._pending_gradients() if self.scaler is not None else []
             old = scale.clone() if pending else None
-            checker.update()
+            checker.update(found_inf=flag)
             if old is not None:
                 with torch.no_grad():
                     _multiply(pending, scale / old)
@@ -395,17 +390,6 @@ class AmpEngine:
             " `NaNSkipReporter` to name the parameters and stop the run (`max_consecutive_skips`)."
         )
 
-    def _cycle_skipped(self, optimizers: list[Optimizer]) -> Optional[bool]:
-        """Whether some optimizer of the cycle skipped: known on the host, or None (decided on the device)."""
-        outcome: Optional[bool] = False
-        for optimizer in optimizers:
-            skipped = self.step_was_skipped(optimizer, sync=self.sync_skips)
-            if skipped is True:
-                return True
-            if skipped is None:
-                outcome = None
-        return outcome
-
     # ------------------------------------------------------------------ public state
     def step_was_skipped(self, optimizer: Optimizer, *, sync: bool = True) -> Optional[bool]:
         """Whether ``optimizer``'s last step was skipped (``None`` if it has not stepped).
@@ -419,9 +403,8 @@ class AmpEngine:
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last cycle was skipped (reads the device flag for fused optimizers: one sync)."""
-        if self._last_cycle_skipped is None:
-            assert self.checker is not None
-            self._last_cycle_skipped = self.checker.any_step_skipped()
+        if self._last_cycle_skipped is None and self.checker is not None:
+            self._last_cycle_skipped = any_skipped(self.checker.outcomes(), sync=True)
         return bool(self._last_cycle_skipped)
 
     @property
@@ -493,6 +476,14 @@ class AmpEngine:
             )
 
 
+def warn_unstepped(count: int, when: str, consequence: str) -> None:
+    """The one warning for gradients unscaled (clipped) whose optimizer then did not step."""
+    warn_at_user(
+        f"{count} optimizer(s) had their gradients unscaled (by `clip_gradients` or `unscale_`) {when} but did not"
+        f" step. {consequence} HINT: unscale or clip only right before `optimizer.step()`."
+    )
+
+
 def _has_gradients(optimizer: Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
@@ -515,6 +506,16 @@ SCALER_DEFAULTS: dict[str, Any] = {
     "max_scale": 2.0**24,
     "hysteresis": 1,
 }
+
+
+def refuse_closure_optimizer(owner: str, optimizer: Optimizer) -> None:
+    """16-mixed cannot step an optimizer that re-evaluates its closure inside ``step()`` (LBFGS): say so, once."""
+    if isinstance(optimizer, LBFGS):
+        raise ValueError(
+            f"`{owner}(precision='16-mixed')` cannot train with `torch.optim.LBFGS`: LBFGS re-evaluates the closure"
+            " inside `step()`, which loss scaling breaks. HINT: use precision='bf16-mixed' or 32-bit precision with"
+            " LBFGS."
+        )
 
 
 def make_engine(
@@ -624,7 +625,7 @@ class EngineView:
     @property
     def skip_known_on_host(self) -> bool:
         """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
-        return self._engine.skip_known_on_host
+        return self._engine._last_cycle_skipped is not None  # read directly: every callback asks each step
 
     @property
     def applied_steps(self) -> int:

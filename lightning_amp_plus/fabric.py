@@ -10,13 +10,13 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_choice
-from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, make_engine
+from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, make_engine, refuse_closure_optimizer
 
 
 def _convert(tensor: Tensor, dst_type: torch.dtype) -> Tensor:
@@ -120,11 +120,8 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
         them).
         """
         optimizer = resolve_optimizer(optimizer)
-        if self.scaler is not None and isinstance(optimizer, LBFGS):
-            raise TypeError(
-                "`AmpPlusFabricPrecision(precision='16-mixed')` cannot step `torch.optim.LBFGS`: it re-evaluates the"
-                " closure, which loss scaling breaks. HINT: use precision='bf16-mixed' or 32-bit precision."
-            )
+        if self.scaler is not None:
+            refuse_closure_optimizer(type(self).__name__, optimizer)
         if self.scaler is not None and self.scaler.scale_tensor() is None:
             raise RuntimeError(
                 f"`{type(self).__name__}(precision='16-mixed')`: `optimizer.step()` found no scaled loss: nothing went"

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._validation import check_int
+from lightning_amp_plus._series import value_at
+from lightning_amp_plus._validation import check_int, is_int, is_real
 from lightning_amp_plus.syncs import to_host
 
 _STATE_VERSION = 2
@@ -186,7 +187,7 @@ class ScaleHistory:
                 f"`ScaleHistory.scale_at(step={step})` is invalid: the history covers steps"
                 f" {self._change_steps[0] if self._change_steps else None} to {self._last_step}."
             )
-        return self._change_scales[bisect.bisect_right(self._change_steps, step) - 1]
+        return value_at(self.curve(), step)
 
     def curve(self) -> list[tuple[int, float]]:
         """The change points ``(step, scale)``: the scale holds from each step until the next change point."""
@@ -226,26 +227,20 @@ class ScaleHistory:
         if (
             not isinstance(scales, list)
             or len(scales) != len(steps)
-            or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in scales
-            )
+            or not all(is_real(v) and math.isfinite(v) and v > 0 for v in scales)
         ):
             raise ValueError(
                 f"`{where}['change_scales']={scales!r:.120}` is invalid: expected a list of finite numbers > 0, one"
                 " per change step."
             )
         num_steps, last_step = state_dict.get("num_steps"), state_dict.get("last_step")
-        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < len(skipped):
+        if not is_int(num_steps) or num_steps < len(skipped):
             raise ValueError(
                 f"`{where}['num_steps']={num_steps!r}` is invalid: expected an int >= the {len(skipped)} skipped steps."
             )
         if last_step is None and num_steps:
             raise ValueError(f"`{where}['last_step']=None` is invalid with num_steps={num_steps}.")
-        if last_step is not None and (
-            not isinstance(last_step, int)
-            or isinstance(last_step, bool)
-            or any(step > last_step for step in steps + skipped)
-        ):
+        if last_step is not None and (not is_int(last_step) or any(step > last_step for step in steps + skipped)):
             raise ValueError(
                 f"`{where}['last_step']={last_step!r}` is invalid: expected an int >= every recorded step."
             )
@@ -290,8 +285,9 @@ class ScaleHistory:
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["step", "scale", "skipped"])
+            curve = self.curve()
             for step in steps:
-                writer.writerow([step, self.scale_at(step), int(step in skipped)])
+                writer.writerow([step, value_at(curve, step), int(step in skipped)])
 
     def __repr__(self) -> str:
         return (
@@ -301,14 +297,14 @@ class ScaleHistory:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _int_list(where: str, state: dict[str, Any], key: str) -> list[int]:
     values = state.get(key)
     if (
         not isinstance(values, list)
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+        or not all(_is_count(v) for v in values)
         or any(b <= a for a, b in itertools.pairwise(values))
     ):
         raise ValueError(f"`{where}[{key!r}]={values!r:.120}` is invalid: expected increasing ints >= 0.")

@@ -95,8 +95,8 @@ class OriginFinder:
         for name, called in call_frontier(module):
 
             def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                if self._current is not None and not replaying():  # training batches only, not replays
-                    self._current.calls.append((name, mod, args, kwargs, versions((args, kwargs))))
+                if self._current is not None and not _replays[0]:  # training batches only, not replays
+                    self._current.calls.append((name, mod, args, kwargs, versions(args, kwargs)))
 
             self._handles.append(called.register_forward_pre_hook(keep, with_kwargs=True))
 
@@ -193,7 +193,7 @@ class OriginFinder:
                 all_eager(self._module),
             ):
                 for _, called, args, kwargs, kept in calls:
-                    if versions((args, kwargs)) != kept:
+                    if versions(args, kwargs) != kept:
                         raise _Unknown  # changed in place after the call (by the module itself, maybe)
                     kind = nonfinite_kind((args, kwargs), masks=True)
                     if kind is not None:  # made between the recorded modules: the LightningModule's own code
@@ -438,6 +438,14 @@ def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     return None
 
 
-def versions(value: Any) -> list[int]:
-    """The version counters of the tensors in ``value``: an in-place change later shows as a different number."""
-    return [t._version for t in tensors(value)]
+def versions(args: Any, kwargs: Any) -> list[int]:
+    """The version counters of a call's tensors: an in-place change later shows as a different number."""
+    found = []
+    for arg in args:  # flat arguments, the common case, without a nested call
+        if isinstance(arg, Tensor):
+            found.append(arg._version)
+        elif isinstance(arg, (list, tuple, dict)):
+            found.extend(t._version for t in tensors(arg))
+    if kwargs:
+        found.extend(t._version for t in tensors(kwargs))
+    return found

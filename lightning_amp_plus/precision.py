@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -25,8 +24,15 @@ from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool
-from lightning_amp_plus._warnings import AmpPlusWarning
-from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, SkipEvent, make_engine
+from lightning_amp_plus.engine import (
+    SCALER_DEFAULTS,
+    AmpEngine,
+    EngineView,
+    SkipEvent,
+    make_engine,
+    refuse_closure_optimizer,
+    warn_unstepped,
+)
 from lightning_amp_plus.islands import Fp32Islands, check_entries
 
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
@@ -139,12 +145,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         if self.scaler is not None:
             self.scaler.set_device_type(self.device or "cpu")
             for optimizer in optimizers:
-                if isinstance(optimizer, LBFGS):
-                    raise ValueError(
-                        f"`{type(self).__name__}(precision='16-mixed')` cannot train with `torch.optim.LBFGS`: LBFGS"
-                        " re-evaluates the closure inside `step()`, which loss scaling breaks. HINT: use"
-                        " precision='bf16-mixed' or 32-bit precision with LBFGS."
-                    )
+                refuse_closure_optimizer(type(self).__name__, resolve_optimizer(optimizer))
         if module is not None and module.automatic_optimization and self.skip_scheduler_on_overflow:
             self._wrap_scheduler_hook(module)
         if module is not None and self.fp32_modules:
@@ -211,12 +212,10 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         if module is not None and not module.automatic_optimization:
             pending = self._engine.forget_unstepped()
             if pending:
-                rank_zero_warn(
-                    f"`AmpPlusPrecision`: {len(pending)} optimizer(s) had their gradients unscaled (by"
-                    " `clip_gradients`) in this training step but did not step. Their gradients stay unscaled, and"
-                    " a further backward would add scaled gradients to them. HINT: clip only on the batches where"
-                    " you call `optimizer.step()`.",
-                    category=AmpPlusWarning,
+                warn_unstepped(
+                    len(pending),
+                    "in this training step",
+                    "Their gradients stay unscaled, and a further backward would add scaled gradients to them.",
                 )
             self._engine.apply_pending_update()
 
@@ -296,7 +295,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         real = resolve_optimizer(optimizer)
         engine = self._engine
         cycle = engine.cycle
-        already = cycle is not None and cycle.did_unscale(real)  # the automatic step unscaled before its hooks
+        already = cycle is not None and real in cycle.unscaled  # the automatic step unscaled before its hooks
         if clip_val > 0 and not already and not self._in_closure_step and engine.has_new_gradients(real):
             engine.begin(real, logger_step(self._module))
             engine.unscale(real)
@@ -372,6 +371,5 @@ def logger_step(module: Optional[pl.LightningModule]) -> Optional[int]:
     batches that stepped an optimizer (a GAN's two optimizer steps share one; with ``accumulate_grad_batches`` it
     counts updates), not ``trainer.global_step``, which counts every optimizer's steps.
     """
-    if module is None or module._trainer is None:
-        return None
-    return module.trainer.fit_loop.epoch_loop._batches_that_stepped
+    trainer = None if module is None else module._trainer
+    return None if trainer is None else trainer.fit_loop.epoch_loop._batches_that_stepped

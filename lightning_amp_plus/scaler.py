@@ -9,7 +9,7 @@ import copy
 import inspect
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,62 @@ from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import INT32_MAX, scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
-from lightning_amp_plus._validation import _is_int, _is_real, check_bool, check_scaler_args
+from lightning_amp_plus._validation import check_bool, check_scaler_args, is_int, is_real
+
+
+class StepOutcome:
+    """Whether one optimizer step was skipped: known on the host, or the device flags of a fused step, read on demand.
+
+    Example:
+        >>> import torch
+        >>> outcome = StepOutcome(flags=[torch.tensor(0.0), torch.tensor(1.0)])
+        >>> outcome.known, outcome.read(), outcome.known
+        (None, True, True)
+    """
+
+    __slots__ = ("_flags", "_skipped")
+
+    def __init__(self, skipped: bool | None = None, flags: Sequence[Tensor] = ()) -> None:
+        self._skipped = skipped
+        self._flags = flags
+
+    @property
+    def known(self) -> bool | None:
+        """The outcome if the host knows it (no sync), else ``None``."""
+        return self._skipped
+
+    def read(self) -> bool:
+        """The outcome; reads the device flags once (one host sync) if the host does not know it yet."""
+        if self._skipped is None:
+            self._skipped = bool(sum(flag.item() for flag in self._flags))
+            self._flags = ()
+        return self._skipped
+
+    def __repr__(self) -> str:
+        return f"StepOutcome({'on the device' if self._skipped is None else f'skipped={self._skipped}'})"
+
+
+#: the outcomes the host knows: immutable once known, so shared
+SKIPPED, APPLIED = StepOutcome(True), StepOutcome(False)
+
+
+def any_skipped(outcomes: Iterable[StepOutcome], *, sync: bool) -> bool | None:
+    """The one skip rule: an update is skipped when one of its steps was.
+
+    ``None`` while a device flag is unread (``sync=False``); ``sync=True`` reads what it must.
+    """
+    unknown = False
+    for outcome in outcomes:
+        skipped = outcome.read() if sync else outcome._skipped
+        if skipped:
+            return True
+        unknown = unknown or skipped is None
+    return None if unknown else False
+
+
+def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is fused: it takes the scale and decides its skip on the device (no host sync)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 class DynamicLossScaler(torch.amp.GradScaler):
@@ -121,10 +176,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._hysteresis = hysteresis
         self._init_hysteresis_tracker = hysteresis
         self._hysteresis_tracker: Tensor | None = None
-        self._found_inf_combined: Tensor | None = None
-        # per optimizer (the real one, never a wrapper): whether its last step was skipped; a bool when the host
-        # knows it (torch already synced to decide), else the device flags (fused optimizers decide on the device).
-        self._last_skipped: dict[int, bool | list[Tensor]] = {}
+        # per optimizer (the real one): its last step's outcome, until the next update begins (`forget_skips`)
+        self._outcomes: dict[int, StepOutcome] = {}
         # the device growth tracker, mirrored on the host while every cycle's outcome is known there (None: not)
         self._host_growth: int | None = 0
         # whether the last update() is known on the host to have left the scale as it was
@@ -204,8 +257,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._growth_tracker = None
         self._hysteresis_tracker = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._last_skipped = {}
-        self._found_inf_combined = None
+        self._outcomes = {}
         self._host_growth = 0
         self._scale_kept = False
 
@@ -219,8 +271,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
     ) -> Any:
         # the one host sync torch itself needs to decide the skip of a non-fused optimizer; we keep what it learns
-        skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
-        self._last_skipped[id(optimizer)] = skipped
+        skipped = False
+        for flag in optimizer_state["found_inf_per_device"].values():
+            skipped = skipped or bool(flag.item())
+        self._outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
         return None if skipped else optimizer.step(*args, **kwargs)
 
     def _unscale_grads_(
@@ -244,13 +298,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``."""
         super().unscale_(resolve_optimizer(optimizer))
-        self._found_inf_combined = None  # a new overflow flag joined the cycle
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan."""
         optimizer = resolve_optimizer(optimizer)
-        self._found_inf_combined = None
-        if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if self._enabled and steps_on_device(optimizer):
             created_from = len(optimizer.state)
             retval = super().step(optimizer, *args, **kwargs)
             flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
@@ -258,13 +310,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 # a first step made state: fused kernels that skip on the device still create it, and fused SGD's
                 # momentum buffers are then uninitialised memory. Read the flag (once per parameter's lifetime) and,
                 # if the step was skipped, take the new state back out: a skipped step changes nothing.
-                skipped = bool(sum(f.item() for f in flags))
-                if skipped:
+                outcome = StepOutcome(flags=flags)
+                if outcome.read():
                     for param in list(optimizer.state)[created_from:]:
                         del optimizer.state[param]
-                self._last_skipped[id(optimizer)] = skipped
             else:  # the fused kernel decided on the device: keep its flags, read them only if someone asks
-                self._last_skipped[id(optimizer)] = flags
+                outcome = StepOutcome(flags=flags)
+            self._outcomes[id(optimizer)] = outcome
             return retval
         return super().step(optimizer, *args, **kwargs)
 
@@ -274,13 +326,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled or key not in self._per_optimizer_states:
             return False
         return self._per_optimizer_states[key]["stage"] is OptState.UNSCALED
-
-    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` stepped (or skipped) in this cycle, i.e. since the last :meth:`update`."""
-        key = id(resolve_optimizer(optimizer))
-        if not self._enabled or key not in self._per_optimizer_states:
-            return False
-        return self._per_optimizer_states[key]["stage"] is OptState.STEPPED
 
     def reset_cycle(self, optimizers: Iterable[torch.optim.Optimizer] | None = None) -> None:
         """Forget the unscale/step state of ``optimizers`` (default: all) in the open cycle; the scale stays.
@@ -295,8 +340,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             for optimizer in optimizers:
                 key = id(resolve_optimizer(optimizer))
                 self._per_optimizer_states.pop(key, None)
-                self._last_skipped.pop(key, None)
-        self._found_inf_combined = None
+                self._outcomes.pop(key, None)
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> bool | None:
         """Whether the last step of ``optimizer`` was skipped (``None`` if it has not stepped).
@@ -304,47 +348,36 @@ class DynamicLossScaler(torch.amp.GradScaler):
         Free for non-fused optimizers (torch already read the flag). For fused optimizers the flag lives on the
         device: ``sync=True`` reads it (one host sync), ``sync=False`` returns ``None``.
         """
-        return self._skipped(id(resolve_optimizer(optimizer)), sync)
+        outcome = self._outcomes.get(id(resolve_optimizer(optimizer)))
+        if outcome is None:
+            return None
+        return outcome.read() if sync else outcome._skipped
 
-    def any_step_skipped(self) -> bool:
-        """Whether any optimizer's last step was skipped (reads the device flags of fused optimizers)."""
-        return any(self._skipped(key, True) for key in list(self._last_skipped))
+    def outcomes(self) -> list[StepOutcome]:
+        """The outcome of each optimizer's last step since :meth:`forget_skips` (read them with :func:`any_skipped`)."""
+        return list(self._outcomes.values())
 
     def forget_skips(self) -> None:
-        """Forget the last steps' outcomes (a new cycle begins)."""
-        self._last_skipped.clear()
-
-    def _skipped(self, key: int, sync: bool) -> bool | None:
-        value = self._last_skipped.get(key)
-        if value is None or isinstance(value, bool):
-            return value
-        if not sync:
-            return None
-        resolved = bool(sum(v.item() for v in value))
-        self._last_skipped[key] = resolved
-        return resolved
+        """Forget the last steps' outcomes (a new update begins)."""
+        self._outcomes = {}
 
     def found_inf(self) -> Tensor:
         """The combined overflow flag of this cycle so far (a device tensor, > 0 on overflow), as `update` sees it.
 
-        Computed anew whenever an optimizer unscaled or stepped since the last call, so a call between two
-        optimizers' steps never hides the second one's overflow from :meth:`update`.
+        One flag on the scale's device (the usual case) is returned as it is: no device op.
         """
-        if self._found_inf_combined is None:
-            scale, _ = self._check_scale_growth_tracker("found_inf")
-            # one flag on the scale's device (the usual case): `.to` returns it, no op at all
-            found_infs = [
-                found_inf.to(device=scale.device, non_blocking=True)
-                for state in self._per_optimizer_states.values()
-                for found_inf in state["found_inf_per_device"].values()
-            ]
-            if not found_infs:
-                raise AssertionError("No inf checks were recorded prior to update.")
-            combined = found_infs[0]
-            for extra in found_infs[1:]:
-                combined = combined + extra
-            self._found_inf_combined = combined
-        return self._found_inf_combined
+        scale, _ = self._check_scale_growth_tracker("found_inf")
+        found_infs = [
+            found_inf.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        combined = found_infs[0]
+        for extra in found_infs[1:]:
+            combined = combined + extra
+        return combined
 
     # ------------------------------------------------------------------ the rule
     @property
@@ -364,22 +397,20 @@ class DynamicLossScaler(torch.amp.GradScaler):
         for key, state in states.items():
             if state["stage"] is not OptState.STEPPED:  # checked (clipped) without a step: not decided here
                 return None
-            skipped = self._last_skipped.get(key)  # set by this cycle's step
-            if not isinstance(skipped, bool):
-                return None
-            outcomes.append(skipped)
-        return any(outcomes)
+            outcomes.append(self._outcomes[key])
+        return any_skipped(outcomes, sync=False)
 
     @property
     def scale_kept(self) -> bool:
         """Whether the last :meth:`update` is known on the host to have left the scale unchanged (no sync)."""
         return self._scale_kept
 
-    def update(self, new_scale: float | Tensor | None = None) -> None:
+    def update(self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None) -> None:
         """Apply the bounded hysteresis rule for the cycle that just ended (on the device, no host sync).
 
         When the host already knows the cycle was clean and the growth tracker does not reach ``growth_interval``,
-        the rule's outcome is "the growth tracker counts one more": that one op is all it runs.
+        the rule's outcome is "the growth tracker counts one more": that one op is all it runs. ``found_inf``: the
+        cycle's combined flag when the caller holds it already (:meth:`found_inf`).
         """
         if not self._enabled:
             return
@@ -388,7 +419,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
             super().update(new_scale)
             assert self._scale is not None
             self._scale.clamp_(min=self._floor, max=self._max_scale)
-            self._found_inf_combined = None
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         overflowed = self.known_outcome()
@@ -405,7 +435,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # the mirror follows the rule's own tracker: a skip or a growth resets it; an outcome decided on the device
         # leaves the host without it
         self._host_growth = None if overflowed is None else 0
-        found_inf = self.found_inf()
+        found_inf = self.found_inf() if found_inf is None else found_inf
         if self._hysteresis == 1:
             # torch's own fused kernel, then the bounds: bit-identical to GradScaler inside float32's normal range
             torch._amp_update_scale_(
@@ -491,7 +521,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale = state_dict["scale"]
         if isinstance(scale, Tensor) and scale.numel() == 1:
             scale = scale.item()
-        if not _is_real(scale):
+        if not is_real(scale):
             raise TypeError(
                 f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type(scale).__name__}."
             )
@@ -500,14 +530,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
             where, init_scale=scale, label={"init_scale": "scale"}, **{**knobs, "min_scale": 0.0, "max_scale": math.inf}
         )
         growth_tracker = state_dict["_growth_tracker"]
-        if not _is_int(growth_tracker) or not 0 <= growth_tracker <= INT32_MAX:
+        if not is_int(growth_tracker) or not 0 <= growth_tracker <= INT32_MAX:
             # above growth_interval is a state torch itself writes after `set_growth_interval` lowered it
             raise ValueError(
                 f"`{where}(_growth_tracker={growth_tracker!r})` is invalid: expected an int in [0, {INT32_MAX}] (the"
                 " count of clean steps since the last growth or skip)."
             )
         hysteresis_tracker = state_dict.get("_hysteresis_tracker", knobs["hysteresis"])
-        if not _is_int(hysteresis_tracker) or not 0 <= hysteresis_tracker <= knobs["hysteresis"]:
+        if not is_int(hysteresis_tracker) or not 0 <= hysteresis_tracker <= knobs["hysteresis"]:
             raise ValueError(
                 f"`{where}(_hysteresis_tracker={hysteresis_tracker!r})` is invalid: expected an int in"
                 f" [0, hysteresis={knobs['hysteresis']}]."
@@ -526,7 +556,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if changes:
             say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(changes) + ".")
         super().load_state_dict({**state_dict, "scale": bounded})
-        self._found_inf_combined = None
         self._host_growth = int(growth_tracker)
         self._scale_kept = False
         self._min_scale = float(knobs["min_scale"])
@@ -572,7 +601,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
-            state["_last_skipped"] = {}
+            state["_outcomes"] = {}
             state["_host_growth"] = state["_init_growth_tracker"]
             state["_scale_kept"] = False
         return state
@@ -663,7 +692,7 @@ class NonFiniteChecker(DynamicLossScaler):
             return outputs
         return super().scale(outputs)
 
-    def update(self, new_scale: float | Tensor | None = None) -> None:
+    def update(self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None) -> None:
         """End the cycle: forget every optimizer's check (the scale stays 1)."""
         self._scale_kept = True
         self.reset_cycle()
@@ -715,6 +744,5 @@ class NonFiniteChecker(DynamicLossScaler):
             optimizer.state.update(saved_state)
         state["found_inf_per_device"] = {found.device: found}
         state["stage"] = OptState.STEPPED
-        self._last_skipped[id(optimizer)] = skipped
-        self._found_inf_combined = None
+        self._outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
         return retval

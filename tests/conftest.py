@@ -6,6 +6,11 @@ import torch
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
+if os.environ.get("MUTANT_UNDER_TEST"):  # mutmut's trampolines sit between a mutated function and its caller
+    from lightning_amp_plus import _warnings
+
+    _warnings._LIBRARIES = _warnings._LIBRARIES | {"mutmut"}
+
 try:  # property tests: 60 examples each in CI (seconds); HYPOTHESIS_PROFILE=deep for 1,000
     from hypothesis import settings
 

@@ -160,3 +160,16 @@ def test_16_mixed_says_what_to_call_after_a_direct_loss_backward():
     model.module(torch.randn(8, 4)).float().pow(2).mean().backward()
     with pytest.raises(RuntimeError, match=r"found no scaled loss.*HINT: call `fabric.backward\(loss\)`"):
         opt.step()
+
+
+def test_16_mixed_refuses_lbfgs_with_the_trainer_plugins_message():
+    """One refusal for both adapters: the same error type and words as `AmpPlusPrecision` at connect."""
+    plugin = AmpPlusFabricPrecision("16-mixed", "cpu")
+    model = torch.nn.Linear(2, 1)
+    before = model.weight.detach().clone()
+    with pytest.raises(
+        ValueError,
+        match=r"AmpPlusFabricPrecision\(precision='16-mixed'\)` cannot train with `torch\.optim\.LBFGS`.*HINT",
+    ):
+        plugin.optimizer_step(torch.optim.LBFGS(model.parameters()), closure=lambda: model(torch.ones(1, 2)).sum())
+    assert torch.equal(model.weight, before)

@@ -393,7 +393,7 @@ def test_clipping_without_stepping_warns():
                 opt.step()
                 opt.zero_grad()
 
-    with pytest.warns(UserWarning, match=r"unscaled \(by `clip_gradients`\) in this training step but did not step"):
+    with pytest.warns(UserWarning, match=r"\(by `clip_gradients` or `unscale_`\) in this training step but did not"):
         make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], max_steps=2).fit(ClipNoStep())
 
 

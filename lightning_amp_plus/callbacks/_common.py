@@ -43,6 +43,16 @@ def is_logging_step(step: int, interval: int) -> bool:
     return (step + 1) % interval == 0
 
 
+def next_logging_step(after: int, interval: int) -> int:
+    """The first logging step (:func:`is_logging_step`) after ``after``.
+
+    Example:
+        >>> next_logging_step(-1, 10), next_logging_step(9, 10), next_logging_step(12, 10)
+        (9, 19, 19)
+    """
+    return ((after + 1) // interval + 1) * interval - 1
+
+
 def plugin_arguments(plugin: Any) -> dict[str, Any]:
     """The arguments the user gave the plugin, as literals a fix line can repeat (classes by import path)."""
     args = dict(getattr(plugin, "_given", {}))
@@ -125,6 +135,12 @@ def named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parame
     checkpointing's prefixes inside it are dropped.
     """
     return [(clean_name(n), p) for n, p in resolve_module(module).named_parameters()]
+
+
+def parameters_and_names(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], dict[int, str]]:
+    """:func:`named_parameters` and the name of each parameter by ``id``: the one name map the callbacks keep."""
+    params = named_parameters(module)
+    return params, {id(p): n for n, p in params}
 
 
 def local_tensor(tensor: Tensor) -> Tensor:

@@ -31,6 +31,7 @@ from lightning_amp_plus.callbacks._common import (
 from lightning_amp_plus.callbacks.grad_underflow_monitor import GradUnderflowMonitor
 from lightning_amp_plus.callbacks.nan_skip_reporter import NaNSkipReporter
 from lightning_amp_plus.callbacks.precision_report import PrecisionReport
+from lightning_amp_plus.scaler import steps_on_device
 
 #: torch optimizers with a fused implementation, and the device types it runs on (None: torch's fused list)
 _FUSED: dict[str, Optional[tuple[str, ...]]] = {"SGD": None, "Adam": None, "AdamW": None, "Adagrad": ("cpu",)}
@@ -232,7 +233,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             name = type(real).__name__
             if type(real).__module__.split(".")[:2] != ["torch", "optim"] or name not in _FUSED:
                 continue
-            if real.defaults.get("fused"):
+            if steps_on_device(real):
                 continue
             params = [p for g in real.param_groups for p in g["params"]]
             devices = {p.device.type for p in params}  # fused kernels group by device: each must have one

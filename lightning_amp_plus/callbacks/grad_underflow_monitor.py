@@ -25,7 +25,7 @@ from lightning_amp_plus.callbacks._common import (
     local_tensor,
     log_to_all,
     logging_interval,
-    named_parameters,
+    parameters_and_names,
     shards_gradients,
 )
 from lightning_amp_plus.callbacks._reference import BatchState, float32_gradients, why_no_reference
@@ -167,8 +167,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
                 self._warned = 0
         self._trainer = trainer
         self._interval = logging_interval(trainer, self.every_n_steps)
-        self._params = named_parameters(pl_module)
-        self._names = {id(p): n for n, p in self._params}
+        self._params, self._names = parameters_and_names(pl_module)
         if plugin.scaler is None:
             if self.quiet:
                 return
@@ -184,8 +183,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the parameters as trained: FSDP2's `fully_shard` (in `configure_model`, after `setup`) replaces them
-        self._params = named_parameters(pl_module)
-        self._names = {id(p): n for n, p in self._params}
+        self._params, self._names = parameters_and_names(pl_module)
         self._sharded = shards_gradients(trainer)
         self._batch_state = None
         self.no_reference = "exact=False" if not self.exact else why_no_reference(trainer, self._sharded)

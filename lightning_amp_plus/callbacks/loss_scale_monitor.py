@@ -14,13 +14,21 @@ from typing_extensions import override
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
+from lightning_amp_plus._series import value_at
 from lightning_amp_plus._validation import check_bool, check_int, check_prefix
 from lightning_amp_plus._warnings import AmpPlusWarning
-from lightning_amp_plus.callbacks._common import find_plugin, is_logging_step, log_to_all, logging_interval
+from lightning_amp_plus.callbacks._common import (
+    find_plugin,
+    is_logging_step,
+    log_to_all,
+    logging_interval,
+    next_logging_step,
+)
+from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
-class LossScaleMonitor(KnobsRepr, Callback):
+class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
     """Log the loss scale and the skipped steps to every logger.
 
     At every logging point ``s`` (each ``logging_interval`` steps, and at the end of training) it logs, with ``step=``
@@ -69,16 +77,14 @@ class LossScaleMonitor(KnobsRepr, Callback):
         self._plugin: Optional[AmpPlusPrecision]  # set at setup, with the two below
         self._stock: Any  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
         self._interval: int
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget what was logged (a new fit calls this; a resumed fit then loads its checkpoint)."""
-        self._last_sample: Optional[float] = None
-        self._logged_upto = -1  # last step covered by a logging point
-        self._growths = 0
-        self._backoffs = 0
-        self._skipped_logged = 0
-        self._steps_logged = 0  # recorded updates covered by earlier logging points
+        # what was logged: a new fit resets it (`reset`), a resumed fit then loads its checkpoint
+        self._logged_upto = self.add_state("logged_upto", -1)  # last step covered by a logging point
+        self._growths = self.add_state("growths", 0)
+        self._backoffs = self.add_state("backoffs", 0)
+        self._skipped_logged = self.add_state("skipped_logged", 0)
+        self._steps_logged = self.add_state("steps_logged", 0)  # recorded updates covered by earlier logging points
+        # a stock plugin's scale at the last logging point
+        self._last_sample: Optional[float] = self.add_state("last_sample", None, persistent=False)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -121,7 +127,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
         last = self._plugin.history.last_step
         if last is None or last <= self._logged_upto:
             return
-        if (last + 1) // self._interval > (self._logged_upto + 1) // self._interval:  # crossed Lightning's point
+        if last >= next_logging_step(self._logged_upto, self._interval):  # crossed Lightning's point
             self._log_until(trainer, last)
             history = self._plugin.history
             self._show(pl_module, history.scale_at(last) if history.scaled else None, float(self._skipped_logged))
@@ -185,7 +191,7 @@ class LossScaleMonitor(KnobsRepr, Callback):
         start = self._logged_upto + 1
         curve = history.curve() if scaled else []  # the one host transfer of this interval
         skipped = history.skipped_steps
-        previous = _scale_before(curve, start)
+        previous = value_at(curve, start - 1) if curve and curve[0][0] < start else None
         points: dict[int, dict[str, float]] = {}
         for step, scale in curve:
             if start <= step <= last:
@@ -219,30 +225,3 @@ class LossScaleMonitor(KnobsRepr, Callback):
 
     def _scale_metrics(self, scale: float) -> dict[str, float]:
         return {f"{self.prefix}loss_scale": scale, f"{self.prefix}log2_loss_scale": math.log2(scale)}
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "logged_upto": self._logged_upto,
-            "growths": self._growths,
-            "backoffs": self._backoffs,
-            "skipped_logged": self._skipped_logged,
-            "steps_logged": self._steps_logged,
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._logged_upto = int(state_dict.get("logged_upto", -1))
-        self._growths = int(state_dict.get("growths", 0))
-        self._backoffs = int(state_dict.get("backoffs", 0))
-        self._skipped_logged = int(state_dict.get("skipped_logged", 0))
-        self._steps_logged = int(state_dict.get("steps_logged", 0))
-
-
-def _scale_before(curve: list[tuple[int, float]], step: int) -> Optional[float]:
-    value = None
-    for s, v in curve:
-        if s >= step:
-            break
-        value = v
-    return value

@@ -30,11 +30,12 @@ from lightning_amp_plus.callbacks._common import (
     local_tensor,
     log_to_all,
     logging_interval,
-    named_parameters,
+    parameters_and_names,
     plugin_arguments,
     shards_gradients,
     write_json_atomically,
 )
+from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
 from lightning_amp_plus.syncs import FlagPeek, to_host
@@ -44,7 +45,7 @@ class LossScaleCollapseError(RuntimeError):
     """Training stopped: too many optimizer steps in a row were skipped, or the scale overflowed at ``min_scale``."""
 
 
-class NaNSkipReporter(KnobsRepr, Callback):
+class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
 
     Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is the step the logger uses
@@ -124,10 +125,6 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self.find_origin = check_bool(owner, "find_origin", find_origin)
         self.quiet = check_bool(owner, "quiet", quiet)
         self.origins = OriginFinder()  # where each skip's inf/nan were born (replays the batch on a skip)
-        self._stepped_from = 0  # the history's update count when the batch started
-        # a fused optimizer's skip, told one batch late without a sync: (step, flag copy, the batch's calls)
-        self._probe: Optional[tuple[int, FlagPeek, Optional[BatchCalls]]] = None
-        self._device_origins: dict[int, Optional[dict[str, Any]]] = {}
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
         self._names: dict[int, str] = {}
@@ -136,23 +133,29 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self._loss: Optional[Tensor] = None
         # per optimizer, its gradients' offenders counted right after its step was skipped (before a zero_grad)
         self._at_step: dict[int, list[dict[str, Any]]] = {}
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget every skip reported so far (a new fit calls this; a resumed fit then loads its checkpoint)."""
-        self._head: list[dict[str, Any]] = []
-        self._tail: deque[dict[str, Any]] = deque(
-            maxlen=None if self.max_records is None else self.max_records - self.max_records // 2
+        # the skips reported: a new fit resets them (`reset`), a resumed fit then loads its checkpoint
+        tail = None if max_records is None else max_records - max_records // 2
+        self._head: list[dict[str, Any]] = self.add_state("head", list, load=list)
+        self._tail: deque[dict[str, Any]] = self.add_state(
+            "tail", lambda: deque(maxlen=tail), save=list, load=lambda v: deque(v, maxlen=tail)
         )
-        self._num_skips = 0
-        self._skipped_steps: list[int] = []
-        self._offender_counts: Counter[str] = Counter()
-        self._consecutive = 0
-        self._reported_upto = -1
-        self._warned = 0
-        self._probe = None
-        self._device_origins = {}  # origins told for skips not collected yet: per fit
-        self._unchecked: list[tuple[dict[str, Any], int]] = []  # collected for someone else: checked at finish
+        self._num_skips = self.add_state("num_skips", 0)
+        self._skipped_steps: list[int] = self.add_state("skipped_steps", list, load=lambda v: [int(s) for s in v])
+        self._offender_counts: Counter[str] = self.add_state("offender_counts", Counter, save=dict, load=Counter)
+        self._consecutive = self.add_state("consecutive", 0)
+        self._reported_upto = self.add_state("reported_upto", -1)
+        self._warned = self.add_state("warned", 0)
+        # per fit only: a fused optimizer's skip, told one batch late without a sync (step, flag copy, its calls)
+        self._probe: Optional[tuple[int, FlagPeek, Optional[BatchCalls]]] = self.add_state(
+            "probe", None, persistent=False
+        )
+        self._probed_upto = self.add_state("probed_upto", -1, persistent=False)  # the last update probed
+        # origins told for skips not collected yet
+        self._device_origins: dict[int, Optional[dict[str, Any]]] = self.add_state(
+            "device_origins", dict, persistent=False
+        )
+        # collected for someone else: checked at finish
+        self._unchecked: list[tuple[dict[str, Any], int]] = self.add_state("unchecked", list, persistent=False)
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -186,8 +189,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
         """
         self._plugin = plugin
         self._trainer = trainer
-        self._params = named_parameters(module)
-        self._names = {id(p): n for n, p in self._params}
+        self._params, self._names = parameters_and_names(module)
         if self._on_skip not in plugin.skip_listeners:
             plugin.skip_listeners.append(self._on_skip)
         if self._on_skipped_step not in plugin.skipped_step_listeners:
@@ -225,8 +227,7 @@ class NaNSkipReporter(KnobsRepr, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the parameters as trained: FSDP2's `fully_shard` (in `configure_model`, after `setup`) replaces them
-        self._params = named_parameters(pl_module)
-        self._names = {id(p): n for n, p in self._params}
+        self._params, self._names = parameters_and_names(pl_module)
         self._sharded = shards_gradients(trainer)
         self._unhook()
         if self.find_origin and not self._sharded:  # sharded: a replay would need every rank's collectives
@@ -242,19 +243,19 @@ class NaNSkipReporter(KnobsRepr, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._read_probe(wait=False)  # the previous batch's fused skip: its parameters are still the ones it used
+        if self._probe is not None:  # the previous batch's fused skip: its parameters are still the ones it used
+            self._read_probe(wait=False)
         if self.find_origin:
             self.origins.start_batch(batch)
-        self._stepped_from = self._plugin.history.num_steps if self._plugin is not None else 0
 
     def _probe_device_skip(self) -> None:
         """After a batch whose skip a fused optimizer decides on the device: copy its flag without waiting."""
         assert self._plugin is not None
-        if self._plugin.history.num_steps == self._stepped_from:
-            return  # this (micro-)batch recorded no update: the last flag is an earlier batch's
         last = self._plugin.history.last_flag()
-        assert last is not None  # this batch recorded an update
+        if last is None or last[0] <= self._probed_upto:
+            return  # this (micro-)batch recorded no update: the last flag is an earlier batch's
         step, found = last
+        self._probed_upto = step
         if not isinstance(found, Tensor):
             return
         self._probe = (step, FlagPeek(found), self.origins.current)
@@ -363,16 +364,13 @@ class NaNSkipReporter(KnobsRepr, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._plugin is not None
-        if self.find_origin and not self._plugin.skip_known_on_host and not self._sharded:
+        on_device = not self._plugin.skip_known_on_host
+        if on_device and self.find_origin and not self._sharded:
             self._probe_device_skip()  # the batch's inputs move into the probe until its flag is on the host
             self._read_probe(wait=False)  # at once when it is (host memory, or the device is done)
         self.origins.take_batch()  # the kept inputs are released when the batch ends (or kept by the probe)
         history = self._plugin.history
-        if (
-            not self._plugin.skip_known_on_host
-            and history.pending
-            and is_logging_step(history.last_step or 0, logging_interval(trainer))
-        ):
+        if on_device and history.pending and is_logging_step(history.last_step or 0, logging_interval(trainer)):
             self._collect_device_skips()
 
     def collect(self, check: bool = True) -> None:
@@ -545,49 +543,21 @@ class NaNSkipReporter(KnobsRepr, Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 3,
-            "head": self._head,
-            "tail": list(self._tail),
-            "num_skips": self._num_skips,
-            "skipped_steps": self._skipped_steps,
-            "offender_counts": dict(self._offender_counts),
-            "consecutive": self._consecutive,
-            "reported_upto": self._reported_upto,
-            "warned": self._warned,
-        }
+        return {"version": 3, **super().state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "version" not in state_dict:  # 0.1.0: the records only
-            records = list(state_dict.get("skips", []))
-            state_dict = {
-                "head": [],
-                "tail": [],
-                "num_skips": 0,
-                "skipped_steps": [],
-                "offender_counts": {},
-                "consecutive": state_dict.get("consecutive", 0),
-                "reported_upto": state_dict.get("reported_upto", -1),
-                "warned": 0,
-            }
-            for record in records:
+            old = state_dict
+            self.reset()
+            for record in old.get("skips", []):
                 self._keep(record)
-            state_dict.update(
-                head=self._head,
-                tail=list(self._tail),
-                num_skips=self._num_skips,
-                skipped_steps=self._skipped_steps,
-                offender_counts=dict(self._offender_counts),
-            )
-        self._head = list(state_dict["head"])
-        self._tail = deque(state_dict["tail"], maxlen=self._tail.maxlen)
-        self._num_skips = int(state_dict["num_skips"])
-        self._skipped_steps = [int(s) for s in state_dict["skipped_steps"]]
-        self._offender_counts = Counter(state_dict["offender_counts"])
-        self._consecutive = int(state_dict["consecutive"])
-        self._reported_upto = int(state_dict["reported_upto"])
-        self._warned = int(state_dict["warned"])
+            state_dict = {
+                **self.state_dict(),
+                "consecutive": old.get("consecutive", 0),
+                "reported_upto": old.get("reported_upto", -1),
+            }
+        super().load_state_dict(state_dict)
 
 
 def _count(n: int, noun: str) -> str:
