@@ -1,12 +1,16 @@
-"""OriginFinder: where a skipped update's inf/nan were born, told by replaying the batch's calls on a skip.
+"""OriginFinder: where a skipped update's inf/nan were born, told by replaying the batch on a skip.
 
-One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``): it keeps,
-by reference, the calls of the modules the LightningModule calls (its children; the children of a container such
-as ``nn.ModuleList``, which is never called itself), and on a skipped update replays them eagerly under autocast
-with every module hooked, without grad. The replay leaves the model as it found it: the random-number state,
-every buffer (in place or assigned), every attribute a module assigns. The first module whose inputs were finite
-and whose output was not is recomputed in float32: an fp16 overflow is finite there, a NaN the model makes in any
-precision (an all-masked attention row, ``log(0)``) is not, and the origin says which.
+One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``). On a
+skipped update it runs the batch again, eagerly under autocast and without grad, with every module the
+LightningModule calls hooked (its children; the children of a container such as ``nn.ModuleList``, which is never
+called itself). In automatic optimization that replay is the batch's ``training_step`` itself, so clean steps cost
+nothing: no hook is installed until a skip. In manual optimization (whose step steps the optimizers and cannot run
+twice) the calls of those modules are kept by reference as the batch runs, and replayed one by one.
+
+The replay leaves the model as it found it: the random-number state, every buffer (in place or assigned), every
+attribute a module assigns. The first module whose inputs were finite and whose output was not is recomputed in
+float32: an fp16 overflow is finite there, a NaN the model makes in any precision (an all-masked attention row,
+``log(0)``) is not, and the origin says which.
 """
 
 from __future__ import annotations
@@ -49,23 +53,66 @@ def replay_scope() -> Iterator[None]:
 
 @dataclass
 class BatchCalls:
-    """One batch's recorded calls (name, module, args, kwargs, the inputs' version counters), batch and losses."""
+    """One batch: the batch, its index, its losses, and (manual optimization) its recorded calls.
 
-    calls: list[tuple[str, torch.nn.Module, Any, Any, list[int]]] = field(default_factory=list)
+    ``calls`` holds (name, module, args, kwargs, the inputs' version counters) per call; ``None`` when the batch is
+    replayed through ``training_step`` instead. ``versions``: the batch's version counters when it started.
+    """
+
+    calls: Optional[list[tuple[str, torch.nn.Module, Any, Any, list[int]]]] = field(default_factory=list)
     batch: Any = None
     losses: list[Tensor] = field(default_factory=list)
+    batch_idx: int = 0
+    versions: Optional[list[int]] = None
 
 
 class _Unknown(Exception):
     """The replay cannot tell: an input was changed in place after its call (not as it ran)."""
 
 
+class _Found(BaseException):
+    """The origin is found: the replay stops there (a BaseException: a model's ``except Exception`` lets it pass)."""
+
+
+@contextlib.contextmanager
+def _tensor_hooks_kept(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Hooks the recomputed step registers on parameters (``param.register_hook``) are gone afterwards."""
+    kinds = ("_backward_hooks", "_post_accumulate_grad_hooks")
+    saved = [(p, kind, getattr(p, kind, None)) for p in params for kind in kinds]
+    copies = [dict(hooks) if hooks is not None else None for _, _, hooks in saved]
+    try:
+        yield
+    finally:
+        for (param, kind, hooks), copy in zip(saved, copies, strict=True):
+            if hooks is None:
+                if getattr(param, kind, None) is not None:
+                    setattr(param, kind, None)
+            else:
+                hooks.clear()
+                hooks.update(copy)
+
+
+@contextlib.contextmanager
+def _no_logging(module: Any) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` do nothing inside (the batch already logged its values)."""
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    module.log, module.log_dict = ignore, ignore
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
 class OriginFinder:
     """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
 
-    Clean steps cost one Python call per call of a recorded module (its inputs kept by reference until the batch
-    ends; no device op, no sync). Use :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` /
-    :meth:`take_batch` around each training batch, and :meth:`origin` on a skip.
+    Clean steps cost no device op and no sync; in automatic optimization no hook either (manual optimization: one
+    Python call per call of a recorded module, its inputs kept by reference until the batch ends). Use
+    :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training
+    batch, and :meth:`origin` on a skip.
 
     Example:
         >>> import torch
@@ -80,23 +127,36 @@ class OriginFinder:
         self._forward_context: Callable[[], Any] = contextlib.nullcontext
         self._current: Optional[BatchCalls] = None
         self._accumulating = False
+        self._replay_step = False
 
     # ------------------------------------------------------------------ recording
-    def attach(self, module: torch.nn.Module, forward_context: Callable[[], Any], accumulating: bool = False) -> None:
-        """Record the calls of ``module``'s call frontier; replays run under ``forward_context`` (autocast).
+    def attach(
+        self,
+        module: torch.nn.Module,
+        forward_context: Callable[[], Any],
+        accumulating: bool = False,
+        replay_step: bool = False,
+    ) -> None:
+        """Tell the origins of ``module``'s batches; replays run under ``forward_context`` (autocast).
 
-        ``accumulating``: updates span several micro-batches, of which only the last is recorded, so a finite
-        replay cannot say "backward".
+        ``replay_step``: a skip reruns ``module.training_step(batch, batch_idx)`` (a LightningModule in automatic
+        optimization), and nothing is recorded while the batch runs; else the calls of ``module``'s call frontier are
+        recorded as they run. ``accumulating``: updates span several micro-batches, of which only the last is seen,
+        so a finite replay cannot say "backward".
         """
         self.detach()
         self._module = module
         self._forward_context = forward_context
         self._accumulating = accumulating
+        self._replay_step = replay_step
+        if replay_step:
+            return
         for name, called in call_frontier(module):
 
             def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
-                if self._current is not None and not _replays[0]:  # training batches only, not replays
-                    self._current.calls.append((name, mod, args, kwargs, versions(args, kwargs)))
+                current = self._current
+                if current is not None and current.calls is not None and not _replays[0]:  # batches, not replays
+                    current.calls.append((name, mod, args, kwargs, versions(args, kwargs)))
 
             self._handles.append(called.register_forward_pre_hook(keep, with_kwargs=True))
 
@@ -107,9 +167,13 @@ class OriginFinder:
         self._handles = []
         self._current = None
 
-    def start_batch(self, batch: Any) -> None:
-        """Record this training batch's calls from now on."""
-        self._current = BatchCalls(batch=batch)
+    def start_batch(self, batch: Any, batch_idx: int = 0) -> None:
+        """A training batch starts (its calls are recorded from now on, unless it is replayed whole on a skip)."""
+        if self._replay_step:
+            flat = batch if isinstance(batch, (list, tuple)) else (batch,)
+            self._current = BatchCalls(None, batch, [], batch_idx, versions(flat, None))
+        else:
+            self._current = BatchCalls(batch=batch)
 
     def add_loss(self, loss: Tensor) -> None:
         """A loss of this batch (a GAN backpropagates two)."""
@@ -144,23 +208,74 @@ class OriginFinder:
             return {"phase": "input"}
         if self._module is None:
             return None  # not replayed (a sharded model: only the batch is told)
+        losses = record.losses
         try:
             with replay_scope():
-                born = self._replay(record.calls)
+                if record.calls is None:
+                    born, losses = self._rerun(record)
+                else:
+                    born = self._replay(record.calls)
         except _Unknown:
             return None
         if born is not None:
             return born
-        if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
+        if any(nonfinite_kind(loss.detach()) is not None for loss in losses):
             return {"phase": "loss"}
         if self._accumulating:
             return None  # an earlier micro-batch of the update may have made them: not replayed
         return {"phase": "backward"}
 
-    def _replay(self, calls: list[Any]) -> Optional[Origin]:
-        """Replay the calls with every module hooked; the first module that made inf/nan."""
-        assert self._module is not None
+    def _rerun(self, record: BatchCalls) -> tuple[Optional[Origin], list[Tensor]]:
+        """Run the batch's ``training_step`` again with every frontier module hooked: the origin and the losses."""
+        module = cast(Any, self._module)
+        flat = record.batch if isinstance(record.batch, (list, tuple)) else (record.batch,)
+        if versions(flat, None) != record.versions:
+            raise _Unknown  # the step changed its batch in place: a rerun would not see what the batch saw
         found: list[Origin] = []
+        frontier = list(call_frontier(module))
+
+        def before(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            kind = nonfinite_kind((args, kwargs), masks=True)
+            if kind is not None:  # made between the modules: the LightningModule's own code
+                found.append({"phase": "forward", "module": "", "kind": kind})
+                raise _Found
+
+        handles = [called.register_forward_pre_hook(before, with_kwargs=True) for _, called in frontier]
+        try:
+            with self._hooked(frontier, found), _no_logging(module), _tensor_hooks_kept(list(module.parameters())):
+                try:
+                    output = module.training_step(record.batch, record.batch_idx)
+                except _Found:
+                    return found[0], []
+        finally:
+            for handle in handles:
+                handle.remove()
+        loss = output.get("loss") if isinstance(output, dict) else output
+        return None, [loss] if isinstance(loss, Tensor) else []
+
+    def _replay(self, calls: list[Any]) -> Optional[Origin]:
+        """Replay the recorded calls with every module hooked; the first module that made inf/nan."""
+        found: list[Origin] = []
+        with self._hooked([(name, called) for name, called, _, _, _ in calls], found):
+            for _, called, args, kwargs, kept in calls:
+                if versions(args, kwargs) != kept:
+                    raise _Unknown  # changed in place after the call (by the module itself, maybe)
+                kind = nonfinite_kind((args, kwargs), masks=True)
+                if kind is not None:  # made between the recorded modules: the LightningModule's own code
+                    return {"phase": "forward", "module": "", "kind": kind}
+                with contextlib.suppress(_Found):
+                    resolve_module(called)(*args, **kwargs)
+                if found:
+                    return found[0]
+        return None
+
+    @contextlib.contextmanager
+    def _hooked(self, called: list[tuple[str, torch.nn.Module]], found: list[Origin]) -> Iterator[None]:
+        """Every module inside ``called`` hooked, the model left as found: the first to make inf/nan goes in ``found``.
+
+        Its output is recomputed in float32 on the same inputs, and the run stops there (``_Found``).
+        """
+        assert self._module is not None
         owners: dict[int, str] = {}
         handles: list[Any] = []
         device_type = _device_type(self._module)
@@ -178,33 +293,25 @@ class OriginFinder:
             finally:
                 recomputing[0] = False
             found.append({"phase": "forward", "module": owners[id(mod)], "kind": kind, "float32": in_fp32})
+            raise _Found
 
         try:
-            for name, called, _, _, _ in calls:
-                inner = resolve_module(called)  # a compiled module replays eagerly: no hook inside its graph
-                for sub, module in inner.named_modules():
-                    if id(module) not in owners:
-                        owners[id(module)] = clean_name(f"{name}.{sub}" if sub else name)
-                        handles.append(module.register_forward_hook(post, with_kwargs=True))
+            for name, module in called:
+                inner = resolve_module(module)  # a compiled module replays eagerly: no hook inside its graph
+                for sub, child in inner.named_modules():
+                    if id(child) not in owners:
+                        owners[id(child)] = clean_name(f"{name}.{sub}" if sub else name)
+                        handles.append(child.register_forward_hook(post, with_kwargs=True))
             with (
                 leaves_no_trace(self._module, device_type),
                 torch.no_grad(),
                 self._forward_context(),
                 all_eager(self._module),
             ):
-                for _, called, args, kwargs, kept in calls:
-                    if versions(args, kwargs) != kept:
-                        raise _Unknown  # changed in place after the call (by the module itself, maybe)
-                    kind = nonfinite_kind((args, kwargs), masks=True)
-                    if kind is not None:  # made between the recorded modules: the LightningModule's own code
-                        return {"phase": "forward", "module": "", "kind": kind}
-                    resolve_module(called)(*args, **kwargs)
-                    if found:
-                        return found[0]
+                yield
         finally:
             for handle in handles:
                 handle.remove()
-        return None
 
 
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite

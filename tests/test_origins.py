@@ -242,3 +242,44 @@ def test_host_random_state_and_nested_containers_are_left_as_found(diagnostic):
     assert list(told.augment.recent) == list(base.augment.recent)
     assert told.augment.tags == base.augment.tags
     assert told.augment.recent.maxlen == 3
+
+
+class _HookCounter(TinyModel):
+    """Counts, at every batch, the forward hooks installed on its modules while the batch runs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hooks_seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.hooks_seen.append(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in self.modules()))
+        return super().training_step(batch, batch_idx)
+
+
+def test_clean_steps_install_no_hook_in_automatic_optimization_and_a_skip_is_still_told():
+    model = _HookCounter(poison={3: "inf"})
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=6).fit(
+        model
+    )
+    assert model.hooks_seen == [0] * 6  # every batch ran hook-free (the replay's own entry was taken back out)
+    assert [r["origin"] for r in reporter.skips] == [{"phase": "loss"}]
+
+
+class _ChangesItsBatch(TinyModel):
+    """Its training step scales the batch in place, and its net overflows at step 2."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x.mul_(1e6 if self.trainer.global_step == 2 else 1.0)
+        return super().training_step((x, y), batch_idx)
+
+
+def test_a_step_that_changes_its_batch_in_place_has_no_origin():
+    """A rerun would not start from the batch the step saw: the origin says it cannot tell."""
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**16)], callbacks=[reporter], max_steps=4).fit(
+        _ChangesItsBatch()
+    )
+    assert reporter.skipped_steps == [2]
+    assert reporter.skips[0]["origin"] is None  # a rerun would start from the scaled batch: it cannot tell

@@ -7,8 +7,6 @@ one is zero or subnormal was lost to float16.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -16,7 +14,14 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus.callbacks._common import all_reduce_, distributed
-from lightning_amp_plus.origins import host_random_state, leaves_no_trace, replay_scope, set_host_random_state
+from lightning_amp_plus.origins import (
+    _no_logging,
+    _tensor_hooks_kept,
+    host_random_state,
+    leaves_no_trace,
+    replay_scope,
+    set_host_random_state,
+)
 
 
 class BatchState:
@@ -73,35 +78,3 @@ def float32_gradients(
         ]
         return [g / world for g in summed]
     return grads
-
-
-@contextlib.contextmanager
-def _tensor_hooks_kept(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Hooks the recomputed step registers on parameters (``param.register_hook``) are gone afterwards."""
-    kinds = ("_backward_hooks", "_post_accumulate_grad_hooks")
-    saved = [(p, kind, getattr(p, kind, None)) for p in params for kind in kinds]
-    copies = [dict(hooks) if hooks is not None else None for _, _, hooks in saved]
-    try:
-        yield
-    finally:
-        for (param, kind, hooks), copy in zip(saved, copies, strict=True):
-            if hooks is None:
-                if getattr(param, kind, None) is not None:
-                    setattr(param, kind, None)
-            else:
-                hooks.clear()
-                hooks.update(copy)
-
-
-@contextlib.contextmanager
-def _no_logging(module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` do nothing inside (the batch already logged its values)."""
-
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    module.log, module.log_dict = ignore, ignore  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict

@@ -13,10 +13,13 @@ from typing import Any, Optional
 
 @dataclass(frozen=True)
 class _Field:
-    default: Callable[[], Any]
+    default: Any  # a value, or a callable that makes one (picklable: callbacks travel to spawned processes)
     save: Callable[[Any], Any]
     load: Callable[[Any], Any]
     persistent: bool
+
+    def fresh(self) -> Any:
+        return self.default() if callable(self.default) else self.default
 
 
 def _same(value: Any) -> Any:
@@ -62,16 +65,15 @@ class DeclaredState:
         """
         if not hasattr(self, "_fields"):
             self._fields = {}
-        factory = default if callable(default) else (lambda: default)
         if load is None:
             load = type(default) if isinstance(default, (int, float, bool)) else _same
-        self._fields[name] = _Field(factory, save or _same, load, persistent)
-        return factory()
+        field = self._fields[name] = _Field(default, save or _same, load, persistent)
+        return field.fresh()
 
     def reset(self) -> None:
         """Every declared field back to its default (a new fit calls this; a resumed fit then loads its checkpoint)."""
         for name, spec in self._fields.items():
-            setattr(self, f"_{name}", spec.default())
+            setattr(self, f"_{name}", spec.fresh())
 
     def state_dict(self) -> dict[str, Any]:
         return {name: spec.save(getattr(self, f"_{name}")) for name, spec in self._fields.items() if spec.persistent}
@@ -80,4 +82,4 @@ class DeclaredState:
         """Load the persistent fields; a key the checkpoint lacks (an older version's) takes its default."""
         for name, spec in self._fields.items():
             if spec.persistent:
-                setattr(self, f"_{name}", spec.load(state_dict[name]) if name in state_dict else spec.default())
+                setattr(self, f"_{name}", spec.load(state_dict[name]) if name in state_dict else spec.fresh())

@@ -74,9 +74,9 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
         self.logging_interval = logging_interval
         self.prefix = check_prefix(owner, prefix)
         self.progress_bar = check_bool(owner, "progress_bar", progress_bar)
-        self._plugin: Optional[AmpPlusPrecision]  # set at setup, with the two below
-        self._stock: Any  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
-        self._interval: int
+        self._plugin: Optional[AmpPlusPrecision] = None  # set at setup, with the two below
+        self._stock: Any = None  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
+        self._interval = 50
         # what was logged: a new fit resets it (`reset`), a resumed fit then loads its checkpoint
         self._logged_upto = self.add_state("logged_upto", -1)  # last step covered by a logging point
         self._growths = self.add_state("growths", 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from collections import Counter, deque
 from typing import Any, Optional, Union
@@ -14,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
@@ -38,6 +40,7 @@ from lightning_amp_plus.callbacks._common import (
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
+from lightning_amp_plus.scaler import steps_on_device
 from lightning_amp_plus.syncs import FlagPeek, to_host
 
 
@@ -137,10 +140,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         tail = None if max_records is None else max_records - max_records // 2
         self._head: list[dict[str, Any]] = self.add_state("head", list, load=list)
         self._tail: deque[dict[str, Any]] = self.add_state(
-            "tail", lambda: deque(maxlen=tail), save=list, load=lambda v: deque(v, maxlen=tail)
+            "tail", functools.partial(deque, maxlen=tail), save=list, load=functools.partial(deque, maxlen=tail)
         )
         self._num_skips = self.add_state("num_skips", 0)
-        self._skipped_steps: list[int] = self.add_state("skipped_steps", list, load=lambda v: [int(s) for s in v])
+        self._skipped_steps: list[int] = self.add_state("skipped_steps", list, load=_ints)
         self._offender_counts: Counter[str] = self.add_state("offender_counts", Counter, save=dict, load=Counter)
         self._consecutive = self.add_state("consecutive", 0)
         self._reported_upto = self.add_state("reported_upto", -1)
@@ -232,7 +235,14 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self._unhook()
         if self.find_origin and not self._sharded:  # sharded: a replay would need every rank's collectives
             accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
-            self.origins.attach(pl_module, trainer.precision_plugin.forward_context, accumulating=accumulating)
+            self.origins.attach(
+                pl_module,
+                trainer.precision_plugin.forward_context,
+                accumulating=accumulating,
+                # a skip known at once reruns the step; one told a batch later (fused) needs the calls as they ran
+                replay_step=pl_module.automatic_optimization
+                and (self.sync_fused or not any(steps_on_device(resolve_optimizer(o)) for o in trainer.optimizers)),
+            )
 
     # ------------------------------------------------------------------ where non-finite values are born
     def _unhook(self) -> None:
@@ -246,7 +256,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         if self._probe is not None:  # the previous batch's fused skip: its parameters are still the ones it used
             self._read_probe(wait=False)
         if self.find_origin:
-            self.origins.start_batch(batch)
+            self.origins.start_batch(batch, batch_idx)
 
     def _probe_device_skip(self) -> None:
         """After a batch whose skip a fused optimizer decides on the device: copy its flag without waiting."""
@@ -558,6 +568,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
                 "reported_upto": old.get("reported_upto", -1),
             }
         super().load_state_dict(state_dict)
+
+
+def _ints(values: Any) -> list[int]:
+    return [int(v) for v in values]
 
 
 def _count(n: int, noun: str) -> str:
