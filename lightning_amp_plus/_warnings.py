@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 import warnings
 
+from lightning_amp_plus._log import global_rank
+
 
 class AmpPlusWarning(UserWarning):
     """Something is wrong or suspicious in how mixed precision is used (the message says what, and the fix)."""
@@ -23,11 +25,13 @@ _LIBRARIES = frozenset(
 
 
 def warn_at_user(message: str) -> None:
-    """``warnings.warn(message, AmpPlusWarning)``, attributed to the user's line that led here.
+    """``warnings.warn(message, AmpPlusWarning)`` from rank zero, attributed to the user's line that led here.
 
     That is the first frame outside the package, Lightning and torch: ``trainer.fit(...)``, ``fabric.backward(...)``
     or ``self.manual_backward(...)``.
     """
+    if global_rank() != 0:
+        return
     frame = sys._getframe(1)  # the caller: `stacklevel=2`
     level = 2
     while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES:

@@ -26,6 +26,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import global_rank, say
+from lightning_amp_plus._repr import same_value
 from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int, check_scaler_args
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.history import ScaleHistory
@@ -543,7 +544,7 @@ def make_engine(
     check_bool(owner, "skip_nonfinite", skip_nonfinite)
     if warn_skip_streak is not None:
         check_int(owner, "warn_skip_streak", warn_skip_streak, minimum=1)
-    given = {k: v for k, v in knobs.items() if v is not None}
+    given = {k: v for k, v in knobs.items() if not same_value(v, SCALER_DEFAULTS[k])}  # bf16 refuses a changed knob
     if precision == "bf16-mixed" and given:
         names = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise ValueError(

@@ -25,7 +25,7 @@ from lightning_amp_plus.precision import AmpPlusPrecision
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
-_DTYPES = {None: None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class AmpPlusFSDPPrecision(AmpPlusPrecision, FSDPPrecision):  # type: ignore[misc]
@@ -61,8 +61,8 @@ class AmpPlusFSDPPrecision(AmpPlusPrecision, FSDPPrecision):  # type: ignore[mis
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
         device: Optional[str] = None,
         *,
-        param_dtype: Optional[Literal["float32", "float16", "bfloat16"]] = None,
-        reduce_dtype: Optional[Literal["float32", "float16", "bfloat16"]] = None,
+        param_dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+        reduce_dtype: Literal["float32", "float16", "bfloat16"] = "float32",
         **kwargs: Any,
     ) -> None:
         given = given_arguments(AmpPlusFSDPPrecision.__init__, locals())
@@ -80,9 +80,7 @@ class AmpPlusFSDPPrecision(AmpPlusPrecision, FSDPPrecision):  # type: ignore[mis
         """FSDP's ``MixedPrecision``: float32 parameters and reduction unless another dtype was given."""
         from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
-        return TorchMixedPrecision(
-            param_dtype=_DTYPES[self.param_dtype or "float32"], reduce_dtype=_DTYPES[self.reduce_dtype or "float32"]
-        )
+        return TorchMixedPrecision(param_dtype=_DTYPES[self.param_dtype], reduce_dtype=_DTYPES[self.reduce_dtype])
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:

@@ -8,6 +8,7 @@ history -> update the scale once per cycle (after the batch's last optimizer ste
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Generator
 from typing import Any, Literal, Optional, Union
 
@@ -84,13 +85,13 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
         device: Optional[str] = None,
         *,
-        init_scale: Optional[float] = None,
-        growth_factor: Optional[float] = None,
-        backoff_factor: Optional[float] = None,
-        growth_interval: Optional[int] = None,
-        min_scale: Optional[float] = None,
-        max_scale: Optional[float] = None,
-        hysteresis: Optional[int] = None,
+        init_scale: float = 65536.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+        max_scale: float = 16777216.0,
+        hysteresis: int = 1,
         skip_nonfinite: bool = True,
         warn_skip_streak: Optional[int] = 50,
         skip_scheduler_on_overflow: bool = True,
@@ -124,6 +125,9 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     # ------------------------------------------------------------------ set-up
     @override
     def connect(self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
+        # Lightning's model summary knows no "-mixed" precision and says so on every run; the float32 sizes it then
+        # shows are the right ones (mixed precision keeps float32 weights)
+        warnings.filterwarnings("ignore", message=_SUMMARY_WARNING)
         module = _find_lightning_module(model)
         self._module = module
         trainer = module._trainer if module is not None else None
@@ -350,6 +354,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
 
 
 _MISSING = object()
+_SUMMARY_WARNING = r"Precision (16|bf16)-mixed is not supported by the model summary"
 
 
 def _find_lightning_module(model: torch.nn.Module) -> Optional[pl.LightningModule]:

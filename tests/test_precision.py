@@ -402,3 +402,20 @@ def test_the_logger_step_outside_a_fit_is_none():
 
     assert logger_step(None) is None
     assert logger_step(TinyModel()) is None  # not attached to a trainer
+
+
+@pytest.mark.parametrize("plugin_class", ["AmpPlusPrecision", "AmpPlusFabricPrecision"])
+def test_signatures_show_the_real_defaults_the_scaler_uses(plugin_class):
+    """`help()`, IDEs and `--print_config` show `growth_factor: 2.0`, never `null`; one set of values everywhere."""
+    import inspect
+
+    import lightning_amp_plus
+    from lightning_amp_plus import DynamicLossScaler
+    from lightning_amp_plus.engine import SCALER_DEFAULTS
+
+    plugin = inspect.signature(getattr(lightning_amp_plus, plugin_class)).parameters
+    scaler = inspect.signature(DynamicLossScaler).parameters
+    for name, value in SCALER_DEFAULTS.items():
+        assert plugin[name].default == scaler[name].default == value, name
+    built = getattr(lightning_amp_plus, plugin_class)("16-mixed", "cpu").scaler.knobs()
+    assert built == SCALER_DEFAULTS

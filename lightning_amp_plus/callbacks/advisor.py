@@ -9,7 +9,6 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_amp_plus._identity import resolve_optimizer
@@ -18,7 +17,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments, same_value
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._series import held
 from lightning_amp_plus._validation import check_bool, check_path
-from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.advice import Advice, RunFigures, advise, healthy_line
 from lightning_amp_plus.callbacks._common import (
     check_writable,
@@ -159,7 +158,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             if self._plugin is not None and not self._advised:
                 self._finish(trainer)  # a collapse is when the advice matters most
         except Exception as error:  # the fit's own exception is the one that propagates
-            rank_zero_warn(f"`AmpAdvisor`: no advice after the failed fit ({error!r}).", category=AmpPlusWarning)
+            warn_at_user(f"`AmpAdvisor`: no advice after the failed fit ({error!r}).")
         finally:
             for callback in self._own:
                 callback.on_exception(trainer, pl_module, exception)
@@ -281,7 +280,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             else:
                 write_text_atomically(path, self.markdown())
         except OSError as error:
-            rank_zero_warn(f"`AmpAdvisor`: could not write {path!r}: {error}.", category=AmpPlusWarning)
+            warn_at_user(f"`AmpAdvisor`: could not write {path!r}: {error}.")
 
 
 def _find(callbacks: dict[type, Callback], kind: type) -> Any:

@@ -8,7 +8,6 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -17,7 +16,7 @@ from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int, check_prefix
-from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.callbacks._common import (
     all_reduce_,
     find_plugin,
@@ -171,10 +170,9 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         if plugin.scaler is None:
             if self.quiet:
                 return
-            rank_zero_warn(
+            warn_at_user(
                 "`GradUnderflowMonitor` measures float16 underflow of scaled gradients; with bf16-mixed there is no"
-                " scaler and bfloat16 has float32's range, so it measures nothing.",
-                category=AmpPlusWarning,
+                " scaler and bfloat16 has float32's range, so it measures nothing."
             )
             return
         if self._measure not in plugin.before_unscale_listeners:  # the plugin drops them at its teardown, failed or not
@@ -365,10 +363,9 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         if self._high >= self.patience and self._warned < self.max_warnings:
             self._warned += 1
             self._high = 0
-            rank_zero_warn(
+            warn_at_user(
                 f"`GradUnderflowMonitor`: {100 * record['underflow_fraction']:.0f}% of gradient elements underflow"
                 f" float16 while the loss scale sits at min_scale={self._plugin.scaler.min_scale:g} (step"
                 f" {record['step']}). HINT: raise `min_scale` or `init_scale`, use precision='bf16-mixed', or keep"
-                " the layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`).",
-                category=AmpPlusWarning,
+                " the layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`)."
             )

@@ -8,7 +8,6 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_amp_plus._log import say
@@ -16,7 +15,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._series import value_at
 from lightning_amp_plus._validation import check_bool, check_int, check_prefix
-from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.callbacks._common import (
     find_plugin,
     is_logging_step,
@@ -77,6 +76,8 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
         self._plugin: Optional[AmpPlusPrecision] = None  # set at setup, with the two below
         self._stock: Any = None  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
         self._interval = 50
+        self._bar: dict[str, str] = {}  # what the progress bar shows, refreshed at the logging points
+        self._bar_owner: Any = None  # the progress bar whose `get_metrics` shows them
         # what was logged: a new fit resets it (`reset`), a resumed fit then loads its checkpoint
         self._logged_upto = self.add_state("logged_upto", -1)  # last step covered by a logging point
         self._growths = self.add_state("growths", 0)
@@ -109,11 +110,12 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
             )
         else:
             self._plugin = find_plugin(trainer, type(self).__name__)
+        self._detach_bar()
+        self._attach_bar(trainer)
         if not trainer.loggers:
-            rank_zero_warn(
+            warn_at_user(
                 "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
-                " `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`).",
-                category=AmpPlusWarning,
+                " `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`)."
             )
 
     @override
@@ -133,13 +135,38 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
             self._show(pl_module, history.scale_at(last) if history.scaled else None, float(self._skipped_logged))
 
     def _show(self, pl_module: pl.LightningModule, scale: Optional[float], skipped: Optional[float]) -> None:
-        """The scale (and skipped updates) in Lightning's progress bar, refreshed at the logging points only."""
-        if not self.progress_bar or pl_module.trainer.progress_bar_callback is None:
-            return  # no bar, no logging: Lightning's per-step metric bookkeeping stays as empty as stock
+        """The scale (and skipped updates) in Lightning's progress bar, refreshed at the logging points only.
+
+        Shown as text (``2^21``, ``5``) through the bar's ``get_metrics``: ``self.log`` would print ``2097152.000``.
+        """
         if scale is not None:
-            pl_module.log(f"{self.prefix}scale", scale, prog_bar=True, logger=False)
+            exponent = math.log2(scale)
+            self._bar[f"{self.prefix}scale"] = f"2^{exponent:.0f}" if exponent.is_integer() else f"{scale:.4g}"
         if skipped is not None:
-            pl_module.log(f"{self.prefix}skipped", skipped, prog_bar=True, logger=False)
+            self._bar[f"{self.prefix}skipped"] = f"{skipped:.0f}"
+
+    def _attach_bar(self, trainer: pl.Trainer) -> None:
+        """Add this monitor's values to the progress bar's (its ``get_metrics``, Lightning's extension point)."""
+        self._bar = {}
+        bar = trainer.progress_bar_callback
+        if not self.progress_bar or bar is None or "get_metrics" in vars(bar):
+            return
+        shown = bar.get_metrics
+
+        def get_metrics(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+            return {**shown(trainer, pl_module), **self._bar}
+
+        bar.get_metrics = get_metrics  # type: ignore[method-assign]
+        self._bar_owner = bar
+
+    def _detach_bar(self) -> None:
+        bar, self._bar_owner = self._bar_owner, None
+        if bar is not None and "get_metrics" in vars(bar):
+            del bar.get_metrics
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach_bar()
 
     def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stock plugin: at each logging point, read the scale the next step will use (one host read)."""
@@ -175,6 +202,7 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # the state the run died in (a collapse: the scale at its floor) reaches the logger before it closes
+        self._detach_bar()  # Lightning runs no `teardown` after an exception
         if self._stock is not None or self._plugin is None:
             return
         last = self._plugin.history.last_step
@@ -182,7 +210,7 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
             if last is not None and last > self._logged_upto:
                 self._log_until(trainer, last)
         except Exception as error:  # the fit's own exception is the one that propagates
-            rank_zero_warn(f"`LossScaleMonitor`: the last state was not logged ({error!r}).", category=AmpPlusWarning)
+            warn_at_user(f"`LossScaleMonitor`: the last state was not logged ({error!r}).")
 
     def _log_until(self, trainer: pl.Trainer, last: int) -> None:
         assert self._plugin is not None

@@ -11,7 +11,6 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -21,7 +20,7 @@ from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
-from lightning_amp_plus._warnings import AmpPlusWarning
+from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.advice import RunFigures, origin_advice
 from lightning_amp_plus.callbacks._common import (
     all_reduce_,
@@ -517,9 +516,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         try:
             self._write_report()
         except OSError as error:
-            rank_zero_warn(
-                f"`NaNSkipReporter`: could not write the skip report to {os.fspath(self.report_path)!r}: {error}.",
-                category=AmpPlusWarning,
+            warn_at_user(
+                f"`NaNSkipReporter`: could not write the skip report to {os.fspath(self.report_path)!r}: {error}."
             )
 
     def report(self) -> dict[str, Any]:

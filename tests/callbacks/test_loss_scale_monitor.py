@@ -241,7 +241,7 @@ def test_progress_bar_shows_the_scale_and_skips_refreshed_at_logging_points(tmp_
 
     class Probe(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            metrics = trainer.progress_bar_metrics
+            metrics = trainer.progress_bar_callback.get_metrics(trainer, pl_module)  # what the bar prints
             shown.append((trainer.global_step, metrics.get("amp/scale"), metrics.get("amp/skipped")))
 
     model = TinyModel(poison={2: "inf", 5: "inf"})
@@ -257,9 +257,10 @@ def test_progress_bar_shows_the_scale_and_skips_refreshed_at_logging_points(tmp_
     ).fit(model)
     # after the batch of each logging point (Lightning's steps 2 and 5) the bar shows that point's scale and skips
     assert shown[0][1:] == shown[1][1:] == (None, None)  # nothing before the first logging point
-    assert shown[2] == (3, 1024.0, 1.0)  # step 2 used 1024 and was skipped
-    assert shown[5] == (6, 512.0, 2.0)  # step 5 used the halved scale and was skipped
-    assert shown[3][1:] == shown[4][1:] == (1024.0, 1.0)  # unchanged between logging points
+    assert shown[2] == (3, "2^10", "1")  # step 2 used 1024 and was skipped (as text: no `1024.000`)
+    assert shown[5] == (6, "2^9", "2")  # step 5 used the halved scale and was skipped
+    assert shown[3][1:] == shown[4][1:] == ("2^10", "1")  # unchanged between logging points
+    assert "get_metrics" not in vars(progress)  # the bar is given back at teardown
     rows = read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")
     assert {"amp/loss_scale", "amp/skipped_steps"} <= set(rows[0])  # the monitor's own metrics reach the logger
     assert not {"amp/scale", "amp/skipped"} & set(rows[0])  # the bar's do not
@@ -276,6 +277,8 @@ def test_no_bar_metric_without_a_bar_or_when_turned_off(tmp_path, progress_bar, 
     )
     trainer.fit(TinyModel())
     assert not {"amp/scale", "amp/skipped"} & set(trainer.progress_bar_metrics)
+    if trainer.progress_bar_callback is not None:
+        assert not {"amp/scale", "amp/skipped"} & set(trainer.progress_bar_callback.get_metrics(trainer, None))
 
 
 def test_a_run_shorter_than_one_interval_rates_every_update_at_its_end(tmp_path):
@@ -345,7 +348,7 @@ def test_stock_plugin_sampling_under_accumulation_counts_by_comparing_samples(tm
 
     class Probe(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            bar.append(trainer.progress_bar_metrics.get("amp/scale"))
+            bar.append(trainer.progress_bar_callback.get_metrics(trainer, pl_module).get("amp/scale"))
 
     # growth_interval 6: two rises 6 updates apart, equal samples between them, one backoff at update 13
     model = TinyModel(poison={13: "inf"})
@@ -368,7 +371,7 @@ def test_stock_plugin_sampling_under_accumulation_counts_by_comparing_samples(tm
     assert [float(r["amp/growths"]) for r in rows] == [0, 0, 1, 1, 1]
     assert [float(r["amp/backoffs"]) for r in rows] == [0, 0, 0, 0, 0]
     assert bar[0] is None  # the bar shows the samples, from the first logging point
-    assert bar[-1] == 512.0
+    assert bar[-1] == "2^9"
 
 
 @pytest.mark.parametrize("ours", [True, False])
@@ -438,3 +441,22 @@ def test_a_collapse_logs_the_state_the_run_died_in_and_the_advise_command_says_s
     out = capsys.readouterr().out
     assert "looks healthy" not in out
     assert "[skip_rate] 12 of 32 updates were skipped (38%); the last 12 in a row, where the run ended" in out
+
+
+def test_a_default_console_run_has_no_summary_warning_and_the_no_logger_warning_points_at_the_users_line():
+    import warnings
+
+    from lightning_amp_plus import AmpPlusWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed")],
+            callbacks=[LossScaleMonitor()],
+            enable_model_summary=True,
+            max_steps=1,
+        ).fit(TinyModel())  # the line the warning names
+    assert not [w for w in caught if "not supported by the model summary" in str(w.message)]
+    (no_logger,) = [w for w in caught if issubclass(w.category, AmpPlusWarning)]
+    assert "has no logger" in str(no_logger.message)
+    assert no_logger.filename == __file__
