@@ -28,19 +28,19 @@ from lightning_amp_plus.callbacks._common import (
     distributed,
     find_plugin,
     is_logging_step,
-    local_tensor,
     log_to_all,
     logging_interval,
-    parameters_and_names,
     plugin_arguments,
     shards_gradients,
     write_json_atomically,
 )
+from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
+from lightning_amp_plus.callbacks._offenders import OffenderCounter
+from lightning_amp_plus.callbacks._skip_text import describe, plural
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
 from lightning_amp_plus.scaler import steps_on_device
-from lightning_amp_plus.syncs import FlagPeek, to_host
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -129,12 +129,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self.origins = OriginFinder()  # where each skip's inf/nan were born (replays the batch on a skip)
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
-        self._names: dict[int, str] = {}
-        self._params: list[tuple[str, torch.nn.Parameter]] = []
+        self.offenders = OffenderCounter()  # the parameters whose gradients held inf/nan, per skipped update
         self._sharded = False
         self._loss: Optional[Tensor] = None
-        # per optimizer, its gradients' offenders counted right after its step was skipped (before a zero_grad)
-        self._at_step: dict[int, list[dict[str, Any]]] = {}
         # the skips reported: a new fit resets them (`reset`), a resumed fit then loads its checkpoint
         tail = None if max_records is None else max_records - max_records // 2
         self._head: list[dict[str, Any]] = self.add_state("head", list, load=list)
@@ -148,14 +145,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self._reported_upto = self.add_state("reported_upto", -1)
         self._warned = self.add_state("warned", 0)
         # per fit only: a fused optimizer's skip, told one batch late without a sync (step, flag copy, its calls)
-        self._probe: Optional[tuple[int, FlagPeek, Optional[BatchCalls]]] = self.add_state(
-            "probe", None, persistent=False
-        )
-        self._probed_upto = self.add_state("probed_upto", -1, persistent=False)  # the last update probed
-        # origins told for skips not collected yet
-        self._device_origins: dict[int, Optional[dict[str, Any]]] = self.add_state(
-            "device_origins", dict, persistent=False
-        )
+        # per fit only: a fused optimizer's skip, its origin told one batch late without a sync
+        self._device_probe: DeviceSkipProbe = self.add_state("device_probe", DeviceSkipProbe, persistent=False)
         # collected for someone else: checked at finish
         self._unchecked: list[tuple[dict[str, Any], int]] = self.add_state("unchecked", list, persistent=False)
 
@@ -191,7 +182,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         """
         self._plugin = plugin
         self._trainer = trainer
-        self._params, self._names = parameters_and_names(module)
+        self.offenders.track(module, sharded=False)
         if self._on_skip not in plugin.skip_listeners:
             plugin.skip_listeners.append(self._on_skip)
         if self._on_skipped_step not in plugin.skipped_step_listeners:
@@ -208,7 +199,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
                 self._plugin.skipped_step_listeners.remove(self._on_skipped_step)
             if self.sync_fused:
                 self._plugin.sync_skips = False
-        self._at_step = {}
+        self.offenders.clear()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -219,7 +210,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
             if self._plugin is not None:  # skips a fused optimizer decided: reported, never raised over the error
-                self._read_probe(wait=True)
+                self._device_probe.look(self._origin, wait=True)
                 self._collect_device_skips(check=False)
         finally:
             self._unchecked = []
@@ -229,8 +220,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the parameters as trained: FSDP2's `fully_shard` (in `configure_model`, after `setup`) replaces them
-        self._params, self._names = parameters_and_names(pl_module)
         self._sharded = shards_gradients(trainer)
+        self.offenders.track(pl_module, self._sharded)
         self._unhook()
         if self.find_origin and not self._sharded:  # sharded: a replay would need every rank's collectives
             accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
@@ -246,44 +237,16 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     # ------------------------------------------------------------------ where non-finite values are born
     def _unhook(self) -> None:
         self.origins.detach()
-        self._probe = None
+        self._device_probe.drop()
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._probe is not None:  # the previous batch's fused skip: its parameters are still the ones it used
-            self._read_probe(wait=False)
+        if self._device_probe.held_step is not None:  # the previous batch's fused skip: its parameters are unchanged
+            self._device_probe.look(self._origin, wait=False)
         if self.find_origin:
             self.origins.start_batch(batch, batch_idx)
-
-    def _probe_device_skip(self) -> None:
-        """After a batch whose skip a fused optimizer decides on the device: copy its flag without waiting."""
-        assert self._plugin is not None
-        last = self._plugin.history.last_flag()
-        if last is None or last[0] <= self._probed_upto:
-            return  # this (micro-)batch recorded no update: the last flag is an earlier batch's
-        step, found = last
-        self._probed_upto = step
-        if not isinstance(found, Tensor):
-            return
-        self._probe = (step, FlagPeek(found), self.origins.current)
-
-    def _read_probe(self, wait: bool) -> None:
-        """Tell the probed batch's origin once its flag is on the host (``wait``: at the end of fit, read it anyway).
-
-        While the device is still busy with that step the probe is kept (no sync for an origin), and looked at again
-        when the next batch starts; a later batch's probe replaces it.
-        """
-        if self._probe is None:
-            return
-        step, peek, calls = self._probe
-        flag = peek.value(wait=wait)
-        if flag is None:
-            return
-        self._probe = None
-        if flag > 0:
-            self._device_origins[step] = self._origin(calls)
 
     def _origin(self, calls: Optional[BatchCalls] = None) -> Optional[dict[str, Any]]:
         """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told."""
@@ -306,10 +269,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
             "scale": event.scale,
             "new_scale": event.new_scale,
             "loss": _finite_or_none(self._mean_loss()),
-            "offenders": self._offenders(event),
+            "offenders": self.offenders.of(event.optimizers),
             "origin": self._job_origin(self._origin()),
         }
-        self._at_step = {}
+        self.offenders.clear()
         self._add(record, event.consecutive)
 
     def _job_origin(self, origin: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -321,8 +284,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         return job_origin(gathered)
 
     def _on_skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._sharded:  # sharded: every rank counts its shards of every parameter when the update closes
-            self._at_step[id(optimizer)] = self._optimizer_offenders(optimizer)
+        self.offenders.at_skipped_step(optimizer)
 
     def _mean_loss(self) -> Optional[Tensor]:
         """The loss, averaged over ranks when several train (every rank skips the same steps, so all call this)."""
@@ -330,42 +292,6 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
             return self._loss
         loss = self._loss.detach().float().mean().reshape(1).clone()
         return all_reduce_(loss) / torch.distributed.get_world_size()
-
-    def _offenders(self, event: SkipEvent) -> list[dict[str, Any]]:
-        if self._sharded:
-            # every rank holds a shard: count over this rank's part of every parameter, then sum over the ranks
-            names = [name for name, _ in self._params]
-            grads = [None if param.grad is None else local_tensor(param.grad) for _, param in self._params]
-            return self._count(names, grads)
-        offenders: list[dict[str, Any]] = []
-        for optimizer in event.optimizers:  # as counted when its step was skipped, else now
-            counted = self._at_step.get(id(optimizer))
-            offenders += counted if counted is not None else self._optimizer_offenders(optimizer)
-        return offenders
-
-    def _optimizer_offenders(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        names = [self._names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
-        return self._count(names, [local_tensor(p.grad) for p in params])
-
-    def _count(self, names: list[str], grads: list[Optional[Tensor]]) -> list[dict[str, Any]]:
-        """The parameters whose gradients hold inf/nan, with the counts (summed over the ranks when sharded)."""
-        present = [g for g in grads if g is not None]
-        if not present and not self._sharded:
-            return []
-        device = present[0].device if present else torch.device("cpu")
-        zero = torch.zeros(2, dtype=torch.int64, device=device)
-        packed = torch.stack(
-            [zero if g is None else torch.stack([g.isinf().sum(), g.isnan().sum()]).to(device) for g in grads]
-        )
-        if self._sharded:
-            all_reduce_(packed)
-        counts = to_host(packed)  # one host transfer, on skipped steps only
-        return [
-            {"name": name, "inf": int(n_inf), "nan": int(n_nan)}
-            for name, (n_inf, n_nan) in zip(names, counts, strict=False)
-            if n_inf or n_nan
-        ]
 
     # ------------------------------------------------------------------ device-decided skips (fused optimizers)
     @override
@@ -375,8 +301,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         assert self._plugin is not None
         on_device = not self._plugin.skip_known_on_host
         if on_device and self.find_origin and not self._sharded:
-            self._probe_device_skip()  # the batch's inputs move into the probe until its flag is on the host
-            self._read_probe(wait=False)  # at once when it is (host memory, or the device is done)
+            self._device_probe.hold(
+                self._plugin.history, self.origins.current
+            )  # the batch stays until its flag is read
+            self._device_probe.look(self._origin, wait=False)  # at once when it is (host memory, or the device is done)
         self.origins.take_batch()  # the kept inputs are released when the batch ends (or kept by the probe)
         history = self._plugin.history
         if on_device and history.pending and is_logging_step(history.last_step or 0, logging_interval(trainer)):
@@ -388,7 +316,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         ``check=False`` leaves their collapse check to this reporter's own end of fit (a reader that is not the
         reporter, ``AmpAdvisor``, must not raise in its place).
         """
-        self._read_probe(wait=True)
+        self._device_probe.look(self._origin, wait=True)
         self._collect_device_skips(check=check)
 
     def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True) -> None:
@@ -399,8 +327,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         last = history.last_step if history.last_step is not None else -1
         if upto is not None:
             last = min(last, upto)
-        if self._probe is not None:  # its origin may still be told: report it once the probe is read
-            last = min(last, self._probe[0] - 1)
+        held = self._device_probe.held_step
+        if held is not None:  # its origin may still be told: report it once the flag is read
+            last = min(last, held - 1)
         if last <= self._reported_upto:
             return
         for step in history.skipped_between(self._reported_upto + 1, last):
@@ -412,7 +341,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
                 "new_scale": None,
                 "loss": None,
                 "offenders": None,  # decided on the device by a fused optimizer; sync_fused=True names them
-                "origin": self._device_origins.pop(step, None),
+                "origin": self._device_probe.take(step),
             }
             self._add(record, history.streak_at(step), check=check)
         self._reported_upto = last
@@ -432,11 +361,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
                 record["step"],
             )
         if self._warned < self.max_warnings:
-            say(_describe(record))
+            say(describe(record))
             self._warned += 1
             if self._warned == self.max_warnings:
                 say(
-                    f"`NaNSkipReporter`: {_count(self.max_warnings, 'skipped step')} printed; further skips are"
+                    f"`NaNSkipReporter`: {plural(self.max_warnings, 'skipped step')} printed; further skips are"
                     " counted in"
                     " `.skips` and summarised at the end of fit."
                 )
@@ -462,12 +391,12 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         if at_floor and scaler is not None:
             why = (
                 f"step {record['step']} overflowed while the loss scale already sat at min_scale={scaler.min_scale:g}"
-                f" ({_count(self._consecutive, 'consecutive skipped step')})"
+                f" ({plural(self._consecutive, 'consecutive skipped step')})"
             )
         else:
             were = "was" if self._consecutive == 1 else "were"
             why = (
-                f"{_count(self._consecutive, 'consecutive optimizer step')} {were} skipped"
+                f"{plural(self._consecutive, 'consecutive optimizer step')} {were} skipped"
                 f" (max_consecutive_skips={limit})"
             )
         offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
@@ -501,12 +430,12 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
 
     def finish(self) -> None:
         """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
-        self._read_probe(wait=True)
+        self._device_probe.look(self._origin, wait=True)
         self._collect_device_skips()
         self._check_unchecked()
         if self._num_skips:
             report = self.report()
-            worst = ", ".join(f"{w['name']} ({_count(w['skips'], 'skip')})" for w in report["worst_offenders"][:5])
+            worst = ", ".join(f"{w['name']} ({plural(w['skips'], 'skip')})" for w in report["worst_offenders"][:5])
             steps = report["skipped_steps"]
             shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
             say(
@@ -572,52 +501,8 @@ def _ints(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
-def _count(n: int, noun: str) -> str:
-    """``1 skip``, ``2 skips``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def _finite_or_none(loss: Optional[Tensor]) -> Optional[float]:
     if loss is None:
         return None
     value = float(loss.detach().float().mean().item())
     return value if value == value and abs(value) != float("inf") else None
-
-
-def _describe(record: dict[str, Any]) -> str:
-    offenders = record["offenders"]
-    if offenders is None:
-        where = "gradients non-finite (found by a fused optimizer; `NaNSkipReporter(sync_fused=True)` names them)"
-    elif not offenders:
-        where = "gradients non-finite"
-    else:
-        parts = []
-        for o in offenders[:3]:
-            kinds = " and ".join(f"{o[k]} {k}" for k in ("inf", "nan") if o[k])
-            parts.append(f"{o['name']} ({kinds})")
-        more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
-        where = "gradients non-finite in " + ", ".join(parts) + more
-    born = _describe_origin(record.get("origin"))
-    if born:
-        where = f"{born}; {where}"
-    scale = f"loss scale {record['scale']:g}"
-    if record["new_scale"] is not None:
-        scale += f" -> {record['new_scale']:g}"
-    return f"step {record['step']} skipped: {where}, {scale}"
-
-
-def _describe_origin(origin: Optional[dict[str, Any]]) -> str:
-    """``born in forward of encoder.3.ff (inf)`` and the like; empty when the origin is not known."""
-    if not origin:
-        return ""
-    phase = origin.get("phase")
-    if phase == "forward":
-        where = origin.get("module") or "the LightningModule's own code"
-        return f"born in forward of {where} ({origin.get('kind')})"
-    if phase == "input":
-        return "born in the batch (the inputs held inf/nan)"
-    if phase == "loss":
-        return "born in the loss (every module output was finite)"
-    if phase == "backward":
-        return "born in backward (forward and loss finite: the gradients overflowed)"
-    return ""

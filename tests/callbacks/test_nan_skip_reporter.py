@@ -485,7 +485,7 @@ def test_a_compiled_child_is_replayed_eagerly_and_adds_no_graph(monkeypatch, sta
 
 def test_a_second_trainer_does_not_inherit_an_origin_told_in_the_first():
     reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=False)
-    reporter._device_origins[2] = {"phase": "input"}  # left by a fit that failed before collecting it
+    reporter._device_probe._told[2] = {"phase": "input"}  # left by a fit that failed before collecting it
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
         TinyModel(optimizer="fused_sgd", grad_poison={2: "net.0.weight"})
     )
@@ -493,7 +493,7 @@ def test_a_second_trainer_does_not_inherit_an_origin_told_in_the_first():
 
 
 def test_the_skip_line_word_for_word():
-    from lightning_amp_plus.callbacks.nan_skip_reporter import _describe
+    from lightning_amp_plus.callbacks._skip_text import describe as _describe
 
     def line(offenders, origin=None, new_scale=512.0):
         return _describe({"step": 7, "offenders": offenders, "origin": origin, "scale": 1024.0, "new_scale": new_scale})
@@ -566,7 +566,7 @@ def test_an_origin_decided_on_a_busy_device_is_told_at_the_next_look_or_at_the_e
     """Right after its step the device is still busy: the probe is kept, read when the next batch starts (no sync),
     or at the end of fit (where the history's flush waits anyway) when it was the last batch; the skip is reported
     with its origin either way."""
-    from lightning_amp_plus.callbacks import nan_skip_reporter
+    from lightning_amp_plus.callbacks import _device_probe as nan_skip_reporter
 
     _BusyPeek.looks = []
     monkeypatch.setattr(nan_skip_reporter, "FlagPeek", _BusyPeek)
@@ -595,7 +595,7 @@ class _FailsAt(_BatchPoison):
 
 
 def test_a_skip_held_for_its_origin_is_reported_when_the_fit_fails(monkeypatch):
-    from lightning_amp_plus.callbacks import nan_skip_reporter
+    from lightning_amp_plus.callbacks import _device_probe as nan_skip_reporter
 
     _BusyPeek.looks = []
     monkeypatch.setattr(nan_skip_reporter, "FlagPeek", _BusyPeek)
@@ -616,7 +616,7 @@ def test_the_collapse_is_raised_whoever_collects_the_last_skips(monkeypatch, adv
     """On a busy device the last skips are collected at the end of fit, by AmpAdvisor if it runs first: the reporter
     still checks them for a collapse."""
     from lightning_amp_plus import AmpAdvisor
-    from lightning_amp_plus.callbacks import nan_skip_reporter
+    from lightning_amp_plus.callbacks import _device_probe as nan_skip_reporter
 
     _BusyPeek.looks = []
     monkeypatch.setattr(nan_skip_reporter, "FlagPeek", _BusyPeek)
@@ -633,7 +633,7 @@ def test_the_collapse_is_raised_whoever_collects_the_last_skips(monkeypatch, adv
 
 def test_the_advisor_waits_for_the_last_batchs_origin_on_a_busy_device(monkeypatch):
     from lightning_amp_plus import AmpAdvisor
-    from lightning_amp_plus.callbacks import nan_skip_reporter
+    from lightning_amp_plus.callbacks import _device_probe as nan_skip_reporter
 
     _BusyPeek.looks = []
     monkeypatch.setattr(_BusyPeek, "busy_looks", 5)  # still busy whenever looked at without waiting
@@ -957,3 +957,16 @@ def test_min_scale_zero_collapses_at_the_scalers_real_floor():
             TinyModel(poison={s: "nan" for s in range(10)})
         )
     assert plugin.history.num_steps == 3  # 2**-124, 2**-125, then 2**-126: the floor
+
+
+@pytest.mark.parametrize("make", [NaNSkipReporter, lambda: __import__("lightning_amp_plus").LossScaleMonitor()])
+def test_every_declared_field_is_the_attribute_the_callback_uses_and_reset_renews_it(make):
+    """A field declared under one name and used under another would never be reset or saved."""
+    callback = make()
+    before = {name: getattr(callback, f"_{name}") for name in callback._fields}  # each exists after __init__
+    callback.reset()
+    for name, value in before.items():
+        after = getattr(callback, f"_{name}")
+        assert after == value or type(after) is type(value), name
+        if isinstance(value, (list, dict, set)) or hasattr(value, "__dict__"):
+            assert after is not value, name  # a fresh container per fit, never the last fit's

@@ -1,0 +1,64 @@
+"""The origin of a skip a fused optimizer decided on the device, told one batch late and without a sync."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+from torch import Tensor
+
+from lightning_amp_plus.history import ScaleHistory
+from lightning_amp_plus.origins import BatchCalls, Origin
+from lightning_amp_plus.syncs import FlagPeek
+
+
+class DeviceSkipProbe:
+    """Holds a device-decided update's flag copy and its batch until the flag is on the host, then tells its origin.
+
+    After such a batch, :meth:`hold` starts a non-blocking copy of the flag; :meth:`look` (at the next batch start, or
+    ``wait=True`` at the end of fit) reads it once it arrived and, on a skip, asks ``tell`` for the batch's origin,
+    kept until the skip is reported (:meth:`take`). A later batch's flag replaces one still in flight.
+    """
+
+    def __init__(self) -> None:
+        self._held: Optional[tuple[int, FlagPeek, Optional[BatchCalls]]] = None
+        self._probed_upto = -1  # the last update whose flag was held
+        self._told: dict[int, Optional[Origin]] = {}
+
+    @property
+    def held_step(self) -> Optional[int]:
+        """The step whose flag is still in flight (its skip waits for its origin), or None."""
+        return None if self._held is None else self._held[0]
+
+    def hold(self, history: ScaleHistory, calls: Optional[BatchCalls]) -> None:
+        """After a batch: copy its update's flag without waiting, with the batch's ``calls`` for the origin."""
+        last = history.last_flag()
+        if last is None or last[0] <= self._probed_upto:
+            return  # this (micro-)batch recorded no update: the last flag is an earlier batch's
+        step, found = last
+        self._probed_upto = step
+        if isinstance(found, Tensor):
+            self._held = (step, FlagPeek(found), calls)
+
+    def look(self, tell: Callable[[Optional[BatchCalls]], Optional[Origin]], wait: bool) -> None:
+        """Tell the held batch's origin if its flag is on the host (``wait``: read it anyway)."""
+        if self._held is None:
+            return
+        step, peek, calls = self._held
+        flag = peek.value(wait=wait)
+        if flag is None:
+            return
+        self._held = None
+        if flag > 0:
+            self._told[step] = tell(calls)
+
+    def drop(self) -> None:
+        """Let the flag in flight go (with the batch it holds)."""
+        self._held = None
+
+    def take(self, step: int) -> Optional[Origin]:
+        """The origin told for ``step``'s skip (None: none was)."""
+        return self._told.pop(step, None)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(held_step={self.held_step}, told={sorted(self._told)})"
