@@ -57,18 +57,25 @@ class SkipEvent:
 class UpdateCycle:
     """One update: the optimizer steps that share one scale update (made by ``begin``, dropped whole at its end).
 
+    The engine keeps the open cycle and the one that closed last; the scaler keeps torch's per-optimizer state of the
+    open one (its unscale stage and overflow flags), which :meth:`DynamicLossScaler.update` replaces whole.
+
     Attributes:
         step: the step the update is recorded at (in Lightning the logger's step, in Fabric the count of updates).
         unscaled: optimizers whose gradients were unscaled (checked, in bf16) in this cycle.
         stepped: optimizers that stepped (or skipped) in this cycle.
+        skipped: once closed: whether it was skipped (``None``: a fused optimizer decided on the device, not read).
+        leftover: once closed: optimizers unscaled that did not step (the next backward forgets their unscale).
     """
 
-    __slots__ = ("step", "stepped", "unscaled")
+    __slots__ = ("leftover", "skipped", "step", "stepped", "unscaled")
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.unscaled: list[Optimizer] = []
         self.stepped: list[Optimizer] = []
+        self.skipped: Optional[bool] = False
+        self.leftover: list[Optimizer] = []
 
     # optimizers define no __eq__: `in` is identity, in C (so callers test `o in cycle.unscaled` directly)
     def unscaled_not_stepped(self) -> list[Optimizer]:
@@ -132,14 +139,13 @@ class AmpEngine:
         """The engine's own per-run state, fresh."""
         self.history = ScaleHistory(scaled=self.scaler is not None)
         self._cycle: Optional[UpdateCycle] = None
-        self._last_cycle_skipped: Optional[bool] = False
+        self._closed = UpdateCycle(-1)  # the update that closed last (none yet: not skipped, nothing left over)
         self._streak_warned = False
         self._optimizers: list[Optimizer] = []  # every optimizer known to this run (for pending gradients)
         self._backwards = 0  # backward calls so far
         self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
         self._unscaled_at: dict[int, int] = {}  # per optimizer: `_backwards` when its gradients were last unscaled
         self._recorded_since_load = False  # the history's last scale is this scaler's (not a checkpoint's)
-        self._unstepped: list[Optimizer] = []  # unscaled, not stepped, in the update that closed last
 
     def register(self, optimizers: list[Any]) -> None:
         """Make ``optimizers`` known, so their pending gradients follow a change of scale (see :meth:`end_cycle`)."""
@@ -158,11 +164,12 @@ class AmpEngine:
         cycle = self._cycle
         forgotten = self.forget_unstepped() if cycle is not None and cycle.unscaled else []
         stale: list[Optimizer] = []
-        if self._unstepped or forgotten:
-            if self.checker is not None and self._unstepped:
-                self.checker.reset_cycle(self._unstepped)
-            stale = [o for o in [*self._unstepped, *forgotten] if _has_gradients(o)]
-            self._unstepped = []
+        leftover = self._closed.leftover
+        if leftover or forgotten:
+            if self.checker is not None and leftover:
+                self.checker.reset_cycle(leftover)
+            stale = [o for o in [*leftover, *forgotten] if _has_gradients(o)]
+            self._closed.leftover = []
         if stale:
             warn_unstepped(
                 len(stale),
@@ -200,10 +207,11 @@ class AmpEngine:
                 self.checker.forget_skips()
                 # unscaled in an update that closed without their step (it raised, say), no backward since: still
                 # unscaled, so a retry applies them once (the next backward forgets them)
-                if self._unstepped:
-                    carried = [o for o in self._unstepped if self.checker.is_unscaled(o)]
+                leftover = self._closed.leftover
+                if leftover:
+                    carried = [o for o in leftover if self.checker.is_unscaled(o)]
                     cycle.unscaled.extend(carried)
-                    self._unstepped = [o for o in self._unstepped if o not in carried]
+                    self._closed.leftover = [o for o in leftover if o not in carried]
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
         return cycle
@@ -286,7 +294,7 @@ class AmpEngine:
         except Exception:  # the exception being handled is the one that matters; this one leaves no known state
             if self.checker is not None:
                 self.checker.reset_cycle()  # forget every unscale: the next step unscales what it applies
-            self._unstepped = []
+            self._closed.leftover = []
         finally:
             self._cycle = None
 
@@ -308,7 +316,8 @@ class AmpEngine:
         # unscaled but not stepped (clipped, then no step; or a step that raised): the next backward forgets the
         # unscale, so the next step unscales everything it applies, and says so if those gradients were kept; a
         # retry before any backward applies them once
-        self._unstepped = cycle.unscaled_not_stepped() if cycle.unscaled != cycle.stepped else []
+        cycle.leftover = cycle.unscaled_not_stepped() if cycle.unscaled != cycle.stepped else []
+        cycle.skipped, self._closed = self._closed.skipped, cycle  # a cycle without a step keeps the last outcome
         if not cycle.stepped:
             return
         checker = self.checker
@@ -337,7 +346,7 @@ class AmpEngine:
             if old is not None:
                 with torch.no_grad():
                     _multiply(pending, scale / old)
-        self._last_cycle_skipped = skipped
+        cycle.skipped = skipped
         if skipped is True:
             self.history.flush()  # the host knows already: the streak below is exact
         self._check_streak(skipped)
@@ -404,14 +413,15 @@ class AmpEngine:
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last cycle was skipped (reads the device flag for fused optimizers: one sync)."""
-        if self._last_cycle_skipped is None and self.checker is not None:
-            self._last_cycle_skipped = any_skipped(self.checker.outcomes(), sync=True)
-        return bool(self._last_cycle_skipped)
+        closed = self._closed
+        if closed.skipped is None and self.checker is not None:
+            closed.skipped = any_skipped(self.checker.outcomes(), sync=True)
+        return bool(closed.skipped)
 
     @property
     def skip_known_on_host(self) -> bool:
         """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
-        return self._last_cycle_skipped is not None
+        return self._closed.skipped is not None
 
     @property
     def applied_steps(self) -> int:
@@ -626,7 +636,7 @@ class EngineView:
     @property
     def skip_known_on_host(self) -> bool:
         """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
-        return self._engine._last_cycle_skipped is not None  # read directly: every callback asks each step
+        return self._engine._closed.skipped is not None  # read directly: every callback asks each step
 
     @property
     def applied_steps(self) -> int:
