@@ -159,8 +159,7 @@ class AmpEngine:
     # ------------------------------------------------------------------ the cycle
     def scale(self, loss: Tensor) -> Tensor:
         """The loss times the current scale (unchanged for bf16-mixed); called once per backward."""
-        # gradients unscaled but never stepped (in the open update, or in one that closed): the unscale is forgotten;
-        # warn unless they were zeroed since
+        # a backward onto unscaled gradients that never stepped: forget their unscale, and warn if they are kept
         cycle = self._cycle
         forgotten = self.forget_unstepped() if cycle is not None and cycle.unscaled else []
         stale: list[Optimizer] = []
@@ -205,8 +204,7 @@ class AmpEngine:
             cycle = self._cycle = UpdateCycle(following if step is None else max(step, following))
             if self.checker is not None:
                 self.checker.forget_skips()
-                # unscaled in an update that closed without their step (it raised, say), no backward since: still
-                # unscaled, so a retry applies them once (the next backward forgets them)
+                # still unscaled from an update whose step raised, no backward since: a retry applies them once
                 leftover = self._closed.leftover
                 if leftover:
                     carried = [o for o in leftover if self.checker.is_unscaled(o)]
@@ -249,8 +247,7 @@ class AmpEngine:
                 if hasattr(optimizer, leftover) and steps_on_device(optimizer):
                     delattr(optimizer, leftover)
             if self.checker is not None and self.checker.is_unscaled(optimizer):
-                # divided in place before the failure: the same gradients must not be divided again (a backward
-                # before a retry makes new gradients: it forgets this unscale, as for any unscale without a step)
+                # divided before the failure: a retry must not divide them again
                 if optimizer not in cycle.unscaled:
                     cycle.unscaled.append(optimizer)
             else:
@@ -290,10 +287,10 @@ class AmpEngine:
         then unscales again): a retry without a backward applies the gradients once. A no-op when no cycle is open.
         """
         try:
-            self.end_cycle()  # unscaled optimizers that did not step: kept for a retry, forgotten at the next backward
-        except Exception:  # the exception being handled is the one that matters; this one leaves no known state
+            self.end_cycle()
+        except Exception:  # the exception being handled is the one that matters
             if self.checker is not None:
-                self.checker.reset_cycle()  # forget every unscale: the next step unscales what it applies
+                self.checker.reset_cycle()  # no known state left: the next step unscales what it applies
             self._closed.leftover = []
         finally:
             self._cycle = None
@@ -313,9 +310,7 @@ class AmpEngine:
         cycle, self._cycle = self._cycle, None  # dropped whole, whatever happens below
         if cycle is None:
             return
-        # unscaled but not stepped (clipped, then no step; or a step that raised): the next backward forgets the
-        # unscale, so the next step unscales everything it applies, and says so if those gradients were kept; a
-        # retry before any backward applies them once
+        # unscaled but not stepped: a retry applies them once, the next backward forgets their unscale
         cycle.leftover = cycle.unscaled_not_stepped() if cycle.unscaled != cycle.stepped else []
         cycle.skipped, self._closed = self._closed.skipped, cycle  # a cycle without a step keeps the last outcome
         if not cycle.stepped:

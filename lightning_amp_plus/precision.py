@@ -132,8 +132,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         self._module = module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._fit_scope.starts_afresh(trainer):
-            # a new Trainer's fit starts afresh (a resumed one then loads its checkpoint on top); another fit of the
-            # same Trainer continues, as Lightning's step counters do; validate/test keep the fit's state
+            # a new Trainer's fit starts afresh; another fit of the same Trainer continues, as its step counters do
             self._engine.reset()
         self._engine.register(optimizers)
         if module is not None and module._trainer is not None:
@@ -226,9 +225,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     # ------------------------------------------------------------------ backward
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        # a cycle stays open across backward calls within one batch (a GAN's second backward uses the same scale)
-        # hooks see the true (unscaled) loss; Lightning's base hook by name: a sharded sibling (FSDPPrecision) in
-        # the MRO would scale a second time
+        # Lightning's base hook by name, so hooks see the true loss: FSDPPrecision in the MRO would scale it twice
         tensor = Precision.pre_backward(self, tensor, module)
         return self._engine.scale(tensor)
 
@@ -242,14 +239,12 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         **kwargs: Any,
     ) -> Any:
         real = resolve_optimizer(optimizer)
-        # LBFGS (bf16 only: 16-mixed refuses it at connect) evaluates the closure itself, as stock lets it: the
-        # training step, hooks and clipping run inside its step, which checks the gradients after each evaluation
+        # LBFGS (bf16 only) evaluates the closure itself, so the step, hooks and clipping run inside its step
         evaluates_closure = isinstance(real, LBFGS)
         if not evaluates_closure:
             closure_result = closure()
             if closure_result is None and model.automatic_optimization:
-                # `training_step` returned None: no backward ran. The hooks run as in stock Lightning; nothing is
-                # unscaled, clipped, stepped or counted (gradients accumulated earlier stay scaled for the next step).
+                # `training_step` returned None: the hooks run as in stock, and nothing is unscaled or stepped
                 self._no_step = True
                 try:
                     self._after_closure(model, optimizer)

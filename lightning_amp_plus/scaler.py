@@ -307,9 +307,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             retval = super().step(optimizer, *args, **kwargs)
             flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
             if len(optimizer.state) > created_from:
-                # a first step made state: fused kernels that skip on the device still create it, and fused SGD's
-                # momentum buffers are then uninitialised memory. Read the flag (once per parameter's lifetime) and,
-                # if the step was skipped, take the new state back out: a skipped step changes nothing.
+                # a skipped fused step still creates state (fused SGD's momentum uninitialised): take it back out
                 outcome = StepOutcome(flags=flags)
                 if outcome.read():
                     for param in list(optimizer.state)[created_from:]:
@@ -423,8 +421,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         overflowed = self.known_outcome()
         if overflowed is False and self._host_growth is None:
-            # the host knows this cycle (torch read its flag) but lost the tracker to an earlier cycle it could not
-            # decide: read it back once, so the fast path below serves the rest of the run
+            # the mirror was lost to a device-decided cycle: read the tracker back once
             self._host_growth = int(growth_tracker.item())
         if overflowed is False and self._host_growth is not None and not self._grows(self._host_growth):
             growth_tracker.add_(1)
@@ -432,8 +429,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._scale_kept = True
             self.reset_cycle()
             return
-        # the mirror follows the rule's own tracker: a skip or a growth resets it; an outcome decided on the device
-        # leaves the host without it
+        # a skip or a growth resets the mirror; a device-decided outcome loses it
         self._host_growth = None if overflowed is None else 0
         found_inf = self.found_inf() if found_inf is None else found_inf
         if self._hysteresis == 1:

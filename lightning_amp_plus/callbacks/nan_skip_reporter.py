@@ -144,10 +144,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self._consecutive = self.add_state("consecutive", 0)
         self._reported_upto = self.add_state("reported_upto", -1)
         self._warned = self.add_state("warned", 0)
-        # per fit only: a fused optimizer's skip, told one batch late without a sync (step, flag copy, its calls)
-        # per fit only: a fused optimizer's skip, its origin told one batch late without a sync
+        # per fit only
         self._device_probe: DeviceSkipProbe = self.add_state("device_probe", DeviceSkipProbe, persistent=False)
-        # collected for someone else: checked at finish
+        # skips collected for AmpAdvisor, checked for a collapse at finish
         self._unchecked: list[tuple[dict[str, Any], int]] = self.add_state("unchecked", list, persistent=False)
 
     # ------------------------------------------------------------------ wiring
