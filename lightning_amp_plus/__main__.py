@@ -12,13 +12,9 @@ from typing import Optional
 
 from lightning_amp_plus.__about__ import __version__
 
-DESCRIPTION = """\
-lightning-amp-plus: visible, controllable and safe mixed precision for PyTorch Lightning.
-
-commands:
-  plot PATH [-o OUT.png]   draw the loss-scale curve (and the skipped updates) of a CSVLogger version folder,
-                           a metrics.csv, or a TensorBoard log folder
-  advise PATH              what the logged series say went wrong, and the fix (AmpAdvisor's offline half)
+DESCRIPTION = "lightning-amp-plus: visible, controllable and safe mixed precision for PyTorch Lightning."
+EPILOG = """\
+PATH is a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder.
 
 examples:
   lightning-amp-plus plot lightning_logs/version_0 -o loss_scale.png
@@ -30,14 +26,24 @@ examples:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="lightning-amp-plus", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="lightning-amp-plus",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"lightning-amp-plus {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    plot = sub.add_parser("plot", help="plot the loss-scale curve of a CSVLogger or TensorBoard run")
+    # each command listed once, by argparse, from its help
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    plot = sub.add_parser(
+        "plot", help="draw the loss-scale curve and the skipped updates of the run at PATH to a PNG (-o OUT.png)"
+    )
     plot.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
-    plot.add_argument("-o", "--output", help="the PNG to write (default: loss_scale.png beside PATH)")
-    advise = sub.add_parser("advise", help="advice from a logged run (scale curve, skips, underflow, headroom)")
+    plot.add_argument(
+        "-o", "--output", help="the PNG to write, in a folder that exists (default: loss_scale.png beside PATH)"
+    )
+    advise = sub.add_parser(
+        "advise", help="what the series logged at PATH say went wrong, and the fix (AmpAdvisor's offline half)"
+    )
     advise.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
     args = parser.parse_args(argv)
     if args.command == "advise":

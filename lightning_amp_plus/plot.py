@@ -100,7 +100,7 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
         lax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green")
         lax.set_ylabel("training loss")
         lax.grid(alpha=0.3)
-    axes[-1][0].set_xlabel("global step")
+    axes[-1][0].set_xlabel("logger step")  # the step the logger wrote (Lightning's `self.log` step), as logged
     fig.tight_layout()
     return fig
 
@@ -108,13 +108,32 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
 def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") -> str:
     """Write a PNG of :func:`draw`'s figure.
 
-    Returns the path written: ``output``, with ``.png`` added when it has no extension.
+    Returns the path written: ``output``, with ``.png`` added when it has no extension. A folder that does not
+    exist is an error naming it (never created: a mistyped path should not make a tree of folders).
     """
+    out = _output_path(os.fspath(output))
     fig = draw(curves, title)
-    out = os.fspath(output)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def _output_path(out: str) -> str:
+    """The PNG path to write: ``.png`` added when ``out`` has no extension; a folder, or a missing one, refused.
+
+    Checked before anything is drawn, each error naming the path. A missing folder is not created: a mistyped
+    path should not make a tree of folders.
+    """
+    if os.path.isdir(out):
+        raise IsADirectoryError(
+            f"cannot write the plot to {out!r}: it is a folder; give a file path such as"
+            f" {os.path.join(out, 'loss_scale.png')!r}."
+        )
     if not os.path.splitext(out)[1]:
         out += ".png"  # what matplotlib would write anyway: say the path actually written
-    fig.savefig(out, dpi=110)
+    folder = os.path.dirname(out)
+    if folder and not os.path.isdir(folder):
+        why = "is not a folder" if os.path.exists(folder) else "does not exist (create it first)"
+        raise FileNotFoundError(f"cannot write the plot to {out!r}: the folder {folder!r} {why}.")
     return out
 
 
@@ -143,6 +162,10 @@ def read_run(path: PathLike) -> RunCurves:
 def read_series(path: PathLike) -> dict[str, list[tuple[int, float]]]:
     """Every finite scalar series of a CSVLogger version folder, a ``metrics.csv`` or a TensorBoard log folder."""
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path!r} does not exist: expected a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder."
+        )
     if os.path.isfile(path) and path.endswith(".csv"):
         return _read_csv(path)
     if os.path.isdir(path):

@@ -84,11 +84,48 @@ def test_plot_history_from_code(tmp_path):
 
 
 def test_clear_errors(tmp_path, capsys):
-    assert main(["plot", str(tmp_path / "missing")]) == 2
-    assert "no metrics found" in capsys.readouterr().err
+    missing = tmp_path / "missing"
+    assert main(["plot", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {str(missing)!r} does not exist: expected a CSVLogger version folder, a metrics.csv, or a"
+        " TensorBoard log folder.\n"
+    )
+    (tmp_path / "empty").mkdir()  # a folder that exists but holds no metrics
+    assert main(["plot", str(tmp_path / "empty")]) == 2
+    assert "error: no metrics found at" in capsys.readouterr().err
     (tmp_path / "metrics.csv").write_text("step,train_loss\n0,1.0\n")
     assert main(["plot", str(tmp_path)]) == 2
     assert "LossScaleMonitor" in capsys.readouterr().err
+
+
+def test_the_output_path_is_checked_before_drawing(tmp_path, capsys, monkeypatch):
+    """``-o`` into a missing folder, into a file's "folder", or at a folder: one error line naming it, nothing made."""
+    from lightning_amp_plus import plot
+
+    (tmp_path / "metrics.csv").write_text("step,amp/loss_scale\n0,8.0\n3,4.0\n")
+    monkeypatch.setattr(plot, "draw", lambda *a, **k: pytest.fail("drew before the output path was checked"))
+    missing = tmp_path / "plots" / "run"
+    cases = {
+        str(missing / "out.png"): f"the folder {str(missing)!r} does not exist (create it first).",
+        str(missing / "out"): f"the folder {str(missing)!r} does not exist (create it first).",
+        str(tmp_path / "metrics.csv" / "out.png"): f"the folder {str(tmp_path / 'metrics.csv')!r} is not a folder.",
+    }
+    for out, why in cases.items():
+        assert main(["plot", str(tmp_path), "-o", out]) == 2
+        written = out if out.endswith(".png") else out + ".png"
+        assert capsys.readouterr().err == f"error: cannot write the plot to {written!r}: {why}\n"
+    assert not (tmp_path / "plots").exists()  # never created
+    assert main(["plot", str(tmp_path), "-o", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot write the plot to {str(tmp_path)!r}: it is a folder; give a file path such as"
+        f" {str(tmp_path / 'loss_scale.png')!r}.\n"
+    )
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # from code too
+        plot.plot_curves(RunCurves(scale=[(0, 8.0)]), missing / "out.png")
+    monkeypatch.undo()
+    assert main(["plot", str(tmp_path), "-o", str(tmp_path / "out")]) == 0  # an existing folder: written
+    assert capsys.readouterr().out == f"{tmp_path / 'out.png'}\n"
+    png_size(tmp_path / "out.png")
 
 
 def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
@@ -325,15 +362,21 @@ def test_the_command_line_help(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # one line per help text
     top = help_of()
     assert top.startswith("usage: lightning-amp-plus [-h] [--version] COMMAND ...")
-    assert "plot PATH [-o OUT.png]   draw the loss-scale curve" in top
-    assert "advise PATH              what the logged series say went wrong" in top
-    assert ("plot", "plot the loss-scale curve of a CSVLogger or TensorBoard run") in rows(top)
-    assert ("advise", "advice from a logged run (scale curve, skips, underflow, headroom)") in rows(top)
+    plot_help = "draw the loss-scale curve and the skipped updates of the run at PATH to a PNG (-o OUT.png)"
+    advise_help = "what the series logged at PATH say went wrong, and the fix (AmpAdvisor's offline half)"
+    assert ("plot", plot_help) in rows(top)
+    assert ("advise", advise_help) in rows(top)
+    # each command listed once: no hand-written list beside argparse's own
+    named = [line.split()[0] for line in top.splitlines() if line.strip() and line.split()[0] in ("plot", "advise")]
+    assert named == ["plot", "advise"]
+    assert top.count("plot") == 1 + top.count("lightning-amp-plus plot")  # the listing, then the examples
     folder = "a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder"
+    assert f"PATH is {folder}." in top
     plot = help_of("plot")
     assert plot.startswith("usage: lightning-amp-plus plot [-h] [-o OUTPUT] path")
     assert ("path", folder) in rows(plot)
-    assert ("the PNG to write (default: loss_scale.png beside PATH)",) in rows(plot)  # under "-o OUTPUT, ..."
+    # under "-o OUTPUT, --output OUTPUT"
+    assert ("the PNG to write, in a folder that exists (default: loss_scale.png beside PATH)",) in rows(plot)
     advise = help_of("advise")
     assert advise.startswith("usage: lightning-amp-plus advise [-h] path")
     assert ("path", folder) in rows(advise)
@@ -449,7 +492,7 @@ def test_the_figure_item_by_item():
         "marks": [{"at": [[1.0, 8.0]], "color": RED, "x_marker": True, "zorder": 3, "label": "skipped (1)"}],
     }
     assert loss["ylabel"] == "training loss"
-    assert loss["xlabel"] == "global step"
+    assert loss["xlabel"] == "logger step"  # the x values are the steps the logger wrote
     assert loss["grid"] == [True, 0.3]
     assert loss["lines"] == [{"x": [0, 5], "y": [3, 1], "color": GREEN, "drawstyle": "default", "label": "_child0"}]
 
@@ -466,7 +509,7 @@ def test_the_figure_item_by_item():
     (count,) = _describe_figure(draw(RunCurves(skipped=[2, 5], scaled=False, last_step=7)))["panels"]
     assert count["title"] == "loss scale (bf16-mixed: no loss scale)"
     assert count["ylabel"] == "skipped updates"
-    assert count["xlabel"] == "global step"
+    assert count["xlabel"] == "logger step"
     assert count["grid"] == [True, 0.3]
     assert count["lines"] == [
         {"x": [0, 2, 5, 7], "y": [0, 1, 2, 2], "color": RED, "drawstyle": "steps-post", "label": "skipped (2)"}
@@ -510,9 +553,15 @@ def test_read_series_says_what_it_expected_where_nothing_is(tmp_path):
     from lightning_amp_plus.plot import read_series
 
     (tmp_path / "hparams.yaml").write_text("lr: 0.1\n")  # a folder with neither metrics.csv nor event files
-    for missing in (tmp_path / "missing.csv", tmp_path):
-        with pytest.raises(FileNotFoundError, match=r"^no metrics found at .*: expected a CSVLogger version folder"):
+    with pytest.raises(FileNotFoundError, match=r"^no metrics found at .*: expected a CSVLogger version folder"):
+        read_series(tmp_path)
+    for missing in (tmp_path / "missing.csv", tmp_path / "missing"):  # a path that does not exist says so
+        with pytest.raises(FileNotFoundError) as err:
             read_series(missing)
+        assert str(err.value) == (
+            f"{str(missing)!r} does not exist: expected a CSVLogger version folder, a metrics.csv, or a TensorBoard"
+            " log folder."
+        )
 
 
 def test_csv_columns_steps_and_the_titles_a_plot_gets(tmp_path, monkeypatch):
