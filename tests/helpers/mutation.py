@@ -61,7 +61,6 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_bad_input.py",
             "tests/test_docs.py",  # the README's defaults
             "tests/test_fsdp.py",  # which plugin reduces over ranks (FakePeer; the 2-process tests are slow)
-            "tests/test_hot_path.py",  # the calls a clean step costs
             # the scheduler rule's outcome tests live with the reporter
             "tests/callbacks/test_nan_skip_reporter.py::test_warmup_is_not_consumed_by_skipped_steps",
             "tests/callbacks/test_nan_skip_reporter.py::test_stock_lightning_steps_the_scheduler_on_skipped_steps",
