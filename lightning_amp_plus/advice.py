@@ -32,8 +32,6 @@ CODES = (
     "silent_fp32",
     "fused_optimizer",
 )
-#: codes that need figures only the live callback gathers (origins of skips, dtypes per module, the optimizers)
-LIVE_ONLY = ("nonfinite_loss", "model_nonfinite", "fp32_module", "silent_fp32", "fused_optimizer")
 
 #: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
 HIGH_UNDERFLOW = 0.5
@@ -395,7 +393,7 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
     leading = _leading_skips(figures)
     if leading < 2 or leading >= figures.num_updates:
         return None  # one skip is calibration; all skipped: the scale never settled (other codes say why)
-    first_step, init = figures.curve[0]
+    init = figures.curve[0][1]
     assert figures.skipped is not None
     settled = value_at(figures.curve, figures.skipped[leading - 1] + 1)
     if settled >= init:

@@ -31,7 +31,6 @@ from lightning_amp_plus.callbacks._reference import BatchState, float32_gradient
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
 from lightning_amp_plus.syncs import to_host
 
-FP16_TINY = 2.0**-24  # smallest positive float16 subnormal
 FP16_SMALLEST_NORMAL = 2.0**-14  # below it float16 has fewer than 11 significant bits, down to none at 2**-25
 FP16_MAX = 65504.0
 
