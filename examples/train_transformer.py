@@ -3,7 +3,8 @@
 AdamW (lr 1e-3) with linear warmup, gradient clipping, LossScaleMonitor (the scale in the progress bar) and
 NaNSkipReporter. The scale starts high (``init_scale=2**24``) and calibrates down in the first steps, each overflow
 skipped and named; the run ends by printing the loss before and after and writing the scale-curve PNG (the curve,
-the skipped steps marked, the loss below). 20-40 s on a 2-core CPU (README "Set up"); ``--fast`` runs a few steps.
+the skipped steps marked, the loss below). 21-26 s on a 2-core CPU with ``OMP_NUM_THREADS=1`` (docs, Performance);
+``--fast`` runs a few steps.
 
     python examples/train_transformer.py [--steps 300] [--out runs/transformer] [--fast]
 """

@@ -59,7 +59,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_checkpoints.py",
             "tests/test_exactness.py",
             "tests/test_bad_input.py",
-            "tests/test_docs.py",  # the README's defaults
+            "tests/test_docs.py",  # the documented defaults (docs/guide)
             "tests/test_fsdp.py",  # which plugin reduces over ranks (FakePeer; the 2-process tests are slow)
             # the scheduler rule's outcome tests live with the reporter
             "tests/callbacks/test_nan_skip_reporter.py::test_warmup_is_not_consumed_by_skipped_steps",
