@@ -27,3 +27,7 @@ class FitScope:
         previous = self._trainer() if self._trainer is not None else None
         self._trainer = weakref.ref(trainer)
         return previous is not trainer
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy in another process (spawn, pickle) holds no Trainer of this one: its next fit starts afresh
+        return {"_trainer": None}

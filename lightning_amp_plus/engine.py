@@ -337,7 +337,7 @@ class AmpEngine:
                 scale_before = float(scale.item())  # only on skipped steps
             pending = self._pending_gradients() if self.scaler is not None else []
             old = scale.clone() if pending else None
-            checker.update(found_inf=flag)
+            checker.update(found_inf=flag, known=overflowed)
             if old is not None:
                 with torch.no_grad():
                     _multiply(pending, scale / old)

@@ -1,15 +1,13 @@
-"""OriginFinder: where a skipped update's inf/nan were born, told by replaying the batch on a skip.
+"""OriginFinder: where a skipped update's inf/nan were born, told by replaying the batch's calls on a skip.
 
-One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``). On a
-skipped update it runs the batch again, eagerly under autocast and without grad, with every module the
-LightningModule calls hooked (its children; the children of a container such as ``nn.ModuleList``, which is never
-called itself). In automatic optimization that replay is the batch's ``training_step`` itself, so clean steps cost
-nothing: no hook is installed until a skip. In manual optimization (whose step steps the optimizers and cannot run
-twice) the calls of those modules are kept by reference as the batch runs, and replayed one by one.
-
-The replay leaves the model as it found it: the random-number state, every buffer (in place or assigned), every
-attribute a module assigns. The first module whose inputs were finite and whose output was not is recomputed in
-float32: an fp16 overflow is finite there, a NaN the model makes in any precision (an all-masked attention row,
+One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``): it keeps,
+by reference, the calls of the modules the LightningModule calls (its children; the children of a container such
+as ``nn.ModuleList``, which is never called itself), and on a skipped update replays them eagerly under autocast
+with every module hooked, without grad. Only the modules run again, never ``training_step``: code there (an EMA
+update, weight clamping, a gradient penalty, a write to a file) runs once. The replay leaves the model as it found
+it: the random-number state (global and a module's own ``torch.Generator``), every buffer (in place or assigned),
+every attribute a module assigns. The first module whose inputs were finite and whose output was not is recomputed
+in float32: an fp16 overflow is finite there, a NaN the model makes in any precision (an all-masked attention row,
 ``log(0)``) is not, and the origin says which.
 """
 
@@ -53,17 +51,11 @@ def replay_scope() -> Iterator[None]:
 
 @dataclass
 class BatchCalls:
-    """One batch: the batch, its index, its losses, and (manual optimization) its recorded calls.
+    """One batch's recorded calls (name, module, args, kwargs, the inputs' version counters), batch and losses."""
 
-    ``calls`` holds (name, module, args, kwargs, the inputs' version counters) per call; ``None`` when the batch is
-    replayed through ``training_step`` instead. ``versions``: the batch's version counters when it started.
-    """
-
-    calls: Optional[list[tuple[str, torch.nn.Module, Any, Any, list[int]]]] = field(default_factory=list)
+    calls: list[tuple[str, torch.nn.Module, Any, Any, list[int]]] = field(default_factory=list)
     batch: Any = None
     losses: list[Tensor] = field(default_factory=list)
-    batch_idx: int = 0
-    versions: Optional[list[int]] = None
 
 
 class _Unknown(Exception):
@@ -75,7 +67,7 @@ class _Found(BaseException):
 
 
 @contextlib.contextmanager
-def _tensor_hooks_kept(params: list[torch.nn.Parameter]) -> Iterator[None]:
+def tensor_hooks_kept(params: list[torch.nn.Parameter]) -> Iterator[None]:
     """Hooks the recomputed step registers on parameters (``param.register_hook``) are gone afterwards."""
     kinds = ("_backward_hooks", "_post_accumulate_grad_hooks")
     saved = [(p, kind, getattr(p, kind, None)) for p in params for kind in kinds]
@@ -93,7 +85,7 @@ def _tensor_hooks_kept(params: list[torch.nn.Parameter]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _no_logging(module: Any) -> Iterator[None]:
+def no_logging(module: Any) -> Iterator[None]:
     """``self.log`` and ``self.log_dict`` do nothing inside (the batch already logged its values)."""
 
     def ignore(*args: Any, **kwargs: Any) -> None:
@@ -109,8 +101,8 @@ def _no_logging(module: Any) -> Iterator[None]:
 class OriginFinder:
     """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
 
-    Clean steps cost no device op and no sync; in automatic optimization no hook either (manual optimization: one
-    Python call per call of a recorded module, its inputs kept by reference until the batch ends). Use
+    Clean steps cost one Python call per call of a recorded module (its inputs kept by reference until the batch
+    ends; no device op, no sync). Use
     :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training
     batch, and :meth:`origin` on a skip.
 
@@ -127,36 +119,33 @@ class OriginFinder:
         self._forward_context: Callable[[], Any] = contextlib.nullcontext
         self._current: Optional[BatchCalls] = None
         self._accumulating = False
-        self._replay_step = False
 
     # ------------------------------------------------------------------ recording
-    def attach(
-        self,
-        module: torch.nn.Module,
-        forward_context: Callable[[], Any],
-        accumulating: bool = False,
-        replay_step: bool = False,
-    ) -> None:
-        """Tell the origins of ``module``'s batches; replays run under ``forward_context`` (autocast).
+    def attach(self, module: torch.nn.Module, forward_context: Callable[[], Any], accumulating: bool = False) -> None:
+        """Record the calls of ``module``'s call frontier; replays run under ``forward_context`` (autocast).
 
-        ``replay_step``: a skip reruns ``module.training_step(batch, batch_idx)`` (a LightningModule in automatic
-        optimization), and nothing is recorded while the batch runs; else the calls of ``module``'s call frontier are
-        recorded as they run. ``accumulating``: updates span several micro-batches, of which only the last is seen,
-        so a finite replay cannot say "backward".
+        ``accumulating``: updates span several micro-batches, of which only the last is recorded, so a finite
+        replay cannot say "backward".
         """
         self.detach()
         self._module = module
         self._forward_context = forward_context
         self._accumulating = accumulating
-        self._replay_step = replay_step
-        if replay_step:
-            return
         for name, called in call_frontier(module):
 
             def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
                 current = self._current
-                if current is not None and current.calls is not None and not _replays[0]:  # batches, not replays
-                    current.calls.append((name, mod, args, kwargs, versions(args, kwargs)))
+                if current is None or _replays[0]:  # training batches only, not replays
+                    return
+                seen = []  # the inputs' version counters, flat arguments without a nested call
+                for arg in args:
+                    if isinstance(arg, Tensor):
+                        seen.append(arg._version)
+                    elif isinstance(arg, (list, tuple, dict)):
+                        seen.extend(t._version for t in tensors(arg))
+                if kwargs:
+                    seen.extend(t._version for t in tensors(kwargs))
+                current.calls.append((name, mod, args, kwargs, seen))
 
             self._handles.append(called.register_forward_pre_hook(keep, with_kwargs=True))
 
@@ -167,13 +156,9 @@ class OriginFinder:
         self._handles = []
         self._current = None
 
-    def start_batch(self, batch: Any, batch_idx: int = 0) -> None:
-        """A training batch starts (its calls are recorded from now on, unless it is replayed whole on a skip)."""
-        if self._replay_step:
-            flat = batch if isinstance(batch, (list, tuple)) else (batch,)
-            self._current = BatchCalls(None, batch, [], batch_idx, versions(flat, None))
-        else:
-            self._current = BatchCalls(batch=batch)
+    def start_batch(self, batch: Any) -> None:
+        """Record this training batch's calls from now on."""
+        self._current = BatchCalls(batch=batch)
 
     def add_loss(self, loss: Tensor) -> None:
         """A loss of this batch (a GAN backpropagates two)."""
@@ -208,50 +193,18 @@ class OriginFinder:
             return {"phase": "input"}
         if self._module is None:
             return None  # not replayed (a sharded model: only the batch is told)
-        losses = record.losses
         try:
             with replay_scope():
-                if record.calls is None:
-                    born, losses = self._rerun(record)
-                else:
-                    born = self._replay(record.calls)
+                born = self._replay(record.calls)
         except _Unknown:
             return None
         if born is not None:
             return born
-        if any(nonfinite_kind(loss.detach()) is not None for loss in losses):
+        if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
             return {"phase": "loss"}
         if self._accumulating:
             return None  # an earlier micro-batch of the update may have made them: not replayed
         return {"phase": "backward"}
-
-    def _rerun(self, record: BatchCalls) -> tuple[Optional[Origin], list[Tensor]]:
-        """Run the batch's ``training_step`` again with every frontier module hooked: the origin and the losses."""
-        module = cast(Any, self._module)
-        flat = record.batch if isinstance(record.batch, (list, tuple)) else (record.batch,)
-        if versions(flat, None) != record.versions:
-            raise _Unknown  # the step changed its batch in place: a rerun would not see what the batch saw
-        found: list[Origin] = []
-        frontier = list(call_frontier(module))
-
-        def before(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            kind = nonfinite_kind((args, kwargs), masks=True)
-            if kind is not None:  # made between the modules: the LightningModule's own code
-                found.append({"phase": "forward", "module": "", "kind": kind})
-                raise _Found
-
-        handles = [called.register_forward_pre_hook(before, with_kwargs=True) for _, called in frontier]
-        try:
-            with self._hooked(frontier, found), _no_logging(module), _tensor_hooks_kept(list(module.parameters())):
-                try:
-                    output = module.training_step(record.batch, record.batch_idx)
-                except _Found:
-                    return found[0], []
-        finally:
-            for handle in handles:
-                handle.remove()
-        loss = output.get("loss") if isinstance(output, dict) else output
-        return None, [loss] if isinstance(loss, Tensor) else []
 
     def _replay(self, calls: list[Any]) -> Optional[Origin]:
         """Replay the recorded calls with every module hooked; the first module that made inf/nan."""
@@ -381,7 +334,12 @@ def _recompute_in_float32(mod: torch.nn.Module, args: Any, kwargs: Any, device_t
 
 
 @contextlib.contextmanager
-def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]:
+def leaves_no_trace(
+    module: torch.nn.Module,
+    device_type: str,
+    what: str = "`OriginFinder`: a module's forward",
+    hint: str = "`NaNSkipReporter(find_origin=False)` for a model whose forward writes its parameters",
+) -> Iterator[None]:
     """Run a replay that leaves ``module`` as it found it.
 
     Restored afterwards: the random-number state, every buffer's values (running statistics updated in place), every
@@ -398,6 +356,7 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
         if not key.startswith("_") and isinstance(value, _CONTAINERS)
     ]
     host_rng = host_random_state()
+    generators = [(g, g.get_state()) for m in modules for g in vars(m).values() if isinstance(g, torch.Generator)]
     values = [(t, t.detach().clone()) for t in _held_tensors(modules)]
     params = [(p, p._version) for p in module.parameters()]
     devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
@@ -428,11 +387,12 @@ def leaves_no_trace(module: torch.nn.Module, device_type: str) -> Iterator[None]
                 if not _unchanged(container, content):
                     _restore_into(container, content)
             set_host_random_state(host_rng)
+            for generator, state in generators:  # a module's own random stream (`torch.randn(..., generator=g)`)
+                generator.set_state(state)
     changed = [p for p, version in params if p._version != version]
     if changed:
         raise RuntimeError(
-            f"`OriginFinder`: a module's forward changed {len(changed)} parameter(s) in place during the origin"
-            " replay. HINT: `NaNSkipReporter(find_origin=False)` for a model whose forward writes its parameters."
+            f"{what} changed {len(changed)} parameter(s) in place during a replay, which cannot undo it. HINT: {hint}."
         )
 
 

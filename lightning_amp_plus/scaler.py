@@ -403,12 +403,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Whether the last :meth:`update` is known on the host to have left the scale unchanged (no sync)."""
         return self._scale_kept
 
-    def update(self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None) -> None:
+    def update(
+        self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None, known: bool | None = None
+    ) -> None:
         """Apply the bounded hysteresis rule for the cycle that just ended (on the device, no host sync).
 
         When the host already knows the cycle was clean and the growth tracker does not reach ``growth_interval``,
-        the rule's outcome is "the growth tracker counts one more": that one op is all it runs. ``found_inf``: the
-        cycle's combined flag when the caller holds it already (:meth:`found_inf`).
+        the rule's outcome is "the growth tracker counts one more": that one op is all it runs. ``found_inf`` and
+        ``known``: the cycle's combined flag (:meth:`found_inf`) or its known outcome (:meth:`known_outcome`) when
+        the caller has read it already.
         """
         if not self._enabled:
             return
@@ -419,7 +422,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._scale.clamp_(min=self._floor, max=self._max_scale)
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
-        overflowed = self.known_outcome()
+        overflowed = self.known_outcome() if known is None else known
         if overflowed is False and self._host_growth is None:
             # the mirror was lost to a device-decided cycle: read the tracker back once
             self._host_growth = int(growth_tracker.item())
@@ -688,7 +691,9 @@ class NonFiniteChecker(DynamicLossScaler):
             return outputs
         return super().scale(outputs)
 
-    def update(self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None) -> None:
+    def update(
+        self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None, known: bool | None = None
+    ) -> None:
         """End the cycle: forget every optimizer's check (the scale stays 1)."""
         self._scale_kept = True
         self.reset_cycle()

@@ -244,42 +244,120 @@ def test_host_random_state_and_nested_containers_are_left_as_found(diagnostic):
     assert told.augment.recent.maxlen == 3
 
 
-class _HookCounter(TinyModel):
-    """Counts, at every batch, the forward hooks installed on its modules while the batch runs."""
+class _StepSideEffects(TinyModel):
+    """A training step that writes weights in place (an EMA, a clamp), hooks an activation and takes a gradient
+    penalty: code the origin replay must never run again. Its own noise comes from a module-held generator."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.hooks_seen: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        self.hooks_seen.append(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in self.modules()))
-        return super().training_step(batch, batch_idx)
-
-
-def test_clean_steps_install_no_hook_in_automatic_optimization_and_a_skip_is_still_told():
-    model = _HookCounter(poison={3: "inf"})
-    reporter = NaNSkipReporter(max_consecutive_skips=None)
-    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=6).fit(
-        model
-    )
-    assert model.hooks_seen == [0] * 6  # every batch ran hook-free (the replay's own entry was taken back out)
-    assert [r["origin"] for r in reporter.skips] == [{"phase": "loss"}]
-
-
-class _ChangesItsBatch(TinyModel):
-    """Its training step scales the batch in place, and its net overflows at step 2."""
+        self.ema = torch.nn.Linear(8, 16)
+        self.gen = torch.Generator().manual_seed(0)
+        self.steps_seen = 0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        x.mul_(1e6 if self.trainer.global_step == 2 else 1.0)
-        return super().training_step((x, y), batch_idx)
+        x = (x + 0.01 * torch.randn(x.shape, generator=self.gen)).requires_grad_(True)
+        self.steps_seen += 1
+        with torch.no_grad():
+            self.ema.weight.mul_(0.9).add_(0.1 * self.net[0].weight)  # an in-place parameter write
+        h = self.net[0](x)
+        h.register_hook(lambda g: g)  # needs grad
+        (penalty,) = torch.autograd.grad(h.float().sum(), x, create_graph=True)  # needs grad
+        loss = torch.nn.functional.mse_loss(self.net[2](torch.relu(h)).float(), y) + 1e-6 * penalty.pow(2).mean()
+        kind = self.poison.get(self.trainer.global_step)
+        return loss * float(kind) if kind is not None else loss
 
 
-def test_a_step_that_changes_its_batch_in_place_has_no_origin():
-    """A rerun would not start from the batch the step saw: the origin says it cannot tell."""
-    reporter = NaNSkipReporter(max_consecutive_skips=None)
-    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**16)], callbacks=[reporter], max_steps=4).fit(
-        _ChangesItsBatch()
-    )
-    assert reporter.skipped_steps == [2]
-    assert reporter.skips[0]["origin"] is None  # a rerun would start from the scaled batch: it cannot tell
+def test_the_replay_runs_modules_only_never_the_training_steps_own_code():
+    def run(find_origin):
+        torch.manual_seed(0)
+        model = _StepSideEffects(poison={2: "inf", 4: "nan"})
+        reporter = NaNSkipReporter(max_consecutive_skips=None, find_origin=find_origin)
+        plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=6).fit(model)
+        return model, reporter
+
+    model, reporter = run(True)
+    assert [r["origin"] for r in reporter.skips] == [{"phase": "loss"}, {"phase": "loss"}]
+    assert model.steps_seen == 6  # the step's code ran once a batch, skipped batches included
+    plain, _ = run(False)
+    for (name, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name  # the EMA written once, the module's generator as it was: bit-identical
+    assert torch.equal(model.gen.get_state(), plain.gen.get_state())
+
+
+class _Noise(nn.Module):
+    """Adds noise from a generator it holds (a replayed module draws from it again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        return x + 0.01 * torch.randn(x.shape, generator=self.gen)
+
+
+class _OwnNoise(TinyModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = _Noise()
+
+    def forward(self, x):
+        return self.net(self.noise(x))
+
+
+def test_a_replay_gives_back_a_modules_own_random_stream():
+    def run(find_origin):
+        torch.manual_seed(0)
+        model = _OwnNoise(poison={2: "inf"})
+        reporter = NaNSkipReporter(find_origin=find_origin)
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=5).fit(
+            model
+        )
+        return model
+
+    replayed, plain = run(True), run(False)
+    assert torch.equal(replayed.noise.gen.get_state(), plain.noise.gen.get_state())
+    assert all(torch.equal(a, b) for a, b in zip(replayed.parameters(), plain.parameters(), strict=True))
+
+
+class _Clamped(nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-10.0, 10.0)  # writes its own parameter in place, every call
+        return super().forward(x)
+
+
+class _ClampsInForward(TinyModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net[0] = _Clamped(8, 16)
+
+
+class _EmaInStep(TinyModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ema = nn.Linear(8, 16)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.ema.weight.mul_(0.9).add_(0.1 * self.net[0].weight)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_replay_that_would_write_parameters_stops_the_run_naming_who_wrote_and_the_way_out(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_amp_plus import GradUnderflowMonitor
+
+    with pytest.raises(RuntimeError, match=r"^`OriginFinder`: a module's forward changed 1 .*find_origin=False"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[NaNSkipReporter()], max_steps=4).fit(
+            _ClampsInForward(poison={1: "inf"})
+        )
+    with pytest.raises(RuntimeError, match=r"^`GradUnderflowMonitor`: the float32 reference.*exact=False"):
+        make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed")],
+            callbacks=[GradUnderflowMonitor(every_n_steps=1)],
+            logger=CSVLogger(tmp_path),
+            max_steps=2,
+        ).fit(_EmaInStep())

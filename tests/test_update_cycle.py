@@ -525,3 +525,22 @@ def test_the_history_counts_streaks_over_updates_and_keeps_them_across_a_checkpo
     assert restored.streak_at(70) == 4  # the streak continues across the checkpoint
     with pytest.raises(ValueError, match=r"streak_at\(step=30\)` is invalid: step 30 was not skipped"):
         history.streak_at(30)
+
+
+def test_the_plugin_and_callbacks_pickle_after_a_fit_and_the_copy_starts_afresh(tmp_path):
+    """ddp_spawn and checkpointing tools pickle them; a finished fit's Trainer must not stand in the way."""
+    import pickle
+
+    from lightning_amp_plus import LossScaleMonitor, NaNSkipReporter
+
+    plugin, monitor, reporter = AmpPlusPrecision("16-mixed", init_scale=1024.0), LossScaleMonitor(), NaNSkipReporter()
+    make_trainer(plugins=[plugin], callbacks=[monitor, reporter], max_steps=4, logger=CSVLogger(tmp_path)).fit(
+        TinyModel(poison={1: "inf"})
+    )
+    assert reporter.skipped_steps == [1]
+    copies = pickle.loads(pickle.dumps((plugin, monitor, reporter)))
+    assert copies[2].skipped_steps == [1]  # the state travels
+    make_trainer(plugins=[copies[0]], callbacks=list(copies[1:]), max_steps=2, logger=CSVLogger(tmp_path)).fit(
+        TinyModel()
+    )
+    assert copies[2].skipped_steps == []  # a new Trainer's fit starts afresh

@@ -15,12 +15,12 @@ from torch import Tensor
 
 from lightning_amp_plus.callbacks._common import all_reduce_, distributed
 from lightning_amp_plus.origins import (
-    _no_logging,
-    _tensor_hooks_kept,
     host_random_state,
     leaves_no_trace,
+    no_logging,
     replay_scope,
     set_host_random_state,
+    tensor_hooks_kept,
 )
 
 
@@ -56,9 +56,14 @@ def float32_gradients(
     """
     with (
         replay_scope(),
-        leaves_no_trace(module, device_type),
-        _tensor_hooks_kept(list(module.parameters())),
-        _no_logging(module),
+        leaves_no_trace(
+            module,
+            device_type,
+            what="`GradUnderflowMonitor`: the float32 reference's `training_step`",
+            hint="`GradUnderflowMonitor(exact=False)` for a step that writes parameters in place (an EMA update)",
+        ),
+        tensor_hooks_kept(list(module.parameters())),
+        no_logging(module),
         torch.autocast(device_type, enabled=False),
         torch.enable_grad(),
     ):

@@ -76,6 +76,8 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
         self._plugin: Optional[AmpPlusPrecision] = None  # set at setup, with the two below
         self._stock: Any = None  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
         self._interval = 50
+        self._next_log_after: Optional[int] = None
+        self._next_log = 0
         self._bar: dict[str, str] = {}  # what the progress bar shows, refreshed at the logging points
         self._bar_owner: Any = None  # the progress bar whose `get_metrics` shows them
         # what was logged: a new fit resets it (`reset`), a resumed fit then loads its checkpoint
@@ -94,6 +96,7 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
         self._plugin = None
         self._stock = None
         self._interval = logging_interval(trainer, self.logging_interval)
+        self._next_log_after = None  # `_logged_upto` when `_next_log` was computed
         plugin = trainer.strategy.precision_plugin
         if isinstance(plugin, (MixedPrecision, FSDPPrecision)) and not isinstance(plugin, AmpPlusPrecision):
             self._stock = plugin
@@ -129,7 +132,10 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
         last = self._plugin.history.last_step
         if last is None or last <= self._logged_upto:
             return
-        if last >= next_logging_step(self._logged_upto, self._interval):  # crossed Lightning's point
+        if self._next_log_after != self._logged_upto:  # the next logging step, computed once per logging point
+            self._next_log_after = self._logged_upto
+            self._next_log = next_logging_step(self._logged_upto, self._interval)
+        if last >= self._next_log:  # crossed Lightning's point
             self._log_until(trainer, last)
             history = self._plugin.history
             self._show(pl_module, history.scale_at(last) if history.scaled else None, float(self._skipped_logged))

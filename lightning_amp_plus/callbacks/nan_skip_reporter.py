@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
@@ -40,7 +39,6 @@ from lightning_amp_plus.callbacks._skip_text import describe, plural
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent
 from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
-from lightning_amp_plus.scaler import steps_on_device
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -224,14 +222,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self._unhook()
         if self.find_origin and not self._sharded:  # sharded: a replay would need every rank's collectives
             accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
-            self.origins.attach(
-                pl_module,
-                trainer.precision_plugin.forward_context,
-                accumulating=accumulating,
-                # a skip known at once reruns the step; one told a batch later (fused) needs the calls as they ran
-                replay_step=pl_module.automatic_optimization
-                and (self.sync_fused or not any(steps_on_device(resolve_optimizer(o)) for o in trainer.optimizers)),
-            )
+            self.origins.attach(pl_module, trainer.precision_plugin.forward_context, accumulating=accumulating)
 
     # ------------------------------------------------------------------ where non-finite values are born
     def _unhook(self) -> None:
@@ -245,7 +236,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         if self._device_probe.held_step is not None:  # the previous batch's fused skip: its parameters are unchanged
             self._device_probe.look(self._origin, wait=False)
         if self.find_origin:
-            self.origins.start_batch(batch, batch_idx)
+            self.origins.start_batch(batch)
 
     def _origin(self, calls: Optional[BatchCalls] = None) -> Optional[dict[str, Any]]:
         """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told."""
