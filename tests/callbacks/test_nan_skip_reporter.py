@@ -970,3 +970,17 @@ def test_every_declared_field_is_the_attribute_the_callback_uses_and_reset_renew
         assert after == value or type(after) is type(value), name
         if isinstance(value, (list, dict, set)) or hasattr(value, "__dict__"):
             assert after is not value, name  # a fresh container per fit, never the last fit's
+
+
+def test_a_checkpoint_without_a_newer_field_loads_that_field_at_its_default():
+    """An older version's checkpoint lacks the fields added since: they start at their defaults, the rest loads."""
+    from lightning_amp_plus import LossScaleMonitor
+
+    monitor = LossScaleMonitor()
+    monitor._growths, monitor._steps_logged = 3, 9
+    state = monitor.state_dict()
+    del state["steps_logged"]
+    fresh = LossScaleMonitor()
+    fresh._steps_logged = 5  # what a previous fit left
+    fresh.load_state_dict(state)
+    assert (fresh._growths, fresh._steps_logged) == (3, 0)
