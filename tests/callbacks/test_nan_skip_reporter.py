@@ -984,3 +984,18 @@ def test_a_checkpoint_without_a_newer_field_loads_that_field_at_its_default():
     fresh._steps_logged = 5  # what a previous fit left
     fresh.load_state_dict(state)
     assert (fresh._growths, fresh._steps_logged) == (3, 0)
+
+
+def test_an_offender_counter_names_what_it_was_not_told_about_and_keeps_a_skipped_steps_count():
+    from lightning_amp_plus.callbacks._offenders import OffenderCounter
+
+    counter = OffenderCounter()  # not tracking any module yet: a parameter is named by its shape
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    param.grad = torch.tensor([float("inf"), float("nan")])
+    assert counter.of([opt]) == [{"name": "<unnamed (2,)>", "inf": 1, "nan": 1}]
+    counter.at_skipped_step(opt)
+    param.grad = torch.zeros(2)  # zeroed before the update closed (a GAN's step)
+    assert counter.of([opt]) == [{"name": "<unnamed (2,)>", "inf": 1, "nan": 1}]  # as counted at the skip
+    counter.clear()
+    assert counter.of([opt]) == []
