@@ -137,15 +137,7 @@ class OriginFinder:
                 current = self._current
                 if current is None or _replays[0]:  # training batches only, not replays
                     return
-                seen = []  # the inputs' version counters, flat arguments without a nested call
-                for arg in args:
-                    if isinstance(arg, Tensor):
-                        seen.append(arg._version)
-                    elif isinstance(arg, (list, tuple, dict)):
-                        seen.extend(t._version for t in tensors(arg))
-                if kwargs:
-                    seen.extend(t._version for t in tensors(kwargs))
-                current.calls.append((name, mod, args, kwargs, seen))
+                current.calls.append((name, mod, args, kwargs, versions(args, kwargs)))
 
             self._handles.append(called.register_forward_pre_hook(keep, with_kwargs=True))
 
