@@ -101,7 +101,7 @@ def no_logging(module: Any) -> Iterator[None]:
 class OriginFinder:
     """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
 
-    Clean steps cost one Python call per call of a recorded module (its inputs kept by reference until the batch
+    Clean steps cost two Python calls per call of a recorded module (its inputs kept by reference until the batch
     ends; no device op, no sync). Use
     :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training
     batch, and :meth:`origin` on a skip.
