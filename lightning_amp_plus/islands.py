@@ -67,7 +67,9 @@ def _cast_inputs(value: Any) -> Any:
     return map_tensors(_to_float32, value)
 
 
-def _fp32_forward(original: Any, device_type: str) -> Any:
+def fp32_forward(original: Any, device_type: str) -> Any:
+    """``original`` (a module's forward) run with autocast disabled and its half-float inputs made float32."""
+
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type, enabled=False):
@@ -136,7 +138,7 @@ class Fp32Islands:
         for name in names:
             module = modules[name]
             previous = module.__dict__.get("forward")
-            module.forward = _fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
+            module.forward = fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
             self._installed.append((module, previous))
         # reported as the user wrote them (a compiled submodule's `_orig_mod.` dropped): the names every report uses
         self.names = list(dict.fromkeys(clean_name(name) for name in names))

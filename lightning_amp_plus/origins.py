@@ -1,110 +1,79 @@
-"""OriginFinder: where a skipped update's inf/nan were born, told by replaying the batch's calls on a skip.
+"""OriginFinder: where a skipped update's inf/nan were born, read from what the step computed.
 
-One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``): it keeps,
-by reference, the calls of the modules the LightningModule calls (its children; the children of a container such
-as ``nn.ModuleList``, which is never called itself), and on a skipped update replays them eagerly under autocast
-with every module hooked, without grad. Only the modules run again, never ``training_step``: code there (an EMA
-update, weight clamping, a gradient penalty, a write to a file) runs once. The replay leaves the model as it found
-it: the random-number state (global and a module's own ``torch.Generator``), every buffer (in place or assigned),
-every attribute a module assigns. The first module whose inputs were finite and whose output was not is recomputed
-in float32: an fp16 overflow is finite there, a NaN the model makes in any precision (an all-masked attention row,
-``log(0)``) is not, and the origin says which.
+One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``). On every
+training batch it keeps, by reference, the calls of the modules the LightningModule calls (its children; the children
+of a container such as ``nn.ModuleList``): their inputs, their outputs, and torch's random state after each. On a
+skipped update it reads them: the first call whose inputs were finite and whose output was not is where the values
+were born, and only that call is replayed, in a :func:`~lightning_amp_plus.sandbox.sandboxed` copy of the model from
+the random state it started from, with every module inside it hooked, to name the module inside. The replay must
+give back the very output the step computed; when it does not (a module that draws from a stream the step's start
+did not record), the origin says so instead of naming a module. The module found is recomputed in float32 (an fp16
+overflow is finite there; a NaN the model makes in any precision is not), and for an overflow the replay is run
+again with that module in float32, and then the next one the value overflows in, until the call's output is finite:
+the islands a fix needs, measured. ``training_step`` is never run again, and nothing here raises into training: a
+replay that fails is told (``{"phase": "unknown", "reason": ...}``).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy as copy_module
-import random
-import sys
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolve_module
 from lightning_amp_plus._tree import map_tensors, tensors
+from lightning_amp_plus.islands import fp32_forward
+from lightning_amp_plus.sandbox import (
+    StepStart,
+    _replays,
+    attempt,
+    capture,
+    copied_inputs,
+    give_back,
+    global_streams,
+    holds_state,
+    reach,
+    sandboxed,
+)
 
-#: an origin: ``{"phase": "input" | "forward" | "loss" | "backward", ...}`` (see :meth:`OriginFinder.origin`)
+#: an origin: ``{"phase": "input" | "forward" | "loss" | "backward" | "unknown", ...}`` (:meth:`OriginFinder.origin`)
 Origin = dict[str, Any]
 
-_replays = [0]  # replays in progress (other callbacks' hooks ignore their calls)
-
-
-def replaying() -> bool:
-    """Whether a replay is running: module hooks that record or measure a batch ignore the calls it makes."""
-    return _replays[0] > 0
-
-
-@contextlib.contextmanager
-def replay_scope() -> Iterator[None]:
-    """Mark the calls made inside as a replay's (an origin replay, a float32 reference), not the batch's."""
-    _replays[0] += 1
-    try:
-        yield
-    finally:
-        _replays[0] -= 1
+#: modules put in float32 one after the other, at most, to find the islands an overflow needs (then: bf16)
+MAX_ISLANDS = 4
 
 
 @dataclass
 class BatchCalls:
-    """One batch's recorded calls (name, module, args, kwargs, the inputs' version counters), batch and losses."""
+    """One batch's record: the batch, its module calls, its losses and the random state it started with.
 
-    calls: list[tuple[str, torch.nn.Module, Any, Any, list[int]]] = field(default_factory=list)
+    A call is ``(name, module, args, kwargs, output, versions, torch_state, cuda_state)``: the states are torch's
+    generators' after the call (the next call's start).
+    """
+
     batch: Any = None
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
     losses: list[Tensor] = field(default_factory=list)
+    start: Optional[tuple[Tensor, Optional[Tensor], Optional[list[tuple[Any, Any]]]]] = None
 
 
-class _Unknown(Exception):
-    """The replay cannot tell: an input was changed in place after its call (not as it ran)."""
-
-
-class _Found(BaseException):
-    """The origin is found: the replay stops there (a BaseException: a model's ``except Exception`` lets it pass)."""
-
-
-@contextlib.contextmanager
-def tensor_hooks_kept(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Hooks the recomputed step registers on parameters (``param.register_hook``) are gone afterwards."""
-    kinds = ("_backward_hooks", "_post_accumulate_grad_hooks")
-    saved = [(p, kind, getattr(p, kind, None)) for p in params for kind in kinds]
-    copies = [dict(hooks) if hooks is not None else None for _, _, hooks in saved]
-    try:
-        yield
-    finally:
-        for (param, kind, hooks), copy in zip(saved, copies, strict=True):
-            if hooks is None:
-                if getattr(param, kind, None) is not None:
-                    setattr(param, kind, None)
-            else:
-                hooks.clear()
-                hooks.update(copy)
-
-
-@contextlib.contextmanager
-def no_logging(module: Any) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` do nothing inside (the batch already logged its values)."""
-
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    module.log, module.log_dict = ignore, ignore
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
+def unknown(reason: str) -> Origin:
+    """The told outcome of a replay that could not tell (it raised, or the step changed what it needs)."""
+    return {"phase": "unknown", "reason": reason}
 
 
 class OriginFinder:
     """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
 
-    Clean steps cost two Python calls per call of a recorded module (its inputs kept by reference until the batch
-    ends; no device op, no sync). Use
-    :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training
-    batch, and :meth:`origin` on a skip.
+    Clean steps cost two Python calls per call of a recorded module (its inputs and output kept by reference until
+    the batch ends, torch's random state read on the host; no device op, no sync). Use :meth:`attach` at fit start,
+    :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training batch, and :meth:`origin` on a
+    skip.
 
     Example:
         >>> import torch
@@ -119,6 +88,9 @@ class OriginFinder:
         self._forward_context: Callable[[], Any] = contextlib.nullcontext
         self._current: Optional[BatchCalls] = None
         self._accumulating = False
+        self._device_type = "cpu"
+        self._owned: list[Any] = []
+        self._cuda_state: Optional[Callable[[], Tensor]] = None
 
     # ------------------------------------------------------------------ recording
     def attach(self, module: torch.nn.Module, forward_context: Callable[[], Any], accumulating: bool = False) -> None:
@@ -131,15 +103,32 @@ class OriginFinder:
         self._module = module
         self._forward_context = forward_context
         self._accumulating = accumulating
+        self._device_type = _device_type(module)
+        self._owned = reach(module).streams  # each batch starts them where the step does: a replay draws alike
+        cuda = self._device_type == "cuda" and torch.cuda.is_available()
+        self._cuda_state = torch.cuda.default_generators[torch.cuda.current_device()].get_state if cuda else None
+        cpu_state = torch.default_generator.get_state
         for name, called in call_frontier(module):
 
-            def keep(mod: torch.nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+            def keep(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
                 current = self._current
-                if current is None or _replays[0]:  # training batches only, not replays
+                if current is None or _replays[0]:  # training batches only, not replays (read inline: no call)
                     return
-                current.calls.append((name, mod, args, kwargs, versions(args, kwargs)))
+                cuda_state = self._cuda_state
+                current.calls.append(
+                    (
+                        name,
+                        mod,
+                        args,
+                        kwargs,
+                        output,
+                        versions(args, kwargs, output),
+                        cpu_state(),
+                        cuda_state() if cuda_state is not None else None,
+                    )
+                )
 
-            self._handles.append(called.register_forward_pre_hook(keep, with_kwargs=True))
+            self._handles.append(called.register_forward_hook(keep, with_kwargs=True))
 
     def detach(self) -> None:
         """Stop recording; forget the batch."""
@@ -149,8 +138,11 @@ class OriginFinder:
         self._current = None
 
     def start_batch(self, batch: Any) -> None:
-        """Record this training batch's calls from now on."""
-        self._current = BatchCalls(batch=batch)
+        """Record this training batch's calls from now on, and the random state it starts with."""
+        owned = capture(self._owned) if self._owned else None
+        cuda_state = self._cuda_state
+        start = (torch.default_generator.get_state(), cuda_state() if cuda_state is not None else None, owned)
+        self._current = BatchCalls(batch=batch, start=start)
 
     def add_loss(self, loss: Tensor) -> None:
         """A loss of this batch (a GAN backpropagates two)."""
@@ -171,103 +163,275 @@ class OriginFinder:
     def origin(self, record: Optional[BatchCalls] = None) -> Optional[Origin]:
         """Where ``record``'s (default: this batch's) non-finite values were born; None when it cannot be told.
 
-        ``{"phase": "input"}``: the batch held inf/nan. ``{"phase": "forward", "module": name, "kind": "inf"|"nan",
-        "float32": "finite"|"nonfinite"}``: the first module (in execution order) whose inputs were finite and whose
-        output was not; ``module`` is ``""`` for the LightningModule's own code between its modules; ``float32``
-        says what the module returned recomputed in float32 (``"finite"``: an fp16 overflow; ``"nonfinite"``: no
-        precision avoids it). ``{"phase": "loss"}``: every module output finite, the loss not. ``{"phase":
-        "backward"}``: forward and loss finite (the gradients overflowed).
+        * ``{"phase": "input"}``: the batch held inf/nan, and they reached the model (a module's inputs or the loss);
+        * ``{"phase": "forward", "module": name, "kind": "inf"|"nan", "float32": "finite"|"nonfinite"|"unknown",
+          "islands": [...]}``: the first module (in execution order) whose inputs were finite and whose output was
+          not (``""``: the LightningModule's own code between its modules). ``float32``: its output recomputed in
+          float32 (``"finite"``: an fp16 overflow; ``"nonfinite"``: no precision avoids it); ``islands``, for an
+          overflow: the modules that had to run in float32 for the call's output to be finite, measured by replay
+          (None: more than :data:`MAX_ISLANDS`). When the replay could not be made to compute what the step computed,
+          ``module`` is None, ``within`` names the module call that made them and ``reason`` says why;
+        * ``{"phase": "loss"}``: every module output finite, the loss not;
+        * ``{"phase": "backward"}``: forward and loss finite;
+        * ``{"phase": "unknown", "reason": ...}``: it could not be told (the replay raised, say).
         """
         record = record if record is not None else self._current
         if record is None or record.batch is None:
             return None
-        if nonfinite_kind(record.batch) is not None:
-            return {"phase": "input"}
+        in_batch = nonfinite_kind(record.batch) is not None
         if self._module is None:
-            return None  # not replayed (a sharded model: only the batch is told)
-        try:
-            with replay_scope():
-                born = self._replay(record.calls)
-        except _Unknown:
-            return None
-        if born is not None:
-            return born
+            return {"phase": "input"} if in_batch else None  # not replayed (a sharded model): only the batch is told
+        told, error = attempt(lambda: self._tell(record, in_batch))
+        return unknown(f"telling it raised {error}") if error is not None else told
+
+    def _tell(self, record: BatchCalls, in_batch: bool) -> Optional[Origin]:
+        for index, (name, _, args, kwargs, output, kept, _, _) in enumerate(record.calls):
+            if versions(args, kwargs, output) != kept:
+                return unknown(f"the step changed the inputs or the output of {name} in place after the call")
+            kind = nonfinite_kind((args, kwargs), masks=not in_batch)  # the batch's own -inf is no mask
+            if kind is not None:  # made before this call: by the batch, or the LightningModule's own code
+                return {"phase": "input"} if in_batch else {"phase": "forward", "module": "", "kind": kind}
+            if nonfinite_kind(output) is not None:
+                born = self._inside(record, index)
+                if born is not None:  # else: only masks (-inf by design) left the call
+                    return self._with_later_births(record, index, born)
         if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
-            return {"phase": "loss"}
+            return {"phase": "input"} if in_batch else {"phase": "loss"}
         if self._accumulating:
-            return None  # an earlier micro-batch of the update may have made them: not replayed
+            return None  # an earlier micro-batch of the update may have made them: not recorded
         return {"phase": "backward"}
 
-    def _replay(self, calls: list[Any]) -> Optional[Origin]:
-        """Replay the recorded calls with every module hooked; the first module that made inf/nan."""
-        found: list[Origin] = []
-        with self._hooked([(name, called) for name, called, _, _, _ in calls], found):
-            for _, called, args, kwargs, kept in calls:
-                if versions(args, kwargs) != kept:
-                    raise _Unknown  # changed in place after the call (by the module itself, maybe)
-                kind = nonfinite_kind((args, kwargs), masks=True)
-                if kind is not None:  # made between the recorded modules: the LightningModule's own code
-                    return {"phase": "forward", "module": "", "kind": kind}
-                with contextlib.suppress(_Found):
-                    resolve_module(called)(*args, **kwargs)
-                if found:
-                    return found[0]
+    def _with_later_births(self, record: BatchCalls, index: int, born: Origin) -> Origin:
+        """``born`` with the islands of every later call that also made inf/nan from finite inputs (on its own).
+
+        An island fix must cover each module whose float16 output overflows in the step, not only the first.
+        """
+        if born.get("islands") is None:
+            return born
+        islands = list(born["islands"])
+        for later in range(index + 1, len(record.calls)):
+            _, _, args, kwargs, output, _, _, _ = record.calls[later]
+            if nonfinite_kind((args, kwargs), masks=True) is not None or nonfinite_kind(output) is None:
+                continue  # it took in what an earlier call made, or made nothing
+            also = self._inside(record, later)
+            if also is None:
+                continue
+            if also.get("islands") is None:
+                return {**born, "islands": None}
+            islands.extend(i for i in also["islands"] if i not in islands)
+        return {**born, "islands": islands}
+
+    def _inside(self, record: BatchCalls, index: int) -> Optional[Origin]:
+        """Replay call ``index`` to name the module inside it that made its non-finite output."""
+        name, _, _, _, output, _, _, _ = record.calls[index]
+        first = self._replay(record, [index], islands=[])
+        if first.error is not None:
+            return unknown(f"the replay of {name} raised {first.error}")
+        if not same_values(first.outputs[0], output):
+            return {
+                "phase": "forward",
+                "module": None,
+                "within": name,
+                "kind": nonfinite_kind(output),
+                "reason": f"nondeterministic: the replay of {name} computed other values than the step",
+            }
+        if first.found is None:
+            return None
+        born: Origin = {"phase": "forward", **first.found}
+        if born["float32"] == "finite":
+            born["islands"] = self._islands(record, index, first.found["module"])
+        return born
+
+    def _islands(self, record: BatchCalls, index: int, module: str) -> Optional[list[str]]:
+        """The modules that must run in float32, ``module`` first, for what the call made to stay finite (measured).
+
+        The replay follows what the call returned into every later call that took it in as it came (``x =
+        layer(x)``), so an island whose float32 output the next module casts back to float16 is seen to move the
+        overflow there, and that module joins. None when more than :data:`MAX_ISLANDS` are needed, or when the
+        value, finite in float32, does not fit float16 while the LightningModule's own code passed something made
+        of it to a later call (where it may be cast to float16 again: an island cannot be shown to fix it).
+        """
+        chain = self._chain(record, index)
+        unseen = any(
+            nonfinite_kind((c[2], c[3]), masks=True) is not None
+            for later, c in enumerate(record.calls)
+            if later > index and later not in chain
+        )
+        islands = [module]
+        while len(islands) <= MAX_ISLANDS:
+            again = self._replay(record, chain, islands)
+            if again.error is not None:
+                return None
+            if again.found is None and nonfinite_kind(again.outputs, masks=True) is None:
+                return islands if not unseen or fits_float16(again.outputs) else None
+            if again.found is None or again.found["float32"] != "finite" or again.found["module"] in islands:
+                return None
+            islands.append(again.found["module"])
         return None
 
-    @contextlib.contextmanager
-    def _hooked(self, called: list[tuple[str, torch.nn.Module]], found: list[Origin]) -> Iterator[None]:
-        """Every module inside ``called`` hooked, the model left as found: the first to make inf/nan goes in ``found``.
+    @staticmethod
+    def _chain(record: BatchCalls, index: int) -> list[int]:
+        """Call ``index`` and every later call that took in, as the very tensor, what a call of the chain returned."""
+        chain = [index]
+        made = {id(t) for t in tensors(record.calls[index][4])}
+        for later in range(index + 1, len(record.calls)):
+            _, _, args, kwargs, output, _, _, _ = record.calls[later]
+            if any(id(t) in made for t in tensors((args, kwargs))):
+                chain.append(later)
+                made.update(id(t) for t in tensors(output))
+        return chain
 
-        Its output is recomputed in float32 on the same inputs, and the run stops there (``_Found``).
+    def _start(self, record: BatchCalls, index: int, first: bool) -> Optional[StepStart]:
+        """The random state call ``index`` started from (the module tree's own streams: for the first call replayed).
+
+        Torch's as the call before it left them (or as the batch began); the streams the tree holds as the batch began.
         """
-        assert self._module is not None
-        owners: dict[int, str] = {}
-        handles: list[Any] = []
-        device_type = _device_type(self._module)
-        recomputing = [False]
+        if record.start is None:
+            return None
+        torch_state, cuda_state, owned = record.start
+        if index > 0:
+            torch_state, cuda_state = record.calls[index - 1][6], record.calls[index - 1][7]
+        return StepStart(torch_state, cuda_state, owned if first else None)
 
-        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if found or recomputing[0]:
-                return
-            kind = nonfinite_kind(output, masks=True)
-            if kind is None or nonfinite_kind((args, kwargs), masks=True) is not None:
-                return
-            recomputing[0] = True
-            try:
-                in_fp32 = _recompute_in_float32(mod, args, kwargs, device_type)
-            finally:
-                recomputing[0] = False
-            found.append({"phase": "forward", "module": owners[id(mod)], "kind": kind, "float32": in_fp32})
-            raise _Found
+    def _replay(self, record: BatchCalls, indices: list[int], islands: list[str]) -> _Replayed:
+        """The calls ``indices`` again, sandboxed, each from its own start, every module in them hooked.
 
+        A later call takes in what an earlier one of them returned in place of what it recorded (``islands``: the
+        modules run in float32, as ``AmpPlusPrecision(fp32_modules=...)`` runs them).
+        """
+        model = self._module
+        assert model is not None
+        calls = [record.calls[i] for i in indices]
+        result = _Replayed()
+
+        def run() -> None:
+            with sandboxed(model, self._device_type, grad=True) as box, torch.enable_grad():
+                frontier = [(c[0], resolve_module(c[1])) for c in calls]  # a compiled module replays eagerly
+                watch = _FirstBorn(frontier, self._device_type, box.streams)
+                replaced: dict[int, Tensor] = {}
+                try:
+                    watch.install(islands)
+                    for position, (index, (_, args, kwargs, recorded)) in enumerate(
+                        zip(indices, [(c[1], c[2], c[3], c[4]) for c in calls], strict=True)
+                    ):
+                        start = self._start(record, index, first=position == 0)
+                        if start is not None:
+                            start.restore()
+                        given = map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
+                        with self._forward_context():
+                            output = frontier[position][1](*copied_inputs(given[0]), **copied_inputs(given[1]))
+                        result.outputs.append(output)
+                        replaced.update(zip(map(id, tensors(recorded)), tensors(output), strict=False))
+                finally:
+                    watch.remove()
+                result.found = watch.found
+
+        _, result.error = attempt(run)
+        return result
+
+
+@dataclass
+class _Replayed:
+    """What a replay of calls gave: their outputs, the first module that made inf/nan in them, or what it raised."""
+
+    outputs: list[Any] = field(default_factory=list)
+    found: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+
+
+class _FirstBorn:
+    """Hooks on every module inside one call: the first whose inputs were finite and whose output was not.
+
+    That module is recomputed in float32 on the inputs it had, from the random state it started with (and the
+    replay's state put back after): an fp16 overflow is finite there; ``-inf`` that float32 makes too is a mask by
+    design, not an origin.
+    """
+
+    def __init__(self, frontier: list[tuple[str, torch.nn.Module]], device_type: str, streams: list[Any]) -> None:
+        self.found: Optional[dict[str, Any]] = None
+        self._names: dict[int, str] = {}
+        self._modules: list[torch.nn.Module] = []
+        for name, inner in frontier:
+            for sub, module in inner.named_modules():
+                if id(module) not in self._names:
+                    self._names[id(module)] = clean_name(f"{name}.{sub}" if sub else name)
+                    self._modules.append(module)
+        self._device_type = device_type
+        self._streams = [*global_streams(device_type), *streams]
+        self._starts: dict[int, list[tuple[Any, list[tuple[Any, Any]], Any]]] = {}
+        self._handles: list[Any] = []
+        self._recomputing = False
+
+    def install(self, islands: list[str]) -> None:
+        """Hook every module; run those named in ``islands`` in float32 (as ``AmpPlusPrecision(fp32_modules)``)."""
+        for module in self._modules:
+            if self._names[id(module)] in islands and "forward" not in vars(module):
+                module.forward = fp32_forward(module.forward, self._device_type)  # type: ignore[method-assign]
+            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []  # the island wrappers go with the sandbox (it puts every attribute back)
+
+    def _pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if self.found is None and not self._recomputing:
+            # a recompute starts where the call did: its random state, and a copy of an argument the call may change
+            before = attempt(lambda: copied_inputs((args, kwargs)))[0] if holds_state((args, kwargs)) else None
+            self._starts.setdefault(id(module), []).append((versions(args, kwargs), capture(self._streams), before))
+
+    def _post(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._recomputing:
+            return
+        starts = self._starts.get(id(module))
+        kept, start, before = starts.pop() if starts else (None, None, None)
+        if self.found is not None or start is None:
+            return
+        kind = nonfinite_kind(output)
+        if kind is None or nonfinite_kind((args, kwargs), masks=True) is not None:
+            return
+        inputs = before  # copies taken before the call, when an argument holds state (a cache the call appends to)
+        if inputs is None and versions(args, kwargs) == kept and not holds_state((args, kwargs)):
+            inputs = (args, kwargs)  # else it changed its own inputs: they are not what it was called with
+        real = nonfinite_kind(output, masks=True) is not None  # +inf or nan: never a mask
+        float32 = "unknown" if inputs is None else self._float32(module, inputs[0], inputs[1], start, masks=real)
+        if not real and float32 != "finite":
+            return  # -inf alone, which float32 makes too: a mask by design
+        self.found = {"module": self._names[id(module)], "kind": kind, "float32": float32}
+
+    def _float32(
+        self, module: torch.nn.Module, args: Any, kwargs: Any, start: list[tuple[Any, Any]], masks: bool
+    ) -> str:
+        """``module`` on the same inputs in float32: ``"finite"``, ``"nonfinite"``, or ``"unknown"`` (it raised)."""
+        now = capture(self._streams)
+        self._recomputing = True
         try:
-            for name, module in called:
-                inner = resolve_module(module)  # a compiled module replays eagerly: no hook inside its graph
-                for sub, child in inner.named_modules():
-                    if id(child) not in owners:
-                        owners[id(child)] = clean_name(f"{name}.{sub}" if sub else name)
-                        handles.append(child.register_forward_hook(post, with_kwargs=True))
-            with (
-                leaves_no_trace(self._module, device_type),
-                torch.no_grad(),
-                self._forward_context(),
-                all_eager(self._module),
-            ):
-                yield
+            give_back(start)
+            with torch.autocast(self._device_type, enabled=False), torch.no_grad():
+                output, error = attempt(lambda: module(*_up(args), **_up(kwargs)))
         finally:
-            for handle in handles:
-                handle.remove()
+            self._recomputing = False
+            give_back(now)
+        if error is not None:
+            return "unknown"
+        return "finite" if nonfinite_kind(output, masks=masks) is None else "nonfinite"
+
+
+def _up(value: Any) -> Any:
+    """A call's arguments copied, half floats made float32 (a recompute never writes what the replay goes on with)."""
+    return map_tensors(lambda t: t.detach().float() if t.is_floating_point() else t.detach().clone(), value)
 
 
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite
-_TELLING = {"input": 0, "loss": 1, "forward": 2, "backward": 3}
+_TELLING = {"input": 0, "loss": 1, "forward": 2, "backward": 3, "unknown": 4}
 
 
 def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
     """The origin of one skipped update from every rank's: the most telling one, with the ``rank`` that saw it.
 
     With DDP every rank skips the update (its gradients are averaged), yet only the rank whose batch, loss or forward
-    made the inf/nan can tell where they were born; the others replay a finite forward and would say "backward".
+    made the inf/nan can tell where they were born; the others see a finite forward and would say "backward".
 
     Example:
         >>> job_origin([{"phase": "backward"}, {"phase": "input"}])
@@ -314,179 +478,11 @@ def _device_type(module: torch.nn.Module) -> str:
     return first.device.type if first is not None else "cpu"
 
 
-def _recompute_in_float32(mod: torch.nn.Module, args: Any, kwargs: Any, device_type: str) -> str:
-    """``"finite"`` when ``mod`` returns finite values in float32 on the same inputs, else ``"nonfinite"``."""
-
-    def up(tensor: Tensor) -> Tensor:
-        return tensor.float() if tensor.is_floating_point() else tensor
-
-    with torch.autocast(device_type, enabled=False):
-        output = mod(*map_tensors(up, args), **map_tensors(up, kwargs))
-    return "finite" if nonfinite_kind(output, masks=True) is None else "nonfinite"
-
-
-@contextlib.contextmanager
-def leaves_no_trace(
-    module: torch.nn.Module,
-    device_type: str,
-    what: str = "`OriginFinder`: a module's forward",
-    hint: str = "`NaNSkipReporter(find_origin=False)` for a model whose forward writes its parameters",
-) -> Iterator[None]:
-    """Run a replay that leaves ``module`` as it found it.
-
-    Restored afterwards: the random-number state, every buffer's values (running statistics updated in place), every
-    buffer, parameter or attribute a module assigned (``self.mean = 0.9 * self.mean + ...``), and tensors held as
-    plain attributes, and the contents of lists and dicts held as attributes (a list of losses, a metric's states).
-    A parameter changed in place is an error (its values were not copied).
-    """
-    modules = list(module.modules())
-    saved = [(m, dict(vars(m)), dict(m._buffers), dict(m._parameters), dict(m._modules)) for m in modules]
-    containers = [
-        (value, _structure(value))
-        for m in modules
-        for key, value in vars(m).items()
-        if not key.startswith("_") and isinstance(value, _CONTAINERS)
-    ]
-    host_rng = host_random_state()
-    generators = [(g, g.get_state()) for m in modules for g in vars(m).values() if isinstance(g, torch.Generator)]
-    values = [(t, t.detach().clone()) for t in _held_tensors(modules)]
-    params = [(p, p._version) for p in module.parameters()]
-    devices = [torch.cuda.current_device()] if device_type == "cuda" and torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for tensor, copy in values:
-                    tensor.copy_(copy)
-            for m, attributes, buffers, parameters, children in saved:
-                stores: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
-                    (m._buffers, buffers),
-                    (m._parameters, parameters),
-                    (m._modules, children),
-                )
-                # only what changed is written back: an untouched dict keeps its version (torch.compile's guards)
-                for store, old in stores:
-                    if not _unchanged(store, old):
-                        store.clear()
-                        store.update(old)
-                for key in [k for k in vars(m) if k not in attributes]:
-                    del m.__dict__[key]
-                for key, value in attributes.items():
-                    if m.__dict__.get(key, _ABSENT) is not value:
-                        m.__dict__[key] = value
-            for container, content in containers:
-                if not _unchanged(container, content):
-                    _restore_into(container, content)
-            set_host_random_state(host_rng)
-            for generator, state in generators:  # a module's own random stream (`torch.randn(..., generator=g)`)
-                generator.set_state(state)
-    changed = [p for p, version in params if p._version != version]
-    if changed:
-        raise RuntimeError(
-            f"{what} changed {len(changed)} parameter(s) in place during a replay, which cannot undo it. HINT: {hint}."
-        )
-
-
-#: the Python containers a replay restores the contents of (nested ones included), as module attributes
-_CONTAINERS = (list, dict, set, collections.deque)
-
-
-def _structure(value: Any) -> Any:
-    """A copy of ``value``'s containers, nested ones too, holding the very same leaves (tensors are not copied)."""
-    if not isinstance(value, _CONTAINERS):
-        return value
-    copy: Any = copy_module.copy(value)  # the same class: a defaultdict keeps its factory, a deque its maxlen
-    if isinstance(value, dict):
-        copy.clear()
-        copy.update({k: _structure(v) for k, v in value.items()})
-    else:
-        _restore_into(copy, [_structure(v) for v in value])
-    return copy
-
-
-_ABSENT = object()
-
-
-def _unchanged(current: Any, saved: Any) -> bool:
-    """Whether ``current`` holds what ``saved`` (its :func:`_structure` copy) holds: alike containers, same leaves."""
-    if not isinstance(saved, _CONTAINERS):
-        return current is saved
-    if type(current) is not type(saved) or len(current) != len(saved):
-        return False
-    if isinstance(saved, dict):
-        now = cast(dict, current)
-        return all(k in now and _unchanged(now[k], v) for k, v in saved.items())
-    if isinstance(saved, set):
-        return current == saved
-    return all(_unchanged(a, b) for a, b in zip(current, saved, strict=True))
-
-
-def _restore_into(container: Any, content: Any) -> None:
-    """Put ``content`` (a :func:`_structure` copy) back into ``container`` in place; nested containers as copied."""
-    container.clear()
-    if isinstance(container, dict):
-        container.update(content)
-    elif isinstance(container, (list, collections.deque)):
-        container.extend(content)
-    else:
-        container.update(content)
-
-
-def host_random_state() -> tuple[Any, Any]:
-    """Python's and (when loaded) numpy's global random state: a replay that draws from them must not move them."""
-    numpy = sys.modules.get("numpy")
-    return random.getstate(), numpy.random.get_state() if numpy is not None else None
-
-
-def set_host_random_state(state: tuple[Any, Any]) -> None:
-    """Put back what :func:`host_random_state` saved."""
-    python_state, numpy_state = state
-    random.setstate(python_state)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and numpy_state is not None:
-        numpy.random.set_state(numpy_state)
-
-
-def _held_tensors(modules: list[torch.nn.Module]) -> list[Tensor]:
-    """Every buffer, and every tensor held as a plain attribute, once each (a replay may change them in place)."""
-    seen: dict[int, Tensor] = {}
-    for m in modules:
-        for value in (*m._buffers.values(), *vars(m).values()):
-            for tensor in tensors(value) if not isinstance(value, torch.nn.Module) else ():
-                if not isinstance(tensor, torch.nn.Parameter):
-                    seen.setdefault(id(tensor), tensor)
-    return list(seen.values())
-
-
-@contextlib.contextmanager
-def all_eager(module: torch.nn.Module) -> Iterator[None]:
-    """Every compiled module in ``module`` runs eagerly inside: a replay's hooks must run, never be traced.
-
-    ``torch.compiler.set_stance("force_eager")`` where torch has it (>= 2.6); before, each ``torch.compile`` wrapper's
-    compiled ``forward`` is set aside for its module's own call, and put back.
-    """
-    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    if set_stance is not None:
-        with set_stance("force_eager"):
-            yield
-        return
-    swapped = [m for m in module.modules() if is_compiled_wrapper(m) and "forward" in vars(m)]
-    saved = [vars(m)["forward"] for m in swapped]
-    try:
-        for wrapper in swapped:
-            wrapper.forward = wrapper._orig_mod.__call__  # type: ignore[method-assign,operator]
-        yield
-    finally:
-        for wrapper, forward in zip(swapped, saved, strict=True):
-            wrapper.forward = forward  # type: ignore[method-assign]
-
-
 def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
 
-    With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design (an overflow to
-    ``-inf`` shows as ``nan`` or ``+inf`` one module later). A batch is checked without.
+    With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design. A batch and
+    a module's output are checked without.
     """
     for tensor in tensors(value):
         if tensor.is_floating_point():
@@ -497,14 +493,54 @@ def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     return None
 
 
-def versions(args: Any, kwargs: Any) -> list[int]:
-    """The version counters of a call's tensors: an in-place change later shows as a different number."""
+def fits_float16(value: Any) -> bool:
+    """Whether every floating tensor in ``value`` fits float16's range (below 65504 in magnitude, ``-inf`` aside)."""
+    for tensor in tensors(value):
+        if tensor.is_floating_point():
+            finite = tensor[torch.isfinite(tensor)]
+            if finite.numel() and bool(finite.abs().max() >= 65504.0):
+                return False
+    return True
+
+
+def same_values(replayed: Any, recorded: Any) -> bool:
+    """Whether a replay computed what the step did: alike tensors, inf/nan in the same places, the rest equal.
+
+    Equal up to a relative 1e-3, for kernels whose float sums are not bitwise repeatable (atomics on a GPU); a replay
+    that drew other random numbers (other dropout masks, another layer dropped) differs far beyond that.
+    """
+    a, b = list(tensors(replayed)), list(tensors(recorded))
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if not x.is_floating_point():
+            if not torch.equal(x, y.to(x.device)):
+                return False
+            continue
+        x, y = x.detach(), y.detach().to(x.device)
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            if not torch.equal(test(x), test(y)):
+                return False
+        finite = torch.isfinite(x)
+        if not torch.allclose(x[finite].float(), y[finite].float(), rtol=1e-3, atol=1e-6):
+            return False
+    return True
+
+
+def versions(args: Any, kwargs: Any, output: Any = None) -> list[int]:
+    """The version counters of a call's tensors (its output's too): an in-place change later shows as another number."""
     found = []
     for arg in args:  # flat arguments, the common case, without a nested call
         if isinstance(arg, Tensor):
             found.append(arg._version)
-        elif isinstance(arg, (list, tuple, dict)):
+        elif isinstance(arg, (list, tuple, dict)) or dataclasses.is_dataclass(arg):
             found.extend(t._version for t in tensors(arg))
     if kwargs:
         found.extend(t._version for t in tensors(kwargs))
+    if isinstance(output, Tensor):
+        found.append(output._version)
+    elif output is not None:
+        found.extend(t._version for t in tensors(output))
     return found

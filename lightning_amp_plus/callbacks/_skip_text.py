@@ -38,6 +38,8 @@ def describe_origin(origin: Optional[dict[str, Any]]) -> str:
         return ""
     phase = origin.get("phase")
     if phase == "forward":
+        if origin.get("module") is None:
+            return f"born in forward of {origin.get('within')} (the module inside: unknown, {origin.get('reason')})"
         where = origin.get("module") or "the LightningModule's own code"
         return f"born in forward of {where} ({origin.get('kind')})"
     if phase == "input":
@@ -45,5 +47,7 @@ def describe_origin(origin: Optional[dict[str, Any]]) -> str:
     if phase == "loss":
         return "born in the loss (every module output was finite)"
     if phase == "backward":
-        return "born in backward (forward and loss finite: the gradients overflowed)"
+        return "born in backward (forward and loss finite)"
+    if phase == "unknown":
+        return f"origin unknown ({origin.get('reason')})"
     return ""

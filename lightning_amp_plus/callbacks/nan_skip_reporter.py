@@ -66,16 +66,18 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     without offenders, unless ``sync_fused=True`` (one host sync per step) asks for them.
 
     **Where non-finite values are born** (``find_origin=True``, Trainer only): ``{"phase": "input"}`` when the batch
-    held inf/nan; ``{"phase": "forward", "module": name, "kind": "inf"|"nan"}`` for the first module (in execution
-    order) whose inputs were finite and whose output was not (``module`` is ``""`` when the LightningModule's own
-    code, between its submodules, made them); ``{"phase": "loss"}`` when every module output was finite but the loss
-    was not; ``{"phase": "backward"}`` when the forward and the loss were finite (the gradients overflowed: the
-    scale did its job). On clean steps this costs one Python call per call of the LightningModule's direct children
-    (their inputs are kept by reference until the batch ends; no device op, no sync). On a skipped step the children's
-    calls of the batch (its last micro-batch under accumulation) are replayed eagerly under autocast with every
-    module hooked, without grad, with the random-number state and the buffers restored. ``None`` when it cannot be
-    told: a skip a fused optimizer decided on the device (``sync_fused=True`` tells it), Fabric, sharded models
-    (FSDP: a replay would need every rank's collectives; there only ``"input"`` is told).
+    held inf/nan that reached the model; ``{"phase": "forward", "module": name, "kind": "inf"|"nan", "float32": ...,
+    "islands": [...]}`` for the first module (in execution order) whose inputs were finite and whose output was not
+    (``module`` is ``""`` when the LightningModule's own code, between its submodules, made them; ``None``, with
+    ``within`` and ``reason``, when a replay could not compute what the step did); ``{"phase": "loss"}`` when every
+    module output was finite but the loss was not; ``{"phase": "backward"}`` when the forward and the loss were
+    finite; ``{"phase": "unknown", "reason": ...}`` when it could not be told (a replay that raised is told, never
+    raised). See :class:`~lightning_amp_plus.origins.OriginFinder`. On clean steps this costs two Python calls per
+    call of the LightningModule's direct children (their inputs and outputs kept by reference until the batch ends;
+    no device op, no sync); on a skipped step the one call that made the values is replayed in a sandbox (stand-in
+    parameters, every random stream given back): the run is bit-identical with and without it. ``None`` when it
+    cannot be told: a skip a fused optimizer decided on the device (``sync_fused=True`` tells it), Fabric, sharded
+    models (FSDP: a replay would need every rank's collectives; there only ``"input"`` is told).
 
     Args:
         max_consecutive_skips: raise :class:`LossScaleCollapseError` after this many skipped steps in a row

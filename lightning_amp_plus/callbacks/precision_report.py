@@ -17,7 +17,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._tree import map_tensors, tensors
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.origins import all_eager, leaves_no_trace, replay_scope, replaying
+from lightning_amp_plus.sandbox import attempt, replaying, sandboxed
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -82,7 +82,7 @@ def lowered_speedup(module: nn.Module, args: Any, kwargs: Any, device_type: str,
             module(*map_tensors(high, args), **map_tensors(high, kwargs))
 
     times: dict[Any, list[float]] = {lowered: [], full: []}
-    with replay_scope(), leaves_no_trace(module, device_type), torch.no_grad():
+    with sandboxed(module, device_type), torch.no_grad():
         for run in range(SPEED_RUNS + 1):
             for variant in (lowered, full):
                 if cuda:
@@ -234,8 +234,8 @@ class PrecisionReport(KnobsRepr, Callback):
         stats = self._stats.setdefault(name, {"module": module, "time": 0.0, "events": [], "compiled": compiled})
 
         def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
-            if replaying():
-                return  # an origin replay's calls are no part of the batch
+            if replaying() and not compiled:
+                return  # an origin replay's calls are no part of the batch (a compiled module's replay is)
             if name not in self._order:
                 self._order.append(name)
             stats["input"] = stats.get("input") or _first_dtype((args, kwargs))
@@ -250,7 +250,7 @@ class PrecisionReport(KnobsRepr, Callback):
                 stats["t0"] = time.perf_counter()
 
         def post(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if replaying():
+            if replaying() and not compiled:
                 return
             if use_events:
                 end = torch.cuda.Event(enable_timing=True)
@@ -283,8 +283,8 @@ class PrecisionReport(KnobsRepr, Callback):
                         full = clean_name(f"{raw_name}.{name}" if name else raw_name)
                         self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
                 # eager, in the compiled call's autocast and grad mode (a forward may call autograd.grad), with every
-                # nested compiled module eager too (no hook may end up inside a graph)
-                with leaves_no_trace(inner, device_type), torch.set_grad_enabled(grad), all_eager(inner):
+                # nested compiled module eager too (no hook may end up inside a graph): the sandbox runs it on stand-ins
+                with sandboxed(inner, device_type, grad=grad), torch.set_grad_enabled(grad):
                     inner(*call_args, **call_kwargs)
             except Exception as error:  # the report never stops training
                 self.skipped_reason = (
@@ -336,7 +336,7 @@ class PrecisionReport(KnobsRepr, Callback):
             if flagged and heavy and island is None and "call" in s:
                 low = torch.bfloat16 if self._precision.startswith("bf16") else torch.float16
                 args, kwargs = s["call"]
-                speedup = lowered_speedup(module, args, kwargs, self._device_type, low)
+                speedup, _ = attempt(lowered_speedup, module, args, kwargs, self._device_type, low)
             s.pop("call", None)  # the inputs are released
             rows.append(
                 {

@@ -1,0 +1,70 @@
+"""Diagnostics on a real Hugging Face GPT-2 (transformers, eager attention, its own key/value cache, dropout 0.1).
+
+One layer's projection is scaled so that its float16 output overflows: the skip's origin must be that layer (the replay
+draws the dropout masks the step drew), the replay must never crash the run (the attention appends to the cache the
+model makes), the run must be bit-identical with the reporter and without it, and the islands the replay measured,
+applied as the fix, must end the skips.
+"""
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
+from tests.helpers.trainer import make_trainer
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+
+class GPT2(LightningModule):
+    def __init__(self):
+        super().__init__()
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+        config._attn_implementation = "eager"
+        self.model = transformers.GPT2LMHeadModel(config)  # dropout 0.1 everywhere, use_cache by default
+        with torch.no_grad():
+            self.model.transformer.h[0].mlp.c_fc.weight.mul_(3e5)  # its float16 output overflows
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _fit(callbacks, fp32_modules=None):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (16, 32))
+    model = GPT2()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0, fp32_modules=fp32_modules)
+    make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=6).fit(
+        model, DataLoader(TensorDataset(ids), batch_size=2)
+    )
+    return model, plugin
+
+
+def test_gpt2_origin_named_through_dropout_without_crash_and_its_islands_end_the_skips():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    told, plugin = _fit([reporter])
+    plain, _ = _fit([])
+    assert plugin.history.num_skipped == 6
+    for (name, a), (_, b) in zip(told.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    islands = set()
+    for record in reporter.skips:
+        origin = record["origin"]
+        assert origin["module"] == "model.transformer.h.0.mlp.c_fc", origin  # the real c_fc output held inf
+        assert origin["float32"] == "finite"
+        # c_fc in float32 only moves the overflow: c_proj casts its output back to float16
+        assert origin["islands"] == ["model.transformer.h.0.mlp.c_fc", "model.transformer.h.0.mlp.c_proj"]
+        islands.update(origin["islands"])
+    _, fixed = _fit([], fp32_modules=sorted(islands))
+    assert fixed.history.num_skipped == 0
+    _, half = _fit([], fp32_modules=["model.transformer.h.0.mlp.c_fc"])
+    assert half.history.num_skipped == 6  # the first island alone, measured: it does not help
