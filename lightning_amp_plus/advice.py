@@ -24,6 +24,7 @@ CODES = (
     "model_nonfinite",
     "fp32_module",
     "bf16",
+    "zero_gradients",
     "init_scale",
     "max_scale",
     "growth_interval",
@@ -134,6 +135,7 @@ def needs_live(figures: RunFigures) -> list[str]:
         "silent_fp32": figures.fp32_rows is None,
         "fused_optimizer": figures.non_fused is None,
         "max_scale": figures.underflow is None or figures.knobs is None,  # needs the measurements and the cap
+        "zero_gradients": figures.underflow is None or any("loss" not in m for m in figures.underflow),  # live only
     }
     return [c for c in CODES if unmeasured.get(c, False)]
 
@@ -302,6 +304,28 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
             {"overflows_at_min_scale": len(at_floor), "first": at_floor[0], "min_scale": min_scale},
         )
     return None
+
+
+def _zero_gradients(figures: RunFigures) -> Optional[Advice]:
+    """Every gradient float16 held exactly zero, at most measurements, while the loss was finite and not zero.
+
+    Without a float32 reference a zero cannot be told flushed from structural, so the figures say only that nothing
+    trained, and how to tell (the reference then gives ``max_scale`` or ``bf16`` advice with its measured scale).
+    """
+    measured = [m for m in figures.underflow or [] if m.get("reference") is None and m.get("zero_fraction") is not None]
+    dead = [m for m in measured if m["zero_fraction"] == 1.0 and m.get("loss") not in (None, 0.0)]
+    if not measured or 2 * len(dead) <= len(measured):
+        return None
+    return Advice(
+        "zero_gradients",
+        f"In {len(dead)} of {len(measured)} measurements every gradient element float16 held was exactly zero while"
+        f" the loss was finite and not zero (e.g. {dead[-1]['loss']:.3g} at step {dead[-1]['step']}, loss scale"
+        f" {_scale(dead[-1]['scale'])}): the optimizer consumed zeros. Either float16 flushed gradients too small for"
+        " this scale, or they are zero in float32 too (the loss does not depend on the weights); measuring once"
+        " against float32 tells which, and the scale that keeps them.",
+        "GradUnderflowMonitor(exact=True)  # a float32 reference: it reruns training_step, sandboxed, every N steps",
+        {"measurements": len(measured), "all_zero": len(dead), "loss": dead[-1]["loss"], "scale": dead[-1]["scale"]},
+    )
 
 
 def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:
@@ -595,7 +619,7 @@ def trailing_streak(figures: RunFigures) -> int:
 
 
 #: the codes that say why updates were skipped (a speed hint does not)
-_EXPLAIN_SKIPS = frozenset(CODES) - {"skip_rate", "silent_fp32", "fused_optimizer"}
+_EXPLAIN_SKIPS = frozenset(CODES) - {"skip_rate", "silent_fp32", "fused_optimizer", "zero_gradients"}
 
 
 def origin_advice(figures: RunFigures) -> Optional[Advice]:
@@ -615,6 +639,7 @@ _RULES = (
     _model_nonfinite,
     _fp32_module,
     _bf16,
+    _zero_gradients,
     _init_scale,
     _max_scale,
     _growth_interval,

@@ -208,6 +208,7 @@ def test_offline_figures_and_what_they_cannot_tell():
         "nonfinite_loss",
         "model_nonfinite",
         "fp32_module",
+        "zero_gradients",
         "max_scale",
         "silent_fp32",
         "fused_optimizer",
@@ -388,7 +389,8 @@ def test_the_healthy_line():
 def test_what_the_offline_figures_cannot_tell():
     live = RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=[], knobs={})
     assert needs_live(live) == []
-    assert needs_live(RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=None, knobs={})) == ["max_scale"]
+    unmeasured = RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=None, knobs={})
+    assert needs_live(unmeasured) == ["zero_gradients", "max_scale"]
     assert needs_live(RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=[], knobs=None)) == ["max_scale"]
     with pytest.raises(ValueError, match=r"amp/loss_scale at step 2 is -5.0: not a loss scale"):
         figures_from_series({"amp/loss_scale": [(0, 4.0), (2, -5.0)]})

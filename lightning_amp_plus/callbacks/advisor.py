@@ -28,7 +28,7 @@ from lightning_amp_plus.callbacks._common import (
     write_text_atomically,
 )
 from lightning_amp_plus.callbacks.grad_underflow_monitor import GradUnderflowMonitor
-from lightning_amp_plus.callbacks.nan_skip_reporter import NaNSkipReporter
+from lightning_amp_plus.callbacks.nan_skip_reporter import LossScaleCollapseError, NaNSkipReporter
 from lightning_amp_plus.callbacks.precision_report import PrecisionReport
 from lightning_amp_plus.scaler import steps_on_device
 
@@ -53,9 +53,12 @@ class AmpAdvisor(KnobsRepr, Callback):
     * writes them to ``report_path`` (Markdown when it ends in ``.md``, JSON when ``.json``);
     * logs the count as ``amp/advice`` to every logger, and the text to TensorBoard (``amp/advice``).
 
-    Its cost on clean steps is that of the callbacks it runs: one Python call per call of the model's direct
-    children (to replay a skipped batch), the underflow measurement every ``log_every_n_steps`` (one host transfer),
-    and one inspected batch. :attr:`figures` keeps what the advice was computed from.
+    It never runs ``training_step`` again: the underflow monitor it runs has no float32 reference (add
+    ``GradUnderflowMonitor(exact=True)`` yourself for one; the advisor reads yours), and every replay it makes (a
+    skip's origin, a flagged layer's speed) runs sandboxed, leaving the run bit-identical. Its cost on clean steps is
+    that of the callbacks it runs: two Python calls per call of the model's direct children (recording them for a
+    skip's origin), the underflow measurement every ``log_every_n_steps`` (one host transfer), and one inspected
+    batch. :attr:`figures` keeps what the advice was computed from.
 
     Args:
         report_path: write the advice here at the end of fit (``.md`` or ``.json``); checked at setup.
@@ -145,7 +148,12 @@ class AmpAdvisor(KnobsRepr, Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish(trainer)
+        try:
+            self._finish(trainer)
+        except LossScaleCollapseError:
+            raise  # the reporter's own collapse check, which the user configured
+        except Exception as error:  # advice never ends a fit that trained
+            warn_at_user(f"`AmpAdvisor`: no advice for this fit ({error!r}).")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

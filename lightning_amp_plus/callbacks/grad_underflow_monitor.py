@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._limits import scale_floor
+from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int, check_prefix
@@ -29,25 +30,77 @@ from lightning_amp_plus.callbacks._common import (
 )
 from lightning_amp_plus.callbacks._reference import BatchState, float32_gradients, why_no_reference
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
+from lightning_amp_plus.sandbox import reach
 from lightning_amp_plus.syncs import to_host
 
 FP16_SMALLEST_NORMAL = 2.0**-14  # below it float16 has fewer than 11 significant bits, down to none at 2**-25
 FP16_MAX = 65504.0
 
 
-def underflow_fraction(below: float, zeros: float, total: float) -> float:
+def underflow_fraction(below: float, zeros: float, total: float) -> Optional[float]:
     """Of the ``total - zeros`` non-zero elements, the fraction of the ``below - zeros`` below the smallest normal.
 
-    The one definition of the underflow figure (whole run, per parameter, logged and warned on).
+    The one definition of the underflow figure (whole run, per parameter, logged and warned on). None when no
+    element is non-zero: a fraction of nothing is undefined, and every gradient being zero is no healthy 0.
 
     Example:
         >>> underflow_fraction(below=40, zeros=30, total=100)  # 30 zeros (left out), 10 of the 70 others subnormal
         0.14285714285714285
-        >>> underflow_fraction(below=5, zeros=5, total=5)  # nothing non-zero: nothing to lose
-        0.0
+        >>> underflow_fraction(below=5, zeros=5, total=5) is None  # nothing non-zero: flushed, or unused
+        True
     """
     nonzero = total - zeros
-    return (below - zeros) / nonzero if nonzero > 0 else 0.0
+    return (below - zeros) / nonzero if nonzero > 0 else None
+
+
+#: backward nodes that only move, slice, sum or cast the gradient they receive: it keeps the dtype it was made in
+_PASS_THROUGH = frozenset(
+    {
+        "SumBackward", "ExpandBackward", "ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward",
+        "UnsqueezeBackward", "SqueezeBackward", "PermuteBackward", "TransposeBackward", "TBackward", "SelectBackward",
+        "SliceBackward", "CloneBackward", "UnbindBackward", "SplitBackward", "SplitWithSizesBackward", "CatBackward",
+        "StackBackward", "IndexBackward", "AsStridedBackward", "ToCopyBackward",
+    }
+)  # fmt: skip
+
+
+def float32_only(losses: list[Tensor]) -> set[int]:
+    """The ``id`` of every parameter whose gradient reached it from ``losses`` in float32 only, never in float16.
+
+    Read from the autograd graph the step built, which outlives its backward: a parameter autocast cast to float16
+    gets its gradient through the cast's backward, which received it in float16 (through nodes that only move or sum
+    it, the dtype it was made in counts). A parameter used in float32 only (an fp32 island, a LayerNorm, an embedding,
+    a positional embedding added to a float32 sum) never had its gradient in float16: its figures say nothing about
+    float16's range. A parameter the graph does not reach (a gradient set by hand) is not in the set. No user code
+    runs, no device op.
+    """
+    stack = [(loss.grad_fn, False) for loss in losses if loss.grad_fn is not None]
+    half: set[int] = set()
+    full: set[int] = set()
+    seen: set[tuple[Any, bool]] = set()
+    while stack:
+        node, came_half = stack.pop()
+        if (node, came_half) in seen:
+            continue
+        seen.add((node, came_half))
+        name = node.name().rstrip("0123456789")
+        metadata = getattr(node, "_input_metadata", None)
+        if metadata is not None:
+            in_half = any(getattr(m, "dtype", None) == torch.float16 for m in metadata)
+        else:  # older torch: a cast's backward is what autocast puts between a float32 parameter and float16 work
+            in_half = name == "ToCopyBackward"
+        in_half = in_half or (came_half and name in _PASS_THROUGH)
+        for following, _ in node.next_functions:
+            if following is None:
+                continue
+            variable = getattr(following, "variable", None)
+            if variable is None:
+                stack.append((following, in_half))
+            elif in_half or variable.dtype == torch.float16:
+                half.add(id(variable))
+            else:
+                full.add(id(variable))
+    return full - half
 
 
 def _magnitudes(reference: list[Tensor], device: torch.device) -> Tensor:
@@ -77,23 +130,38 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
     """Measure the scaled gradients before they are unscaled, every ``every_n_steps`` optimizer steps (16-mixed).
 
     Measures on the steps Lightning logs ``self.log`` values at (the last step of each interval: 9, 19, ... for 10),
-    so its rows share the logger's step with every other series. Logs to every logger, at the step measured:
+    so its rows share the logger's step with every other series. Only the gradients float16 held count: a
+    parameter whose gradient reached it in float32 (an fp32 island, a LayerNorm, a positional embedding added in
+    float32) is left out, read from the autograd graph the step built. Logs to every logger, at the step measured:
 
     * ``{prefix}underflow_fraction``: of the non-zero gradient elements, the fraction whose scaled magnitude is below
       float16's smallest normal (``2**-14``): subnormal in float16, losing significant bits, the tail of what float16
-      flushes to zero (0 when every element is zero; omitted when the update overflowed: no fraction exists there);
+      flushes to zero. Absent when no element is non-zero (every gradient zero: flushed or unused, see
+      ``zero_fraction``) and when the update overflowed: no fraction exists there;
     * ``{prefix}zero_fraction``: the fraction of gradient elements that are exactly zero. Most are structural (the
       rows of an embedding a batch did not use, dead units) and not lost to fp16; values flushed all the way to zero
-      cannot be told from them without a float32 backward, so they are counted here, not as underflow;
+      cannot be told from them without a float32 backward, so they are counted here, not as underflow. 1.0 with a
+      finite, non-zero loss is a run that trains on nothing (``AmpAdvisor`` says so);
     * ``{prefix}headroom_bits``: ``log2(65504 / max |scaled gradient|)``, how many doublings of the scale remain
-      before the largest gradient overflows (omitted when the step overflowed);
+      before the largest gradient overflows (omitted when the step overflowed or every gradient is zero);
+    * with ``exact=True``, ``{prefix}structural_fraction``: the elements whose float32 gradient is zero;
     * with ``per_parameter=k``, ``{prefix}underflow/<name>`` for the ``k`` parameters with the highest underflow
       fraction (zeros excluded, as above).
 
-    Computed on the device (a foreach max-norm and two counts per gradient), one host transfer per measurement, and
-    nothing on the other steps. Warns (rank zero, at most ``max_warnings`` times) when the underflow fraction
-    stays at or above ``warn_fraction`` for ``patience`` measurements in a row while the scale sits at
-    ``min_scale``. :attr:`measurements` keeps ``{step, scale, underflow_fraction, zero_fraction, headroom_bits}``.
+    By default it reads only what the run computed: computed on the device (a foreach max-norm and two counts per
+    gradient), one host transfer per measurement, nothing on the other steps, and no user code. ``exact=True`` opts
+    in to a float32 reference: at each measurement the batch's ``training_step`` runs a second time, in float32, in a
+    sandbox (parameters and buffers are stand-ins, every random stream is given back, it starts from the random state
+    the batch started with, and what it raises is reported, never raised). Then an element whose float32 gradient is
+    zero is structural, one whose float32 gradient is not zero while float16's is zero or subnormal is lost, and the
+    scale that would fit the gradients is measured (``AmpAdvisor``'s ``max_scale`` and ``bf16`` advice read it). Its
+    contract: the step may not act outside the model (step an environment, write a file, call a logger directly),
+    which the sandbox cannot undo; it is off for manual optimization, accumulation and sharded models. The fit says
+    that it is on when it starts.
+
+    Warns (rank zero, at most ``max_warnings`` times) when the underflow fraction stays at or above ``warn_fraction``
+    for ``patience`` measurements in a row while the scale sits at its floor. :attr:`measurements` keeps
+    ``{step, scale, loss, underflow_fraction, zero_fraction, headroom_bits, reference, ...}``.
 
     Args:
         every_n_steps: measure every this many optimizer steps (default: ``Trainer(log_every_n_steps)``).
@@ -102,7 +170,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         patience: high measurements in a row before warning (default 3).
         max_warnings: warnings at most (default 3).
         prefix: key prefix (default ``"amp/"``).
-        exact: measure against a float32 reference of the batch (default True; see above).
+        exact: measure against a float32 reference that runs ``training_step`` again, sandboxed (default False).
         quiet: measurements only, no metric and no warning (for a callback that holds this one, as ``AmpAdvisor``).
 
     Example:
@@ -126,7 +194,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         patience: int = 3,
         max_warnings: int = 3,
         prefix: str = "amp/",
-        exact: bool = True,
+        exact: bool = False,
         quiet: bool = False,
     ) -> None:
         self._given = given_arguments(GradUnderflowMonitor.__init__, locals())
@@ -147,6 +215,10 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self.measurements: list[dict[str, Any]] = []
         self.no_reference: Optional[str] = None  # why this fit's measurements have no float32 reference
         self._batch_state: Optional[tuple[int, BatchState]] = None  # the measured batch, for its reference
+        self._losses: list[Tensor] = []  # the measured batch's losses: their graph tells what float16 held
+        self._reference_error: Optional[str] = None  # what the measured update's reference raised
+        self._measuring = False  # this batch is measured
+        self._owned: list[Any] = []  # the random streams the model holds (the reference starts them as the batch did)
         self.quiet = check_bool(owner, "quiet", quiet)
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
@@ -183,41 +255,81 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self._params, self._names = parameters_and_names(pl_module)
         self._sharded = shards_gradients(trainer)
         self._batch_state = None
+        self._losses, self._measuring = [], False
         self.no_reference = "exact=False" if not self.exact else why_no_reference(trainer, self._sharded)
         if self._plugin is None or self._plugin.scaler is None:
             self.no_reference = "bf16-mixed (nothing is measured)"
+        elif self.no_reference is None:
+            self._owned = reach(pl_module).streams
+            if trainer.is_global_zero:
+                say(
+                    f"`GradUnderflowMonitor(exact=True)`: every {self._interval} steps the measured batch's"
+                    " `training_step` runs a second time, in float32, in a sandbox (parameters and buffers are"
+                    " stand-ins, random streams given back). It must not act outside the model: no environment step,"
+                    " file write or direct logger call."
+                )
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = logger_step(pl_module)
-        if self.no_reference is None and step is not None and is_logging_step(step, self._interval):
-            self._batch_state = (step, BatchState(batch, batch_idx, self._plugin.device or "cpu"))  # type: ignore[union-attr]
+        self._measuring = step is not None and is_logging_step(step, self._interval)
+        self._losses = []
+        if self._measuring and self.no_reference is None:
+            assert step is not None
+            assert self._plugin is not None
+            self._batch_state = (step, BatchState(batch, batch_idx, self._plugin.device or "cpu", self._owned))
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._measuring:
+            self._losses.append(loss)  # its graph (kept until the batch ends) tells which gradients float16 held
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batch_state = None  # the batch is released
+        self._losses, self._measuring = [], False
 
-    def _reference(
-        self, optimizer: Optimizer, step: int, keys: list[int], grads: list[Optional[Tensor]]
-    ) -> Optional[list[Tensor]]:
+    def _reference(self, optimizer: Optimizer, step: int, keys: list[int]) -> Optional[list[Tensor]]:
         """The measured gradients' float32 reference (zero for a parameter without one), or None."""
         if self._batch_state is None or self._batch_state[0] != step or self._trainer is None:
             return None
         by_id = {id(p): p for group in optimizer.param_groups for p in group["params"]}
         params = [by_id[k] for k in keys]
-        reference = float32_gradients(
+        reference, error = float32_gradients(
             self._trainer.lightning_module,
             self._batch_state[1],
             params,
             self._plugin.device or "cpu",  # type: ignore[union-attr]
         )
         if reference is None:
+            self._reference_error = error
             return None
         return [torch.zeros_like(p) if r is None else r for r, p in zip(reference, params, strict=True)]
+
+    def _gradients(self, optimizer: Optimizer) -> tuple[list[str], list[int], list[Optional[Tensor]]]:
+        """The gradients measured: every parameter's shard when sharded, else ``optimizer``'s that float16 held."""
+        names: list[str] = []
+        keys: list[int] = []
+        grads: list[Optional[Tensor]] = []
+        if self._sharded:  # this rank's shard of every parameter (maybe empty), summed over the ranks below
+            for name, param in self._params:
+                names.append(name)
+                keys.append(id(param))
+                grads.append(None if param.grad is None or param.grad.is_sparse else local_tensor(param.grad))
+            return names, keys, grads
+        float32 = float32_only(self._losses)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None or param.grad.is_sparse or id(param) in float32:
+                    continue
+                names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
+                keys.append(id(param))
+                grads.append(local_tensor(param.grad))
+        return names, keys, grads
 
     def _measure(self, optimizer: Optimizer, step: int) -> None:
         if not is_logging_step(step, self._interval):
@@ -225,71 +337,72 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         assert self._plugin is not None
         assert self._plugin.scaler is not None
         assert self._trainer is not None
-        names: list[str] = []
-        keys: list[int] = []
-        grads: list[Optional[Tensor]] = []
-        if self._sharded:  # this rank's shard of every parameter (maybe empty), summed over the ranks below
-            for name, param in self._params:
-                grad = None if param.grad is None or param.grad.is_sparse else local_tensor(param.grad)
-                names.append(name)
-                keys.append(id(param))
-                grads.append(grad)
-        else:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is not None and not param.grad.is_sparse:
-                        names.append(self._names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
-                        keys.append(id(param))
-                        grads.append(local_tensor(param.grad))
+        names, keys, grads = self._gradients(optimizer)
         present = [g for g in grads if g is not None and g.numel() > 0]
         if not present and not self._sharded:
             return
         scale = self._plugin.scaler.scale_tensor()
         assert scale is not None
-        device = scale.device
+        self._reference_error = None
         with torch.no_grad():
-            # max |g| over the gradients in one foreach kernel; per gradient, the counts of exact zeros and of
-            # elements below float16's smallest normal, and the element count (summed over ranks when sharded: the
-            # whole model's figures on every rank)
-            largest = (
-                torch.stack([m.float().to(device) for m in torch._foreach_norm(present, float("inf"))]).max()
-                if present
-                else torch.zeros((), device=device)
+            reference = self._reference(optimizer, step, keys)
+            values = to_host(self._packed(grads, present, reference, scale))  # the one host transfer
+        self._record(step, names, keys, values, has_reference=reference is not None)
+
+    def _packed(
+        self, grads: list[Optional[Tensor]], present: list[Tensor], reference: Optional[list[Tensor]], scale: Tensor
+    ) -> Tensor:
+        """On the device: the largest gradient, the scale, the loss, and per gradient its counts (see ``_record``).
+
+        Per gradient: float16's exact zeros, the elements below float16's smallest normal (lost or structural), the
+        elements, and the structural zeros; summed over ranks when sharded (the whole model's figures on every rank).
+        """
+        device = scale.device
+        none = torch.zeros((), device=device)
+        largest = (
+            torch.stack([m.float().to(device) for m in torch._foreach_norm(present, float("inf"))]).max()
+            if present
+            else none
+        )
+        zeros = torch.stack([none if g is None else (g == 0).sum().float().to(device) for g in grads])
+        if reference is None:  # the scaled gradients alone: a zero cannot be told structural or flushed
+            structural = zeros
+            below = torch.stack(
+                [none if g is None else (g.abs() < FP16_SMALLEST_NORMAL).sum().float().to(device) for g in grads]
             )
-            none = torch.zeros((), device=device)
-            zeros = torch.stack([none if g is None else (g == 0).sum().float().to(device) for g in grads])
-            reference = self._reference(optimizer, step, keys, grads)
-            if reference is None:  # the scaled gradients alone: a zero cannot be told structural or flushed
-                structural = zeros
-                below = torch.stack(
-                    [none if g is None else (g.abs() < FP16_SMALLEST_NORMAL).sum().float().to(device) for g in grads]
-                )
-                true_figures = torch.zeros(0, device=device)
-            else:  # an element is structural when its float32 gradient is zero, lost when only float16's is
-                structural = torch.stack([(r == 0).sum().float().to(device) for r in reference])
-                below = structural + torch.stack(
-                    [
-                        none if g is None else ((g.abs() < FP16_SMALLEST_NORMAL) & (r != 0)).sum().float().to(device)
-                        for g, r in zip(grads, reference, strict=True)
-                    ]
-                )
-                true_figures = _magnitudes(reference, device)
-            sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
-            counts_and_sizes = torch.cat([zeros, below, sizes, structural])
-            if self._sharded:
-                all_reduce_(counts_and_sizes)
-                largest = all_reduce_(largest.reshape(1).clone(), op="max").reshape(())
-            packed = torch.cat([largest.reshape(1), scale.reshape(1).to(device), counts_and_sizes, true_figures])
-            values = to_host(packed)  # the one host transfer of this measurement
-        n = len(grads)
-        largest_value, scale_value = values[0], values[1]
+            true_figures = torch.zeros(0, device=device)
+        else:  # an element is structural when its float32 gradient is zero, lost when only float16's is
+            structural = torch.stack([(r == 0).sum().float().to(device) for r in reference])
+            below = structural + torch.stack(
+                [
+                    none if g is None else ((g.abs() < FP16_SMALLEST_NORMAL) & (r != 0)).sum().float().to(device)
+                    for g, r in zip(grads, reference, strict=True)
+                ]
+            )
+            true_figures = _magnitudes(reference, device)
+        sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
+        loss = none + math.nan  # no loss kept (a manual step that logs none): not known
+        if self._losses:
+            loss = torch.stack([x.detach().float().mean().to(device) for x in self._losses]).sum()
+        summed = torch.cat([loss.reshape(1), zeros, below, sizes, structural])
+        if self._sharded:
+            all_reduce_(summed)
+            summed[0] /= torch.distributed.get_world_size()  # the loss, averaged over the ranks
+            largest = all_reduce_(largest.reshape(1).clone(), op="max").reshape(())
+        return torch.cat([largest.reshape(1), scale.reshape(1).to(device), summed, true_figures])
+
+    def _record(self, step: int, names: list[str], keys: list[int], values: list[float], has_reference: bool) -> None:
+        """One record of the update measured at ``step`` (a second optimizer's measurement joins the first's)."""
+        n = len(keys)
+        largest_value, scale_value, loss_value = values[0], values[1], values[2]
+        counts = values[3:]
         # per parameter: its name, fp16's exact zeros, elements below float16's smallest normal (lost or structural),
         # elements, structural zeros
         measured = {
-            key: (names[i], values[2 + i], values[2 + n + i], values[2 + 2 * n + i], values[2 + 3 * n + i])
+            key: (names[i], counts[i], counts[n + i], counts[2 * n + i], counts[3 * n + i])
             for i, key in enumerate(keys)
         }
-        true_values = values[2 + 4 * n :]
+        true_values = counts[4 * n :]
         raw = self._raw
         if raw is not None and raw["step"] == step:
             # another optimizer's measurement at the same update (manual optimization with several optimizers): one
@@ -301,55 +414,50 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         else:
             raw = self._raw = {"step": step, "per": measured, "high_before": self._high}
         raw["largest"] = largest_value
-        names = [v[0] for v in raw["per"].values()]
-        zero_counts = [v[1] for v in raw["per"].values()]
-        below_counts = [v[2] for v in raw["per"].values()]
-        numels = [v[3] for v in raw["per"].values()]
-        structural_counts = [v[4] for v in raw["per"].values()]
-        total = sum(numels)
+        per = list(raw["per"].values())
+        total = sum(v[3] for v in per)
         if not total:
             return
+        structural = sum(v[4] for v in per)
         overflowed = not math.isfinite(largest_value)  # inf/nan: no fraction of the gradients exists
-        fraction = None if overflowed else underflow_fraction(sum(below_counts), sum(structural_counts), total)
-        zero_fraction = sum(zero_counts) / total
         record: dict[str, Any] = {
             "step": step,
             "scale": scale_value,
-            "underflow_fraction": fraction,
-            "zero_fraction": zero_fraction,
+            "loss": loss_value if math.isfinite(loss_value) else None,
+            "underflow_fraction": None if overflowed else underflow_fraction(sum(v[2] for v in per), structural, total),
+            "zero_fraction": sum(v[1] for v in per) / total,
             "headroom_bits": math.log2(FP16_MAX / largest_value) if not overflowed and largest_value > 0 else None,
-            "reference": "float32" if true_values else None,
+            "reference": "float32" if has_reference else None,
         }
-        if true_values:
-            record["structural_fraction"] = sum(structural_counts) / total
+        if self._reference_error is not None:
+            record["reference_error"] = self._reference_error
+        if has_reference:
+            record["structural_fraction"] = structural / total
             log2_max, exponent, lost = true_values
-            nonzero = total - sum(structural_counts)
+            nonzero = total - structural
             record["true_log2_max"] = log2_max if math.isfinite(log2_max) else None
             if math.isfinite(log2_max) and nonzero:  # the scale the reference fits, and what float16 loses there
                 record["fitting_scale"] = 2.0**exponent
                 record["lost_at_fitting_scale"] = lost / nonzero
-        metrics = {f"{self.prefix}zero_fraction": zero_fraction}
-        if true_values:
-            metrics[f"{self.prefix}structural_fraction"] = record["structural_fraction"]
-        for key in ("underflow_fraction", "headroom_bits"):
-            if record[key] is not None:  # absent where undefined, never a healthy-looking value
-                metrics[f"{self.prefix}{key}"] = record[key]
         if self.per_parameter and not overflowed:
-            per = sorted(
-                (
-                    (underflow_fraction(b, z, m), nm)
-                    for b, z, m, nm in zip(below_counts, structural_counts, numels, names, strict=True)
-                    if m
-                ),
-                reverse=True,
+            ranked = sorted(
+                ((underflow_fraction(v[2], v[4], v[3]), v[0]) for v in per if v[3] and v[3] > v[4]), reverse=True
             )
-            record["worst"] = [{"name": nm, "underflow_fraction": f} for f, nm in per[: self.per_parameter]]
-            for f, nm in per[: self.per_parameter]:
-                metrics[f"{self.prefix}underflow/{nm}"] = f
+            record["worst"] = [{"name": nm, "underflow_fraction": f} for f, nm in ranked[: self.per_parameter]]
         self.measurements.append(record)
         if not self.quiet:
-            log_to_all(self._trainer, metrics, step)
+            log_to_all(self._trainer, self._metrics(record), step)  # type: ignore[arg-type]
             self._check(record)
+
+    def _metrics(self, record: dict[str, Any]) -> dict[str, float]:
+        """The logged series of one record: each key where its figure exists, never a healthy-looking stand-in."""
+        metrics = {f"{self.prefix}zero_fraction": record["zero_fraction"]}
+        for key in ("underflow_fraction", "headroom_bits", "structural_fraction"):
+            if record.get(key) is not None:
+                metrics[f"{self.prefix}{key}"] = record[key]
+        for worst in record.get("worst", []):
+            metrics[f"{self.prefix}underflow/{worst['name']}"] = worst["underflow_fraction"]
+        return metrics
 
     def _check(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None

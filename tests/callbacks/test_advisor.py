@@ -304,7 +304,7 @@ def test_max_scale_when_the_cap_holds_the_scale_down_with_headroom_left(exact):
     import math
 
     plugin = AmpPlusPrecision("16-mixed", init_scale=16.0, max_scale=16.0)
-    monitor = [GradUnderflowMonitor(exact=False)] if not exact else []
+    monitor = [GradUnderflowMonitor(exact=exact)]  # the float32 reference only where asked for by name
     advisor, _ = fit(Tiny(optimizer="fused_sgd"), plugin, callbacks=monitor, max_steps=8, log_every_n_steps=2)
     advice = only(advisor, "max_scale")
     if exact:  # the float32 reference's largest gradient, a doubling below overflow
@@ -479,7 +479,7 @@ def test_the_advise_command_gives_what_the_logged_series_support(tmp_path, capsy
     assert out[2] == f'    fix: AmpPlusPrecision("16-mixed", init_scale=2.0**{int(torch.tensor(settled).log2())})'
     assert out[3] == (
         "not checked (they need the live callback, `AmpAdvisor`): nonfinite_loss, model_nonfinite, fp32_module,"
-        " max_scale, silent_fp32, fused_optimizer"
+        " zero_gradients, max_scale, silent_fp32, fused_optimizer"
     )
 
 
@@ -844,29 +844,55 @@ class Dead(TinyModel):
         return super().training_step(batch, batch_idx) * 1e-14
 
 
-def _deltas(model, plugin, max_steps=8):
+def _deltas(model, plugin, max_steps=8, callbacks=()):
     before = [p.detach().clone() for p in model.parameters()]
     advisor = AmpAdvisor()
-    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=max_steps, log_every_n_steps=2).fit(model)
+    make_trainer(plugins=[plugin], callbacks=[advisor, *callbacks], max_steps=max_steps, log_every_n_steps=2).fit(model)
     return advisor, [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
 
 
-def test_a_dead_run_reads_its_underflow_and_the_printed_scale_revives_it():
+def test_a_dead_run_is_not_called_healthy_without_a_rerun_and_the_reference_it_points_to_revives_it():
     torch.manual_seed(0)
     advisor, deltas = _deltas(Dead(optimizer="fused_sgd", lr=1e12), AmpPlusPrecision("16-mixed"))
     assert all(not d.any() for d in deltas)  # the optimizer consumed zeros: nothing trained
-    fractions = [m["underflow_fraction"] for m in advisor.figures.underflow]
-    assert fractions
-    assert min(fractions) >= 0.9  # no longer 0.0 with zero_fraction 1.0
+    assert all(m["zero_fraction"] == 1.0 and m["underflow_fraction"] is None for m in advisor.figures.underflow)
     assert "looks healthy" not in advisor.format()
-    (advice,) = [a for a in advisor.advice if a.code == "max_scale"]
-    fixed_plugin = applied(advice.fix)
+    assert codes(advisor) == ["zero_gradients"]  # told without running training_step again
+    advice = only(advisor, "zero_gradients")
+    assert "exactly zero" in advice.message
+    assert "flushed" in advice.message
+    # its fix, pasted as printed: the float32 reference, which measures the scale that keeps them
+    monitor = eval(advice.fix.split("  #")[0], {"GradUnderflowMonitor": GradUnderflowMonitor})
+    assert monitor.exact
+    torch.manual_seed(0)
+    referenced, _ = _deltas(Dead(optimizer="fused_sgd", lr=1e12), AmpPlusPrecision("16-mixed"), callbacks=[monitor])
+    fractions = [m["underflow_fraction"] for m in referenced.figures.underflow]
+    assert fractions
+    assert min(fractions) >= 0.9  # measured against float32: flushed, not structural
+    assert "zero_gradients" not in codes(referenced)
+    (scale_advice,) = [a for a in referenced.advice if a.code == "max_scale"]
+    fixed_plugin = applied(scale_advice.fix)
     assert fixed_plugin.scaler.get_scale() > 2.0**24  # beyond the default cap
     torch.manual_seed(0)
-    fixed, fixed_deltas = _deltas(Dead(optimizer="fused_sgd", lr=1e12), fixed_plugin)
+    fixed, fixed_deltas = _deltas(
+        Dead(optimizer="fused_sgd", lr=1e12), fixed_plugin, callbacks=[GradUnderflowMonitor(exact=True)]
+    )
     assert all(d.any() for d in fixed_deltas)  # the gradients reach the optimizer
     assert max(m["underflow_fraction"] for m in fixed.figures.underflow) < 0.05
     assert "max_scale" not in codes(fixed)
+
+
+class Quiet(TinyModel):
+    """A healthy look-alike of the dead run: a loss of exactly 0 (nothing to learn) also has all-zero gradients."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 0.0
+
+
+def test_all_zero_gradients_with_a_zero_loss_are_not_called_flushed():
+    advisor, _ = _deltas(Quiet(optimizer="fused_sgd"), AmpPlusPrecision("16-mixed"))
+    assert all(m["zero_fraction"] == 1.0 for m in advisor.figures.underflow)
+    assert "zero_gradients" not in codes(advisor)
 
 
 class Sparse(TinyModel):
@@ -881,9 +907,27 @@ class Sparse(TinyModel):
 
 
 def test_an_embedding_run_with_unused_rows_reads_no_underflow_and_gets_no_advice():
-    advisor, _ = _deltas(Sparse(), AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=1000))
+    monitor = GradUnderflowMonitor(per_parameter=10)
+    advisor, _ = _deltas(
+        Sparse(), AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=1000), callbacks=[monitor]
+    )
     measured = advisor.figures.underflow
     assert measured
     assert all(m["underflow_fraction"] <= 0.05 for m in measured)
-    assert all(m["structural_fraction"] > 0.5 for m in measured)  # the unused rows, told apart
+    for m in measured:  # the embedding's gradient (90% structural zeros) is made in float32: not counted
+        assert "embed.weight" not in {w["name"] for w in m["worst"]}
     assert advisor.advice == []
+
+
+def test_advice_that_fails_never_ends_a_fit_that_trained(monkeypatch):
+    from lightning_amp_plus.callbacks import advisor as advisor_module
+
+    def broken(figures):
+        raise ZeroDivisionError("a rule's bug")
+
+    monkeypatch.setattr(advisor_module, "advise", broken)
+    advisor = AmpAdvisor()
+    plugin = AmpPlusPrecision("16-mixed")
+    with pytest.warns(AmpPlusWarning, match=r"`AmpAdvisor`: no advice for this fit \(ZeroDivisionError"):
+        make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=3).fit(TinyModel())
+    assert plugin.history.num_steps == 3

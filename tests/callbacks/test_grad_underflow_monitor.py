@@ -173,16 +173,43 @@ class Embedded(TinyModel):
         return super().training_step(batch, batch_idx) * self.scale
 
 
-def test_unused_embedding_rows_are_zeros_not_underflow():
+def test_an_embeddings_gradient_made_in_float32_is_no_part_of_the_figures():
+    """An embedding runs in float32 under autocast: its gradient (mostly structural zeros) was never in float16."""
     plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)  # at the floor: the warning is armed
-    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=1, patience=1)
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10, patience=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpPlusWarning)  # no false alarm
         make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=3).fit(Embedded())
     for m in monitor.measurements:
-        assert m["zero_fraction"] > 0.9  # 992 of 1000 rows unused
+        assert "embed.weight" not in {w["name"] for w in m["worst"]}
+        assert {w["name"] for w in m["worst"]} == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+        assert m["zero_fraction"] < 0.5  # 992 of the embedding's 1000 rows are zero: not counted
         assert m["underflow_fraction"] < 0.05
-        assert m["worst"][0]["name"] != "embed.weight" or m["worst"][0]["underflow_fraction"] < 0.05
+
+
+class Islanded(TinyModel):
+    """A float32 island's parameters and a LayerNorm get their gradients in float32; the rest in float16."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.adapter = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.net(self.adapter(self.norm(x)))
+
+
+def test_only_gradients_float16_held_are_measured():
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["adapter"])
+    make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=2).fit(Islanded())
+    measured = {w["name"] for w in monitor.measurements[0]["worst"]}
+    assert measured == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+    plain = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[plain], max_steps=2).fit(
+        Islanded()
+    )
+    assert {w["name"] for w in plain.measurements[0]["worst"]} == measured | {"adapter.weight", "adapter.bias"}
 
 
 def test_tiny_gradients_in_used_rows_are_underflow():
@@ -420,8 +447,8 @@ def test_a_rank_holding_no_gradient_element_still_joins_the_sums_and_reports_the
     def other_rank(tensor, op):
         if op == torch.distributed.ReduceOp.MAX:
             return torch.full_like(tensor, 2.0)
-        n = tensor.numel() // 4  # zeros, below, sizes, structural zeros per parameter
-        return torch.cat([torch.zeros(n), torch.ones(n), torch.full((n,), 4.0), torch.zeros(n)])
+        n = (tensor.numel() - 1) // 4  # the loss, then zeros, below, sizes, structural zeros per parameter
+        return torch.cat([torch.ones(1), torch.zeros(n), torch.ones(n), torch.full((n,), 4.0), torch.zeros(n)])
 
     monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
     trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1)
@@ -461,13 +488,15 @@ class _Still(TinyModel):
         return super().training_step(batch, batch_idx) * 0.0
 
 
-def test_all_zero_gradients_have_no_headroom_figure_and_lose_nothing():
+def test_all_zero_gradients_have_neither_an_underflow_nor_a_headroom_figure():
     monitor = GradUnderflowMonitor(every_n_steps=1)
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1).fit(
         _Still()
     )
     (m,) = monitor.measurements
-    assert (m["zero_fraction"], m["underflow_fraction"], m["headroom_bits"]) == (1.0, 0.0, None)
+    # every gradient zero: no fraction of non-zero elements exists (absent, never a healthy-looking 0)
+    assert (m["zero_fraction"], m["underflow_fraction"], m["headroom_bits"]) == (1.0, None, None)
+    assert m["loss"] is not None
 
 
 def test_a_monitor_left_out_of_the_next_fit_measures_nothing_there():
@@ -528,3 +557,42 @@ def test_an_overflowed_update_has_no_underflow_figure(tmp_path):
     assert not rows[2].get("amp/underflow_fraction")  # absent in the logger too, never a healthy-looking 0
     assert not any(k.startswith("amp/underflow/") and v for k, v in rows[2].items())
     assert rows[3].get("amp/underflow_fraction")
+
+
+class _Dropped(TinyModel):
+    """Half the hidden units dropped each step: their weights' gradients are exactly zero, structurally."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 1))
+
+
+def test_the_reference_draws_the_dropout_masks_the_step_drew():
+    torch.manual_seed(0)
+    monitor = GradUnderflowMonitor(every_n_steps=1, exact=True)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=6).fit(_Dropped())
+    for m in monitor.measurements:
+        assert m["reference"] == "float32"
+        # the zeros the step's masks made are the reference's zeros, no more and no fewer: other masks would leave
+        # some of them non-zero in float32 (counted lost) and add zeros of their own
+        assert m["structural_fraction"] == m["zero_fraction"] > 0.01  # units every sample dropped
+        assert m["underflow_fraction"] == 0.0
+
+
+def test_a_reference_that_raises_is_told_and_the_run_goes_on():
+    class Fails(TinyModel):
+        def training_step(self, batch, batch_idx):
+            from lightning_amp_plus.sandbox import replaying
+
+            if replaying():
+                raise RuntimeError("not twice")
+            return super().training_step(batch, batch_idx)
+
+    monitor = GradUnderflowMonitor(every_n_steps=1, exact=True)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[monitor], max_steps=2).fit(Fails())
+    assert [m["reference"] for m in monitor.measurements] == [None, None]
+    assert monitor.measurements[0]["reference_error"] == (
+        "the float32 reference's `training_step` raised RuntimeError: not twice"
+    )
+    assert monitor.measurements[0]["underflow_fraction"] is not None  # measured without it
