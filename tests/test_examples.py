@@ -28,7 +28,6 @@ def test_main_example_writes_the_scale_curve(tmp_path, capsys):
 
 def _before_after(out: str, what: str) -> tuple[float, float]:
     """The ``{what} A -> B`` figures an example prints (3 decimals)."""
-    import re
 
     first, last = re.search(rf"\b{what} (-?[0-9.]+) -> (-?[0-9.]+)", out).groups()
     return float(first), float(last)
@@ -113,34 +112,3 @@ def test_fsdp_example_runs_on_two_cpu_processes(tmp_path):
     assert "rank 0 of 2: updates 8, applied 6, skipped at step [3, 4]" in done.stdout
     assert done.stdout.count("rank 0 of 2") == 1
     assert json.loads((tmp_path / "skips.json").read_text())["skipped_steps"] == [3, 4]
-
-
-def test_readme_quick_start_runs_as_pasted(tmp_path):
-    import subprocess
-    import sys
-
-    with open(os.path.join(os.path.dirname(EXAMPLES), "README.md")) as f:
-        readme = f.read()
-    start = readme.index("```python", readme.index("## Quick start")) + len("```python")
-    code = readme[start : readme.index("```", start)]
-    (tmp_path / "quick_start.py").write_text(code)
-    done = subprocess.run(
-        [sys.executable, "quick_start.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        # a mutation-testing run's stats mode stays in its own process (a subprocess has no mutmut configuration)
-        env={
-            **{k: v for k, v in os.environ.items() if k != "MUTANT_UNDER_TEST"},
-            "PYTHONPATH": os.path.dirname(EXAMPLES),
-        },
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    # it ends with the advisor's output: its header, then only its numbered findings and their fix lines
-    lines = done.stderr.strip().splitlines()
-    header = max(i for i, line in enumerate(lines) if line.startswith("AmpAdvisor: "))
-    assert all(re.match(r"(\d+\. \[\w+\] |    fix: )", line) for line in lines[header + 1 :]), lines[header:]
-    assert "`NaNSkipReporter`: " in done.stderr  # the reporter's summary before it
-    assert (tmp_path / "skips.json").exists()
-    assert "AmpPlusWarning" not in done.stderr
