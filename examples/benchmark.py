@@ -29,6 +29,36 @@ from collections.abc import Callable, Iterator
 from datetime import date
 from typing import Any, Optional
 
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so ``--help`` answers at once."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every configuration runs")
+    parser.add_argument(
+        "--precision", default="16-mixed", choices=["16-mixed", "bf16-mixed"], help="the mixed precision compared"
+    )
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per round and configuration")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, each in a shuffled order")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
+    parser.add_argument(
+        "--size",
+        default="default",
+        choices=["default", "small"],
+        help="small: MLP 256-512-4, batch 8, gradient_clip_val=1.0 (host-bound steps)",
+    )
+    parser.add_argument(
+        "--counts",
+        action="store_true",
+        help="print Python calls and aten ops per step instead of timing (CPU; deterministic)",
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    parser().parse_args()  # --help, or a mistyped flag, before the seconds torch takes to import
+
 import lightning
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -274,24 +304,7 @@ def _trainer(
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--precision", default="16-mixed", choices=["16-mixed", "bf16-mixed"])
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per round and configuration")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument(
-        "--size",
-        default="default",
-        choices=["default", "small"],
-        help="small: MLP 256-512-4, batch 8, gradient_clip_val=1.0 (host-bound steps)",
-    )
-    parser.add_argument(
-        "--counts",
-        action="store_true",
-        help="print Python calls and aten ops per step instead of timing (CPU; deterministic)",
-    )
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -1,8 +1,13 @@
 """Every example runs at tiny size (smoke tests), and the YAML config builds the plugin and both callbacks."""
 
+import glob
+import importlib
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +117,43 @@ def test_fsdp_example_runs_on_two_cpu_processes(tmp_path):
     assert "rank 0 of 2: updates 8, applied 6, skipped at step [3, 4]" in done.stdout
     assert done.stdout.count("rank 0 of 2") == 1
     assert json.loads((tmp_path / "skips.json").read_text())["skipped_steps"] == [3, 4]
+
+
+#: the examples with a command line of their own (cli.py is LightningCLI's: its help is built from the classes)
+ARGPARSE = sorted(
+    os.path.splitext(os.path.basename(path))[0]
+    for path in glob.glob(os.path.join(EXAMPLES, "*.py"))
+    if "argparse" in Path(path).read_text()
+)
+
+
+def test_every_flag_of_every_example_says_what_it_does():
+    assert {"train_transformer", "benchmark", "fsdp", "gan_manual", "grad_accumulation"} <= set(ARGPARSE)
+    for name in ARGPARSE:
+        parser = importlib.import_module(f"examples.{name}").parser()
+        for action in parser._actions:
+            assert (action.help or "").strip(), f"examples/{name}.py: {action.option_strings} has no help"
+
+
+@pytest.mark.parametrize("name", ARGPARSE)
+def test_an_examples_help_answers_before_torch_is_imported(name):
+    probe = (
+        "import runpy, sys\n"
+        "path = sys.argv[1]\n"
+        "sys.argv = [path, '--help']\n"
+        "try:\n"
+        "    runpy.run_path(path, run_name='__main__')\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code, sorted(m for m in ('torch', 'lightning') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, os.path.join(EXAMPLES, f"{name}.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(EXAMPLES), "COLUMNS": "200"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"usage: {name}.py [-h]")
+    assert done.stdout.rstrip().endswith("exit 0 []")  # answered, and neither torch nor Lightning was imported
+    assert "(default: " in done.stdout
