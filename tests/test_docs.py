@@ -217,3 +217,57 @@ def test_the_readme_tells_its_quick_starts_curve_as_the_run_recorded_it(quick_st
     interval = int(re.search(r"growth_interval=(\d+)", text).group(1))
     assert f"after `growth_interval={interval}` clean updates" in prose
     assert first_growth - (skip + 1) == interval  # the clean updates from the halved scale's first step
+
+
+# ---------------------------------------------------------------------------------------------- figures
+_HAND_TYPED = [
+    # a count of Python calls, unless it is the bound a test holds ("at most 40 Python calls")
+    re.compile(r"(?<!at most )(?<![\w.])[+-]?\d[\d,]*\s+(?:Python\s+)?calls\b"),
+    re.compile(r"\b\d[\d,]*\s+passed\b"),  # a test count
+]
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *(os.path.relpath(p, ROOT) for p in glob.glob(f"{DOCS}/**/*.md", recursive=True))]
+)
+def test_no_page_types_a_count_by_hand(page):
+    """Counts come from the command a page names (included at build time), or are not given."""
+    if "_generated" in page:
+        return
+    text = " ".join(_read(os.path.join(ROOT, page)).split())
+    for pattern in _HAND_TYPED:
+        assert not pattern.findall(text), f"{page}: {pattern.findall(text)}"
+    assert "| Python calls/step |" not in text  # the counts table is the command's output, never a copy
+
+
+def _conf():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_conf", os.path.join(DOCS, "conf.py"))
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    return conf
+
+
+def test_the_performance_page_includes_what_the_command_it_names_prints(monkeypatch, capsys):
+    conf = _conf()
+    command = " ".join(["python", *conf.COUNTS_COMMAND])
+    page = " ".join(_read(os.path.join(DOCS, "performance.md")).split())
+    assert command == "python examples/benchmark.py --size small --counts"
+    assert f"`{command}`" in page
+    assert f"```{{include}} {conf.COUNTS_PAGE} ```" in page
+    # the build writes the command's own output: its header, every configuration's row, the differences
+    from examples import benchmark
+
+    table = benchmark.configs("cpu", "16-mixed", floor=True)
+    per_step = {name: (1000 + 10 * i, 50 + i) for i, name in enumerate(table)}  # stand-in counts
+    fits = iter([fit for name in table for fit in ((200 * per_step[name][0] + 7, 200 * per_step[name][1] + 3), (7, 3))])
+    monkeypatch.setattr(benchmark, "count_fit", lambda *args: next(fits))  # a 300-step fit, then a 100-step fit
+    benchmark.main(["--size", "small", "--counts"])
+    markdown = conf.counts_markdown(capsys.readouterr().out)
+    assert markdown.startswith(f"Printed by `{command}` when this site was built: ")
+    for name, (calls, ops) in per_step.items():
+        assert f"\n| {name} | {calls} | {ops} |\n" in markdown
+    ours, floor = per_step["AmpPlusPrecision + callbacks"], per_step["stock AMP + 2 empty callbacks"]
+    over = f"{ours[0] - floor[0]:+d} Python calls, {ours[1] - floor[1]:+d} aten ops a step"
+    assert f"\n- AmpPlusPrecision + callbacks over stock AMP + 2 empty callbacks: {over}\n" in markdown
