@@ -34,6 +34,8 @@ class RunCurves:
     """What a plot shows: the scale change points, the skipped steps and (optionally) the training loss.
 
     ``scaled`` is False for a bf16-mixed run: there is no loss scale, only skipped updates (and the loss).
+    ``underflow`` and ``headroom`` are ``GradUnderflowMonitor``'s ``amp/underflow_fraction`` and
+    ``amp/headroom_bits``, drawn in a panel of their own when logged.
     """
 
     scale: list[tuple[int, float]] = field(default_factory=list)
@@ -41,6 +43,8 @@ class RunCurves:
     loss: list[tuple[int, float]] = field(default_factory=list)
     scaled: bool = True
     last_step: Optional[int] = None
+    underflow: list[tuple[int, float]] = field(default_factory=list)
+    headroom: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _figure_class() -> Any:
@@ -57,7 +61,8 @@ def _figure_class() -> Any:
 def draw(curves: RunCurves, title: str = "loss scale") -> Any:
     """The matplotlib ``Figure`` of ``curves`` (not registered with pyplot): what :func:`plot_curves` writes.
 
-    16-mixed: the scale as a step curve on a log2 axis with the skipped steps marked, and the loss below when logged.
+    16-mixed: the scale as a step curve on a log2 axis with the skipped steps marked; below it, when logged, the
+    underflow fraction and the headroom (``GradUnderflowMonitor``), then the loss.
     bf16-mixed (``curves.scaled`` False): no scale panel (there is no scale); the loss with the skipped steps
     marked on it, or, with no loss, the count of skipped updates.
     """
@@ -68,7 +73,8 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
             "nothing to plot: a bf16-mixed run has no loss scale, and neither its updates nor a training loss"
             " (`train_loss`) were logged."
         )
-    panels = 2 if (curves.scaled and curves.loss) else 1
+    gradients = curves.scaled and bool(curves.underflow or curves.headroom)
+    panels = 1 + gradients + bool(curves.scaled and curves.loss)
     fig = _figure_class()(figsize=(8, 3.2 * panels))
     axes = fig.subplots(panels, sharex=True, squeeze=False)
     ax = axes[0][0]
@@ -100,14 +106,44 @@ def draw(curves: RunCurves, title: str = "loss scale") -> Any:
         ax.set_title(f"{title} (bf16-mixed: no loss scale)")
     ax.legend()
     ax.grid(which="both", alpha=0.3)  # on: matplotlib turns the grid on when given its style
-    if panels == 2:
-        lax = axes[1][0]
+    if gradients:
+        _draw_gradients(axes[1][0], curves)
+    if curves.scaled and curves.loss:
+        lax = axes[-1][0]
         lax.plot([s for s, _ in curves.loss], [v for _, v in curves.loss], color="tab:green")
         lax.set_ylabel("training loss")
         lax.grid(alpha=0.3)
     axes[-1][0].set_xlabel("logger step")  # the step the logger wrote (Lightning's `self.log` step), as logged
     fig.tight_layout()
     return fig
+
+
+def _draw_gradients(ax: Any, curves: RunCurves) -> None:
+    """The underflow fraction (left axis, 0 to 1) and the headroom in bits (right axis), at their measured steps."""
+    lines = []
+    if curves.underflow:
+        lines += ax.plot(
+            [s for s, _ in curves.underflow],
+            [v for _, v in curves.underflow],
+            color="tab:purple",
+            marker=".",
+            label="underflow fraction",
+        )
+    ax.set_ylim(0.0, 1.0)
+    ax.set_ylabel("underflow fraction")
+    ax.grid(alpha=0.3)
+    if curves.headroom:
+        right = ax.twinx()
+        lines += right.plot(
+            [s for s, _ in curves.headroom],
+            [v for _, v in curves.headroom],
+            color="tab:orange",
+            marker=".",
+            linestyle="--",
+            label="headroom (bits)",
+        )
+        right.set_ylabel("headroom (bits)")
+    ax.legend(lines, [line.get_label() for line in lines])
 
 
 def plot_curves(curves: RunCurves, output: PathLike, title: str = "loss scale") -> str:
@@ -282,8 +318,11 @@ def _from_series(series: dict[str, list[tuple[int, float]]], where: Optional[str
         return curves
     changes = scale_changes(series, key)
     curves = RunCurves(scale=held(changes, max((s for s, _ in series[key]), default=None)))
-    _read_skips(series, prefix_of(key), curves)
+    prefix = prefix_of(key)
+    _read_skips(series, prefix, curves)
     _read_loss(series, curves)
+    curves.underflow = sorted(series.get(prefix + "underflow_fraction", []))
+    curves.headroom = sorted(series.get(prefix + "headroom_bits", []))
     return curves
 
 
