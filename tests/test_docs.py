@@ -179,6 +179,18 @@ def quick_start(tmp_path_factory):
     return readme, done, story, where
 
 
+def _on_the_readmes_stack(readme):
+    """What the README says its seeded run printed holds on the stack it names (float16 arithmetic is the stack's)."""
+    import lightning
+    import torch
+
+    torch_version, lightning_version = re.search(
+        r"What it printed on .*?\(torch ([^,]+), Lightning ([^;]+);", " ".join(readme.split())
+    ).groups()
+    if (torch.__version__, lightning.__version__) != (torch_version, lightning_version):
+        pytest.skip(f"the README's run is torch {torch_version}, Lightning {lightning_version}")
+
+
 def test_the_readme_quick_start_runs_as_pasted(quick_start):
     _, done, _, where = quick_start
     # it ends with the advisor's output: its header, then only its numbered findings and their fix lines
@@ -192,6 +204,7 @@ def test_the_readme_quick_start_runs_as_pasted(quick_start):
 
 def test_what_the_readme_says_its_quick_start_printed_is_what_it_prints(quick_start):
     readme, done, _, _ = quick_start
+    _on_the_readmes_stack(readme)
     printed = _readme_block(readme[readme.index("## Quick start") :], "What it printed", "text")
     lines = {line.rstrip() for line in (done.stdout + done.stderr).splitlines()}
     for line in printed.strip().splitlines():
@@ -201,6 +214,7 @@ def test_what_the_readme_says_its_quick_start_printed_is_what_it_prints(quick_st
 def test_the_readme_tells_its_quick_starts_curve_as_the_run_recorded_it(quick_start):
     """The prose around the Quick start: the curve it quotes, the skipped steps, where the scale stood and grew."""
     readme, _, story, _ = quick_start
+    _on_the_readmes_stack(readme)
     text = readme[readme.index("## Quick start") : readme.index("## The parts")]
     prose = " ".join(text.split())
     curve = [tuple(point) for point in story["curve"]]
