@@ -59,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (ImportError, OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        print(out)
+        print(_printable(out))
     return 0
 
 
@@ -80,7 +80,7 @@ def _advise(path: str) -> int:
         print(f"error: {run.path}: {why}.", file=sys.stderr)
         return 2
     if not _same_path(path, run.path):
-        print(f"the one run at {path}: {run.path}")
+        print(_printable(f"the one run at {path}: {run.path}"))
     found = advise(figures)
     if found:
         print(f"{len(found)} finding{'s' if len(found) != 1 else ''} from the logged series, most important first:")
@@ -98,6 +98,12 @@ def _advise(path: str) -> int:
             " keep the other arguments you gave (`LossScaleMonitor` logs the call as `amp/plugin`)."
         )
     return 0
+
+
+def _printable(text: str) -> str:
+    """``text`` as stdout can write it: a file name's undecodable bytes escaped (stderr escapes them itself)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _same_path(given: str, run: str) -> bool:

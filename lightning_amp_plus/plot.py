@@ -231,7 +231,7 @@ def read_logged(path: PathLike) -> LoggedRun:
     """
     path = os.fspath(path)
     run = _the_run(path)
-    series = _read_csv(run) if run.endswith(".csv") else _read_tensorboard(run)
+    series = _read_csv(run) if _is_csv(run) else _read_tensorboard(run)
     hparams, note = _read_hparams(run if os.path.isdir(run) else os.path.dirname(run))
     return LoggedRun(run, series, hparams, note)
 
@@ -271,7 +271,7 @@ def _the_run(path: str) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path!r} does not exist: {_EXPECTED}.")
     if os.path.isfile(path):
-        if path.endswith(".csv") or _is_events(os.path.basename(path)):
+        if _is_csv(path) or _is_events(os.path.basename(path)):
             return path
         raise FileNotFoundError(f"no metrics found at {path!r}: {_EXPECTED}.")
     runs = find_runs(path)
@@ -298,7 +298,9 @@ def plot_run(path: PathLike, output: Optional[PathLike] = None) -> str:
         base = os.fspath(path)
         folder = base if os.path.isdir(base) else os.path.dirname(base)
         output = os.path.join(folder, "loss_scale.png")
-    return plot_curves(curves, output, title=f"loss scale: {os.fspath(path)}")
+    # a file name's undecodable bytes (surrogates) escaped: a font draws text only
+    shown = os.fspath(path).encode("utf-8", "backslashreplace").decode("utf-8")
+    return plot_curves(curves, output, title=f"loss scale: {shown}")
 
 
 def _from_series(series: dict[str, list[tuple[int, float]]], where: Optional[str] = None) -> RunCurves:
@@ -358,7 +360,7 @@ def _not_utf8(path: str) -> str:
 
 def _read_csv_rows(path: str) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # a BOM, as a spreadsheet saves it, is no column
         for row in csv.DictReader(f):
             if None in row:
                 raise ValueError(f"{path}: a row has more fields than the header ({row[None]!r}): not a metrics.csv?")
@@ -433,10 +435,21 @@ def _is_events(name: str) -> bool:
     return name.startswith("events.out.tfevents")
 
 
+def _is_csv(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() == ".csv"
+
+
 def _read_hparams(folder: str) -> tuple[dict[str, Any], Optional[str]]:
-    """A run folder's ``hparams.yaml`` (CSVLogger and TensorBoardLogger write it), and why it could not be read."""
-    path = os.path.join(folder, "hparams.yaml")
-    if not os.path.isfile(path):
+    """A run folder's ``hparams.yaml`` (CSVLogger and TensorBoardLogger write it), and why it could not be read.
+
+    TensorBoardLogger's ``sub_dir`` puts the event files a folder below the version folder and its ``hparams.yaml``:
+    the folder above is read when the run's own has none.
+    """
+    path = next(
+        (p for p in (os.path.join(f, "hparams.yaml") for f in (folder, os.path.dirname(folder))) if os.path.exists(p)),
+        None,
+    )
+    if path is None:
         return {}, None
     try:
         import yaml

@@ -223,3 +223,33 @@ def test_every_error_names_the_path_it_is_about(tmp_path, capsys, command):
         if name != "several":
             assert len(captured.err.splitlines()) == 1, (name, captured.err)
     assert not (tmp_path / "out.png").exists()
+
+
+def test_a_tensorboard_sub_dir_run_is_read_with_its_version_folders_hparams(tmp_path, capsys):
+    logger = TensorBoardLogger(tmp_path, name="tb", sub_dir="train")  # events a folder below hparams.yaml
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)
+    _fit(logger, {}, steps=30, plugin=plugin)
+    run = read_logged(tmp_path / "tb")
+    assert run.path == os.path.join(str(tmp_path / "tb"), "version_0", "train")
+    assert run.hparams["amp/plugin"] == 'AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)'
+    assert main(["advise", str(tmp_path / "tb")]) == 0
+    assert ", growth_interval=100)\n" in capsys.readouterr().out
+
+
+def test_odd_files_and_names(tmp_path, capsys):
+    """A CSV saved by a spreadsheet (a BOM, an upper-case extension); a folder whose name is not UTF-8."""
+    lines = "step,amp/loss_scale,amp/skipped_steps\n0,1024,0\n3,512,1\n5,512,1\n"
+    (tmp_path / "RUN.CSV").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    assert read_run(tmp_path / "RUN.CSV").skipped == [3]
+    odd = os.path.join(os.fsencode(tmp_path), b"run-\xe5")
+    os.makedirs(odd)
+    with open(os.path.join(odd, b"metrics.csv"), "w") as f:
+        f.write(lines)
+    parent = tmp_path / "parent"
+    os.makedirs(os.path.join(os.fsencode(parent), b"v\xe5"))
+    os.rename(odd, os.path.join(os.fsencode(parent), b"v\xe5", b"run"))
+    assert main(["advise", str(parent)]) == 0  # the one run below, its undecodable name escaped on stdout
+    assert "\\udce5" in capsys.readouterr().out
+    assert main(["plot", str(parent), "-o", str(tmp_path / "out.png")]) == 0
+    assert main(["plot", os.fsdecode(os.path.join(os.fsencode(parent), b"v\xe5")), "-o", str(tmp_path / "x")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "x.png")
