@@ -395,7 +395,7 @@ def _read_tensorboard(run: str) -> dict[str, list[tuple[int, float]]]:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError as err:
         raise ImportError(
-            "reading TensorBoard logs needs tensorboard: `pip install 'lightning-amp-plus[tensorboard]'`."
+            f"reading the TensorBoard run {run!r} needs tensorboard: `pip install 'lightning-amp-plus[tensorboard]'`."
         ) from err
     files = sorted(os.path.join(run, f) for f in os.listdir(run) if _is_events(f)) if os.path.isdir(run) else [run]
     per_file = []
