@@ -70,6 +70,7 @@ def _advise(path: str) -> int:
     try:
         with naming(path):
             run = read_logged(path)
+        with naming(run.path):  # what its series hold is the run's file's
             figures = figures_from_series(run.series, run.hparams)
     except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

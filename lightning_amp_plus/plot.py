@@ -199,6 +199,7 @@ def read_run(path: PathLike) -> RunCurves:
     """Read the curves of the one run at ``path`` (see :func:`read_logged`); an error names ``path``."""
     with naming(path):
         run = read_logged(path)
+    with naming(run.path):  # what its series hold is the run's file's
         return _from_series(run.series, run.path)
 
 
