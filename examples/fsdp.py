@@ -13,6 +13,24 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so ``--help`` answers at once."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=60, help="training steps (optimizer updates)")
+    parser.add_argument("--devices", type=int, default=2, help="processes: CPU processes (gloo), or GPUs")
+    parser.add_argument("--out", default="runs/fsdp", help="folder for the CSV logs and skips.json")
+    parser.add_argument(
+        "--fast", action="store_true", help="8 steps, the overflow at steps 3 and 4 (the test suite's smoke test)"
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    parser().parse_args()  # --help, or a mistyped flag, before the seconds torch takes to import
+
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
@@ -72,12 +90,7 @@ class Regressor(LightningModule):
 
 
 def main(argv: list[str] | None = None) -> AmpPlusFSDPPrecision:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--out", default="runs/fsdp")
-    parser.add_argument("--fast", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     seed_everything(0)
     x = torch.randn(4096, 32)
     loader = DataLoader(TensorDataset(x, x[:, :4].sum(1, keepdim=True)), batch_size=32)

@@ -10,6 +10,21 @@ from __future__ import annotations
 
 import argparse
 
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so ``--help`` answers at once."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=200, help="batches (each steps both optimizers)")
+    parser.add_argument("--out", default="runs/gan", help="folder for the CSV logs")
+    parser.add_argument("--fast", action="store_true", help="4 batches (the test suite's smoke test)")
+    return parser
+
+
+if __name__ == "__main__":
+    parser().parse_args()  # --help, or a mistyped flag, before the seconds torch takes to import
+
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
@@ -59,11 +74,7 @@ class GAN(LightningModule):
 
 
 def main(argv: list[str] | None = None) -> AmpPlusPrecision:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="batches")
-    parser.add_argument("--out", default="runs/gan", help="CSV logs go here")
-    parser.add_argument("--fast", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     seed_everything(0)
     real = torch.randn(4096, 2) * 0.5 + torch.tensor([2.0, -1.0])
     loader = DataLoader(TensorDataset(real), batch_size=64, shuffle=True)

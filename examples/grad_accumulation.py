@@ -7,6 +7,22 @@ from __future__ import annotations
 
 import argparse
 
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so ``--help`` answers at once."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser.add_argument("--accumulate", type=int, default=4, help="batches accumulated into each optimizer step")
+    parser.add_argument("--out", default="runs/accumulation", help="folder for the CSV logs")
+    parser.add_argument("--fast", action="store_true", help="3 optimizer steps (the test suite's smoke test)")
+    return parser
+
+
+if __name__ == "__main__":
+    parser().parse_args()  # --help, or a mistyped flag, before the seconds torch takes to import
+
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
@@ -39,12 +55,7 @@ class Regressor(LightningModule):
 
 
 def main(argv: list[str] | None = None) -> Regressor:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
-    parser.add_argument("--accumulate", type=int, default=4)
-    parser.add_argument("--out", default="runs/accumulation", help="CSV logs go here")
-    parser.add_argument("--fast", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     seed_everything(0)
     x = torch.randn(2048, 32)
     loader = DataLoader(TensorDataset(x, x[:, :4].sum(1, keepdim=True)), batch_size=16)

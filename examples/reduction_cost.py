@@ -20,6 +20,20 @@ import sys
 import tempfile
 from typing import Any
 
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so ``--help`` answers at once."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--params", type=int, default=200, help="parameters (tensors) in the model")
+    parser.add_argument("--json", default=None, help="also write rank 0's figures here")
+    return parser
+
+
+if __name__ == "__main__":
+    parser().parse_args()  # --help, or a mistyped flag, before the seconds torch takes to import
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -133,10 +147,7 @@ def measure(params: int = 200, out: str | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=200, help="parameters (tensors) in the model")
-    parser.add_argument("--json", default=None, help="also write rank 0's figures here")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     result = measure(args.params)
     if args.json:
         with open(args.json, "w") as f:

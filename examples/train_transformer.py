@@ -15,6 +15,30 @@ import argparse
 import math
 import os
 
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so ``--help`` answers at once."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=300, help="training steps (optimizer updates)")
+    parser.add_argument(
+        "--out", default="runs/transformer", help="folder for the CSV logs, skips.json, advice.md and the PNG"
+    )
+    parser.add_argument(
+        "--precision",
+        default="16-mixed",
+        choices=["16-mixed", "bf16-mixed"],
+        help="16-mixed: float16 with loss scaling (starting at 2**24); bf16-mixed: bfloat16, no loss scale",
+    )
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate after its linear warmup")
+    parser.add_argument("--fast", action="store_true", help="6 steps, no progress bar (the test suite's smoke test)")
+    return parser
+
+
+if __name__ == "__main__":
+    parser().parse_args()  # --help, or a mistyped flag, before the seconds torch takes to import
+
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
@@ -65,13 +89,7 @@ class TinyTransformer(LightningModule):
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", default="runs/transformer")
-    parser.add_argument("--precision", default="16-mixed", choices=["16-mixed", "bf16-mixed"])
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--fast", action="store_true", help="a few steps only (smoke test)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     steps = 6 if args.fast else args.steps
     seed_everything(0)
     data = make_data(vocab=64, seq=32, n=2048)

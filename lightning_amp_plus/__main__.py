@@ -6,6 +6,7 @@ Commands import what they need when they run: ``--help`` and ``--version`` impor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -15,6 +16,8 @@ from lightning_amp_plus.__about__ import __version__
 DESCRIPTION = "lightning-amp-plus: visible, controllable and safe mixed precision for PyTorch Lightning."
 EPILOG = """\
 PATH is a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder.
+Runs are never merged: a folder holding several (lightning_logs/ with version_0 and version_1) is refused with
+their list, to pick one from.
 
 examples:
   lightning-amp-plus plot lightning_logs/version_0 -o loss_scale.png
@@ -56,22 +59,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (ImportError, OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        print(out)
+        print(_printable(out))
     return 0
 
 
 def _advise(path: str) -> int:
     from lightning_amp_plus.advice import advise, figures_from_series, healthy_line, needs_live
-    from lightning_amp_plus.plot import read_series
+    from lightning_amp_plus.plot import naming, read_logged
 
     try:
-        figures = figures_from_series(read_series(path))
+        with naming(path):
+            run = read_logged(path)
+        with naming(run.path):  # what its series hold is the run's file's
+            figures = figures_from_series(run.series, run.hparams)
     except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not figures.curve and figures.skipped is None:
-        print(f"error: {path}: no amp/ series found (log them with `LossScaleMonitor`).", file=sys.stderr)
+        keys = sorted(run.series)[:10]
+        why = f"no amp/ series found (keys: {keys}); log them with `LossScaleMonitor`"
+        print(f"error: {run.path}: {why}.", file=sys.stderr)
         return 2
+    if not _same_path(path, run.path):
+        print(_printable(f"the one run at {path}: {run.path}"))
     found = advise(figures)
     if found:
         print(f"{len(found)} finding{'s' if len(found) != 1 else ''} from the logged series, most important first:")
@@ -82,7 +92,25 @@ def _advise(path: str) -> int:
     live = needs_live(figures)
     if live:
         print(f"not checked (they need the live callback, `AmpAdvisor`): {', '.join(live)}")
+    if not figures.plugin_args and any(a.fix.startswith(f"{figures.plugin}(") for a in found):
+        why = f" ({run.hparams_note})" if run.hparams_note else ""
+        print(
+            f"note: the run's plugin call was not found in its hparams.yaml{why}: each fix shows its one change;"
+            " keep the other arguments you gave (`LossScaleMonitor` logs the call as `amp/plugin`)."
+        )
     return 0
+
+
+def _printable(text: str) -> str:
+    """``text`` as stdout can write it: a file name's undecodable bytes escaped (stderr escapes them itself)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
+
+
+def _same_path(given: str, run: str) -> bool:
+    """Whether ``run`` (a run folder, its metrics.csv or an event file) is the path the user gave."""
+    given, run = os.path.normpath(given), os.path.normpath(run)
+    return given in (run, os.path.dirname(run)) and (given == run or os.path.basename(run) == "metrics.csv")
 
 
 if __name__ == "__main__":

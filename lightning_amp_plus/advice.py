@@ -9,6 +9,7 @@ figures the run measured; a figure that is missing (``None``) makes its rules st
 
 from __future__ import annotations
 
+import ast
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -721,8 +722,21 @@ def _nice(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- offline
-def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigures:
-    """The figures a logged run supports (the ``advise`` command): scale curve, skips, underflow, headroom."""
+#: the hyperparameter (after the monitor's prefix) under which ``LossScaleMonitor`` logs the plugin's call
+PLUGIN_HPARAM = "plugin"
+#: the plugin classes whose logged call a fix line repeats, and their positional arguments
+_PLUGINS = ("AmpPlusPrecision", "AmpPlusFSDPPrecision", "AmpPlusFabricPrecision")
+_POSITIONAL = ("precision", "device")
+
+
+def figures_from_series(
+    series: dict[str, list[tuple[int, float]]], hparams: Optional[dict[str, Any]] = None
+) -> RunFigures:
+    """The figures a logged run supports (the ``advise`` command): scale curve, skips, underflow, headroom.
+
+    ``hparams`` are the run's logged hyperparameters: the plugin's call ``LossScaleMonitor`` logged there (as
+    ``amp/plugin``) makes every fix the run's own call with one change, as the live advisor's.
+    """
     key = scale_key(series)
     skip_key = next((k for k in series if k.endswith("skipped_steps") or k.endswith("step_skipped")), None)
     prefix = ""
@@ -734,6 +748,9 @@ def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigure
     elif skip_key is not None:
         prefix = skip_key[: skip_key.rindex("/") + 1] if "/" in skip_key else ""
         figures.precision = "bf16-mixed"
+    call = parse_plugin_call((hparams or {}).get(prefix + PLUGIN_HPARAM))
+    if call is not None:
+        figures.plugin, figures.plugin_args = call
     figures.skipped = skipped_steps(series, prefix)
     underflow = dict(series.get(prefix + "underflow_fraction", []))
     headroom = dict(series.get(prefix + "headroom_bits", []))
@@ -752,3 +769,62 @@ def figures_from_series(series: dict[str, list[tuple[int, float]]]) -> RunFigure
         figures.last_step = max(steps)
         figures.num_updates = figures.last_step - min(steps) + 1
     return figures
+
+
+def plugin_call(plugin: str, args: dict[str, Any]) -> str:
+    """The call that built a plugin, as ``LossScaleMonitor`` logs it: :func:`plugin_fix` with no change.
+
+    Example:
+        >>> plugin_call("AmpPlusPrecision", {"init_scale": 2.0**20, "fp32_modules": ["head"]})
+        'AmpPlusPrecision("16-mixed", init_scale=2.0**20, fp32_modules=["head"])'
+    """
+    return plugin_fix(RunFigures(plugin=plugin, plugin_args=dict(args)))
+
+
+def parse_plugin_call(text: Any) -> Optional[tuple[str, dict[str, Any]]]:
+    """The plugin class name and arguments of a logged :func:`plugin_call`; None for anything else.
+
+    Only literals are read (numbers, ``2.0**k``, strings, lists, ``None``): nothing is evaluated.
+
+    Example:
+        >>> parse_plugin_call('AmpPlusPrecision("16-mixed", init_scale=2.0**20, growth_interval=100)')
+        ('AmpPlusPrecision', {'precision': '16-mixed', 'init_scale': 1048576.0, 'growth_interval': 100})
+        >>> parse_plugin_call("os.system('x')") is None
+        True
+    """
+    if not isinstance(text, str):
+        return None
+    try:
+        call = ast.parse(text.strip(), mode="eval").body
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in _PLUGINS):
+            return None
+        if len(call.args) > len(_POSITIONAL) or any(k.arg is None for k in call.keywords):
+            return None
+        args = {name: _literal_value(node) for name, node in zip(_POSITIONAL, call.args, strict=False)}
+        args.update({str(k.arg): _literal_value(k.value) for k in call.keywords})
+    except (SyntaxError, ValueError, TypeError, OverflowError, RecursionError):
+        return None
+    return call.func.id, args
+
+
+def _literal_value(node: ast.AST) -> Any:
+    """What :func:`_literal` wrote, read back: constants, ``-x``, ``2.0**k``, lists and tuples of those."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        values = [_literal_value(e) for e in node.elts]
+        return values if isinstance(node, ast.List) else tuple(values)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_number(_literal_value(node.operand))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        base, exponent = _number(_literal_value(node.left)), _number(_literal_value(node.right))
+        if abs(exponent) > 1100:
+            raise ValueError("exponent out of range")
+        return base**exponent
+    raise ValueError(f"not a literal: {ast.dump(node)}")
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"not a number: {value!r}")
+    return value

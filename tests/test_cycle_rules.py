@@ -440,7 +440,7 @@ def test_plot_command_refuses_values_that_are_not_a_loss_scale(tmp_path, capsys,
     assert cli(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert err[0].startswith("error: amp/loss_scale at step 0 is ")
+    assert err[0].startswith(f"error: {tmp_path / 'metrics.csv'}: amp/loss_scale at step 0 is ")  # named
     assert "not a loss scale" in err[0]
 
 

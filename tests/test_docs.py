@@ -10,8 +10,11 @@ as the value in force). README.md is a front page: its links must lead somewhere
 import ast
 import glob
 import inspect
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -132,3 +135,153 @@ def test_the_readme_is_a_front_page():
     quick_start = readme[readme.index("## Quick start") : readme.index("## The parts")]
     assert "AmpAdvisor()" in quick_start
     assert "\nAmpAdvisor: " in quick_start  # and shows what it printed
+
+
+# ---------------------------------------------------------------------------------------------- the Quick start
+#: runs the README's Quick start as pasted (``quick_start.py``), then writes what its seeded run recorded
+_STORY = """
+import json, runpy
+
+run = runpy.run_path("quick_start.py")
+history = run["trainer"].precision_plugin.history
+with open("story.json", "w") as f:
+    json.dump({"curve": history.curve(), "skipped": history.skipped_steps}, f)
+"""
+
+
+def _readme_block(readme, heading, lang):
+    start = readme.index(f"```{lang}\n", readme.index(heading)) + len(f"```{lang}\n")
+    return readme[start : readme.index("```", start)]
+
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory):
+    """The README's Quick start, run as pasted on the CPU: its output and what its history recorded."""
+    readme = _read(os.path.join(ROOT, "README.md"))
+    where = tmp_path_factory.mktemp("quick_start")
+    (where / "quick_start.py").write_text(_readme_block(readme, "## Quick start", "python"))
+    (where / "story.py").write_text(_STORY)
+    done = subprocess.run(
+        [sys.executable, "story.py"],
+        cwd=where,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # the CPU run the README shows; a mutation-testing run's stats mode stays in its own process
+        env={
+            **{k: v for k, v in os.environ.items() if k != "MUTANT_UNDER_TEST"},
+            "PYTHONPATH": ROOT,
+            "CUDA_VISIBLE_DEVICES": "",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    story = json.loads((where / "story.json").read_text())
+    return readme, done, story, where
+
+
+def _on_the_readmes_stack(readme):
+    """What the README says its seeded run printed holds on the stack it names (float16 arithmetic is the stack's)."""
+    import lightning
+    import torch
+
+    torch_version, lightning_version = re.search(
+        r"What it printed on .*?\(torch ([^,]+), Lightning ([^;]+);", " ".join(readme.split())
+    ).groups()
+    if (torch.__version__, lightning.__version__) != (torch_version, lightning_version):
+        pytest.skip(f"the README's run is torch {torch_version}, Lightning {lightning_version}")
+
+
+def test_the_readme_quick_start_runs_as_pasted(quick_start):
+    _, done, _, where = quick_start
+    # it ends with the advisor's output: its header, then only its numbered findings and their fix lines
+    lines = done.stderr.strip().splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("AmpAdvisor: "))
+    assert all(re.match(r"(\d+\. \[\w+\] |    fix: )", line) for line in lines[header + 1 :]), lines[header:]
+    assert "`NaNSkipReporter`: " in done.stderr  # the reporter's summary before it
+    assert (where / "skips.json").exists()
+    assert "AmpPlusWarning" not in done.stderr
+
+
+def test_what_the_readme_says_its_quick_start_printed_is_what_it_prints(quick_start):
+    readme, done, _, _ = quick_start
+    _on_the_readmes_stack(readme)
+    printed = _readme_block(readme[readme.index("## Quick start") :], "What it printed", "text")
+    lines = {line.rstrip() for line in (done.stdout + done.stderr).splitlines()}
+    for line in printed.strip().splitlines():
+        assert line in lines, line
+
+
+def test_the_readme_tells_its_quick_starts_curve_as_the_run_recorded_it(quick_start):
+    """The prose around the Quick start: the curve it quotes, the skipped steps, where the scale stood and grew."""
+    readme, _, story, _ = quick_start
+    _on_the_readmes_stack(readme)
+    text = readme[readme.index("## Quick start") : readme.index("## The parts")]
+    prose = " ".join(text.split())
+    curve = [tuple(point) for point in story["curve"]]
+    quoted = re.search(r"history\.curve\(\)`[^`]*? is `(\[[^`]*\])`", prose).group(1)
+    assert ast.literal_eval(quoted) == curve
+    assert f"`.skipped_steps` holds the skipped updates (`{story['skipped']}`)" in prose
+    (skip,) = story["skipped"]
+    assert f"The skip at step {skip} is the initial scale meeting the gradients" in prose
+    init = curve[0][1]
+    assert f"initial 2^{int(init).bit_length() - 1}" in prose
+    assert all(scale == init for step, scale in curve if step <= skip)  # no growth before the skip: no probing
+    first_growth = next(step for (_, before), (step, after) in zip(curve, curve[1:], strict=False) if after > before)
+    assert f"first grew at step {first_growth}" in prose
+    interval = int(re.search(r"growth_interval=(\d+)", text).group(1))
+    assert f"after `growth_interval={interval}` clean updates" in prose
+    assert first_growth - (skip + 1) == interval  # the clean updates from the halved scale's first step
+
+
+# ---------------------------------------------------------------------------------------------- figures
+_HAND_TYPED = [
+    # a count of Python calls, unless it is the bound a test holds ("at most 40 Python calls")
+    re.compile(r"(?<!at most )(?<![\w.])[+-]?\d[\d,]*\s+(?:Python\s+)?calls\b"),
+    re.compile(r"\b\d[\d,]*\s+passed\b"),  # a test count
+]
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *(os.path.relpath(p, ROOT) for p in glob.glob(f"{DOCS}/**/*.md", recursive=True))]
+)
+def test_no_page_types_a_count_by_hand(page):
+    """Counts come from the command a page names (included at build time), or are not given."""
+    if "_generated" in page:
+        return
+    text = " ".join(_read(os.path.join(ROOT, page)).split())
+    for pattern in _HAND_TYPED:
+        assert not pattern.findall(text), f"{page}: {pattern.findall(text)}"
+    assert "| Python calls/step |" not in text  # the counts table is the command's output, never a copy
+
+
+def _conf():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_conf", os.path.join(DOCS, "conf.py"))
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    return conf
+
+
+def test_the_performance_page_includes_what_the_command_it_names_prints(monkeypatch, capsys):
+    conf = _conf()
+    command = " ".join(["python", *conf.COUNTS_COMMAND])
+    page = " ".join(_read(os.path.join(DOCS, "performance.md")).split())
+    assert command == "python examples/benchmark.py --size small --counts"
+    assert f"`{command}`" in page
+    assert f"```{{include}} {conf.COUNTS_PAGE} ```" in page
+    # the build writes the command's own output: its header, every configuration's row, the differences
+    from examples import benchmark
+
+    table = benchmark.configs("cpu", "16-mixed", floor=True)
+    per_step = {name: (1000 + 10 * i, 50 + i) for i, name in enumerate(table)}  # stand-in counts
+    fits = iter([fit for name in table for fit in ((200 * per_step[name][0] + 7, 200 * per_step[name][1] + 3), (7, 3))])
+    monkeypatch.setattr(benchmark, "count_fit", lambda *args: next(fits))  # a 300-step fit, then a 100-step fit
+    benchmark.main(["--size", "small", "--counts"])
+    markdown = conf.counts_markdown(capsys.readouterr().out)
+    assert markdown.startswith(f"Printed by `{command}` when this site was built: ")
+    for name, (calls, ops) in per_step.items():
+        assert f"\n| {name} | {calls} | {ops} |\n" in markdown
+    ours, floor = per_step["AmpPlusPrecision + callbacks"], per_step["stock AMP + 2 empty callbacks"]
+    over = f"{ours[0] - floor[0]:+d} Python calls, {ours[1] - floor[1]:+d} aten ops a step"
+    assert f"\n- AmpPlusPrecision + callbacks over stock AMP + 2 empty callbacks: {over}\n" in markdown

@@ -600,3 +600,36 @@ def test_an_event_file_itself_is_read_as_its_folder(tmp_path):
     (tmp_path / "other.txt").write_text("x")
     with pytest.raises(FileNotFoundError, match="no metrics found"):
         read_series(tmp_path / "other.txt")
+
+
+def test_the_underflow_and_headroom_get_a_panel_between_the_scale_and_the_loss(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_amp_plus import GradUnderflowMonitor
+
+    logger = CSVLogger(tmp_path, name="csv")
+    model = LoggingModel()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, growth_interval=3)
+    make_trainer(
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(logging_interval=2), GradUnderflowMonitor(every_n_steps=2, max_warnings=0)],
+        logger=logger,
+        max_steps=10,
+        log_every_n_steps=2,
+    ).fit(model)
+    curves = read_run(logger.log_dir)
+    assert [s for s, _ in curves.underflow] == [s for s, _ in curves.headroom] == [1, 3, 5, 7, 9]
+    fig = draw(curves)
+    try:
+        scale, gradients, loss, headroom = fig.axes  # the headroom's own axis, on the right, last
+        assert [scale.get_ylabel(), gradients.get_ylabel(), loss.get_ylabel()] == [
+            "loss scale (log2)",
+            "underflow fraction",
+            "training loss",
+        ]
+        assert headroom.get_ylabel() == "headroom (bits)"
+        assert [list(line.get_xdata()) for line in gradients.get_lines()] == [[1, 3, 5, 7, 9]]
+        assert list(headroom.get_lines()[0].get_ydata()) == [v for _, v in curves.headroom]
+        assert [t.get_text() for t in gradients.get_legend().get_texts()] == ["underflow fraction", "headroom (bits)"]
+    finally:
+        fig.clf()

@@ -47,6 +47,10 @@ class LoggingModel(TinyModel):
         return loss
 
 
+#: what `LossScaleMonitor` logs as the hyperparameter `amp/plugin` for `_fit`'s plugin
+PLUGIN_CALL = 'AmpPlusPrecision("16-mixed", device="cpu", init_scale=2.0**10, growth_interval=4)'
+
+
 def _fit(logger):
     plugin = AmpPlusPrecision("16-mixed", "cpu", init_scale=1024.0, growth_interval=4)
     trainer = make_trainer(
@@ -96,6 +100,7 @@ def test_mlflow_with_a_sqlite_store_gets_what_csv_gets(tmp_path):
 
     client = MlflowClient(tracking_uri=uri)  # a new client reads the database back
     run = client.get_run(mlflow_logger.run_id)
+    assert run.data.params["amp/plugin"] == PLUGIN_CALL  # the plugin's call, as a param
     series = {
         key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         for key in run.data.metrics
@@ -129,8 +134,16 @@ def test_wandb_offline_gets_what_csv_gets(tmp_path, monkeypatch):
     assert wandb.run is None
 
     (run_file,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
+    records = _wandb_run(run_file)
+    config = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
+    assert config["amp/plugin"] == PLUGIN_CALL  # the plugin's call, in the run's config
     series = {}
-    for row in _wandb_history(run_file):
+    for row in _wandb_history(records):
         step = row.pop("trainer/global_step")  # WandbLogger logs Lightning's step beside the metrics
         for key, value in row.items():
             if not key.startswith("_") and key != "epoch":
@@ -174,8 +187,8 @@ def _wandb_records(path):
             yield pending + chunk
 
 
-def _wandb_history(path, timeout=60.0):
-    """Each ``run.log`` row of a finished W&B run file, as a dict (``_step``, ``_runtime``, ... included).
+def _wandb_run(path, timeout=60.0):
+    """The records of a finished W&B run file (``wandb_internal_pb2.Record``).
 
     ``run.finish()`` can return before wandb's writer process has flushed the file: it is read again until it
     holds the run's ``exit`` record, the last one written.
@@ -193,6 +206,11 @@ def _wandb_history(path, timeout=60.0):
             break
         assert time.monotonic() < deadline, f"{path}: no exit record after {timeout} s"
         time.sleep(0.1)
+    return records
+
+
+def _wandb_history(records):
+    """Each ``run.log`` row of a W&B run's records, as a dict (``_step``, ``_runtime``, ... included)."""
     return [
         {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
         for record in records

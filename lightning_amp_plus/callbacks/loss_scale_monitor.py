@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
 from typing_extensions import override
 
@@ -16,12 +17,14 @@ from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._series import value_at
 from lightning_amp_plus._validation import check_bool, check_int, check_prefix
 from lightning_amp_plus._warnings import warn_at_user
+from lightning_amp_plus.advice import PLUGIN_HPARAM, plugin_call
 from lightning_amp_plus.callbacks._common import (
     find_plugin,
     is_logging_step,
     log_to_all,
     logging_interval,
     next_logging_step,
+    plugin_arguments,
 )
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.precision import AmpPlusPrecision
@@ -40,6 +43,10 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
     * ``{prefix}skip_rate``: the fraction of optimizer-step cycles skipped since the previous logging point;
     * ``{prefix}growths`` and ``{prefix}backoffs``: cumulative counts of scale increases and decreases;
     * ``{prefix}applied_steps``: updates that changed the weights.
+
+    At the start of each fit it logs the plugin's call (``AmpPlusPrecision("16-mixed", growth_interval=100)``) as
+    the hyperparameter ``{prefix}plugin`` (``hparams.yaml`` of CSVLogger and TensorBoardLogger, MLflow's params, W&B's
+    config), so ``lightning-amp-plus advise`` gives the run's own call with one change.
 
     With ``"bf16-mixed"`` there is no loss scale: the scale keys, growths and backoffs are not logged (a constant 1.0
     would read as a scale); the skipped steps, the skip rate and the applied updates are.
@@ -120,6 +127,27 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
                 "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
                 " `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`)."
             )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._plugin is not None and trainer.is_global_zero:
+            self._log_plugin_call(trainer, self._plugin)
+
+    def _log_plugin_call(self, trainer: pl.Trainer, plugin: AmpPlusPrecision) -> None:
+        """The plugin's call as a hyperparameter, ``{prefix}plugin``: what ``advise`` repeats in its fixes.
+
+        Once per fit, before Lightning logs the module's own hyperparameters (and writes ``hparams.yaml``).
+        """
+        params = {f"{self.prefix}{PLUGIN_HPARAM}": plugin_call(type(plugin).__name__, plugin_arguments(plugin))}
+        for logger in trainer.loggers:
+            try:
+                if isinstance(logger, TensorBoardLogger):
+                    # into hparams.yaml only: TensorBoard shows a run's first hparams summary, the module's own
+                    logger.log_hyperparams(params, metrics={})
+                else:
+                    logger.log_hyperparams(params)
+            except Exception as error:  # a logger that refuses it (MLflow: a changed value) does not stop the fit
+                warn_at_user(f"`LossScaleMonitor`: {type(logger).__name__} did not take {params} ({error!r}).")
 
     @override
     def on_train_batch_end(

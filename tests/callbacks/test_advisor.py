@@ -464,19 +464,24 @@ def test_the_advise_command_gives_what_the_logged_series_support(tmp_path, capsy
 
     logger = CSVLogger(tmp_path, name="run")
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**40, max_scale=2.0**40)
+    advisor = AmpAdvisor(print_advice=False)
     make_trainer(
         plugins=[plugin],
-        callbacks=[LossScaleMonitor(logging_interval=5)],
+        callbacks=[LossScaleMonitor(logging_interval=5), advisor],
         logger=logger,
         max_steps=30,
     ).fit(TinyModel(optimizer="fused_sgd", lr=0.01))
     leading = plugin.history.skipped_steps
+    capsys.readouterr()
     assert main(["advise", logger.log_dir]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "1 finding from the logged series, most important first:"
     settled = plugin.history.scale_at(len(leading))
     assert out[1].startswith(f"1. [init_scale] The first {len(leading)} updates were skipped")
-    assert out[2] == f'    fix: AmpPlusPrecision("16-mixed", init_scale=2.0**{int(torch.tensor(settled).log2())})'
+    # the run's own call (its logged `amp/plugin`) with one change: max_scale kept, as the live advisor keeps it
+    exponent = int(torch.tensor(settled).log2())
+    assert out[2] == f'    fix: AmpPlusPrecision("16-mixed", init_scale=2.0**{exponent}, max_scale=2.0**40)'
+    assert out[2] == f"    fix: {next(a.fix for a in advisor.advice if a.code == 'init_scale')}"
     assert out[3] == (
         "not checked (they need the live callback, `AmpAdvisor`): nonfinite_loss, model_nonfinite, fp32_module,"
         " zero_gradients, max_scale, silent_fp32, fused_optimizer"
