@@ -2,9 +2,13 @@
 
 Standard library only (the ``advise`` command reads logs without torch). :func:`advise` reads a :class:`RunFigures`
 (built live by :class:`~lightning_amp_plus.AmpAdvisor` from the plugin and the callbacks, or offline from a logged
-run by :func:`figures_from_series`) and returns :class:`Advice` objects, most important first. Each rule reads only
-figures the run measured; a figure that is missing (``None``) makes its rules stay silent, and
-:func:`needs_live` says which codes a set of figures cannot support.
+run by :func:`figures_from_series`) and returns :class:`Advice` objects, most important first.
+
+Each advice code is one declared :class:`Rule` (:data:`RULES`, in order of importance): its check, what it needs
+measured, whether it explains skipped updates, whether it reads the skips' origins (the collapse error's hint), and
+the row the documentation's table gives it (:func:`docs_table`). :data:`CODES`, :func:`needs_live`,
+:func:`origin_advice` and the table are derived from it. A figure that is missing (``None``) makes its rule stay
+silent.
 """
 
 from __future__ import annotations
@@ -12,28 +16,12 @@ from __future__ import annotations
 import ast
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
-
-#: the codes, most important first: a non-finite batch is no scaling problem; an fp32 island fixes a module that
-#: overflows; bf16 when no scale fits; then the knobs; then many skips nothing above explains; then speed
-CODES = (
-    "nonfinite_loss",
-    "model_nonfinite",
-    "fp32_module",
-    "bf16",
-    "zero_gradients",
-    "init_scale",
-    "max_scale",
-    "growth_interval",
-    "hysteresis",
-    "skip_rate",
-    "silent_fp32",
-    "fused_optimizer",
-)
 
 #: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
 HIGH_UNDERFLOW = 0.5
@@ -49,6 +37,8 @@ HIGH_SKIP_RATE = 0.5
 TRAILING_STREAK = 3
 #: how many times faster a float32 module must run lowered (measured) before silent_fp32 names it
 MIN_LOWERED_SPEEDUP = 1.2
+#: the share of the run's step a fused optimizer must be measured to save before fused_optimizer is told
+MIN_FUSED_GAIN = 0.02
 #: the highest scale a fix proposes (float32 holds up to 2**127; beyond 2**64 no gradient is that small)
 MAX_PROPOSED_SCALE = 2.0**64
 
@@ -86,12 +76,13 @@ class RunFigures:
         knobs: the scaler's settings (``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``,
             ``max_scale``, ``growth_factor``, ``backoff_factor``); None offline.
         underflow: ``GradUnderflowMonitor`` measurements (``step``, ``scale``, ``underflow_fraction``,
-            ``headroom_bits``).
+            ``headroom_bits``, and ``loss``, ``reference``, ``fitting_scale`` ... when measured live).
         origins: per skipped update whose origin was told, ``NaNSkipReporter``'s ``origin`` dict (with its ``step``).
         fp32_rows: ``PrecisionReport`` rows flagged as heavy float32 work (``name``, ``type``, ``time_share``,
             ``cause``, ``island``).
         non_fused: optimizers with a fused implementation on their device that run non-fused (``name``,
-            ``device``), when the run reads a skip flag on the host each step.
+            ``device``, ``fused_call``, and the measured ``step_ms`` / ``fused_step_ms`` of one optimizer step and
+            the run's ``train_step_ms``).
         bf16_available: whether bf16 autocast is available on the run's device.
         plugin: the run's plugin class name (fix lines are the user's own call with one change).
         plugin_args: the arguments the plugin was given (those that differ from its defaults), in order.
@@ -112,33 +103,98 @@ class RunFigures:
     plugin_args: dict[str, Any] = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Rule:
+    """One advice code, declared once: its check and everything derived from it.
+
+    Attributes:
+        code: the stable string.
+        check: the figures -> the advice, or None (silent).
+        measured: whether the figures hold what the check reads (else :func:`needs_live` names the code).
+        explains_skips: the advice says why updates were skipped (``skip_rate`` stays silent beside it).
+        reads_origins: one reading of the skips' origins, which ``LossScaleCollapseError``'s hint gives too.
+        unless_explained: told only when no advice that explains skips was (``skip_rate``).
+        evidence, fix, look_alike, blind: the documentation table's row (what it reads, what it proposes, the
+            healthy run it stays silent on, what it cannot see).
+    """
+
+    code: str
+    check: Callable[[RunFigures], Optional[Advice]]
+    measured: Callable[[RunFigures], bool]
+    explains_skips: bool
+    reads_origins: bool
+    unless_explained: bool
+    evidence: str
+    fix: str
+    look_alike: str
+    blind: str
+
+
+#: every advice code's rule, most important first: a non-finite batch is no scaling problem; what the model makes
+#: in any precision; an fp32 island fixes a module that overflows; bf16 when no scale fits; then the knobs; then
+#: many skips nothing above explains; then speed
+RULES: dict[str, Rule] = {}
+
+
+def _always(figures: RunFigures) -> bool:
+    return True
+
+
+def rule(
+    code: str,
+    *,
+    evidence: str,
+    fix: str,
+    look_alike: str,
+    blind: str = "",
+    measured: Callable[[RunFigures], bool] = _always,
+    explains_skips: bool = True,
+    reads_origins: bool = False,
+    unless_explained: bool = False,
+) -> Callable[[Callable[[RunFigures], Optional[Advice]]], Callable[[RunFigures], Optional[Advice]]]:
+    """Declare the check below as advice ``code``'s rule (in the order of importance the declarations give)."""
+
+    def declare(check: Callable[[RunFigures], Optional[Advice]]) -> Callable[[RunFigures], Optional[Advice]]:
+        RULES[code] = Rule(
+            code, check, measured, explains_skips, reads_origins, unless_explained, evidence, fix, look_alike, blind
+        )
+        return check
+
+    return declare
+
+
 def advise(figures: RunFigures) -> list[Advice]:
     """The advice the figures support, most important first (the order of :data:`CODES`)."""
-    found: list[Advice] = []
-    for rule in _RULES:
-        advice = rule(figures)
-        if advice is not None:
-            found.append(advice)
-    if not any(a.code in _EXPLAIN_SKIPS for a in found):  # a speed hint explains no skip
-        unexplained = _skip_rate(figures)
-        if unexplained is not None:
-            found.append(unexplained)
+    found = [a for r in RULES.values() if not r.unless_explained for a in [r.check(figures)] if a is not None]
+    if not any(RULES[a.code].explains_skips for a in found):  # a speed hint explains no skip
+        found += [a for r in RULES.values() if r.unless_explained for a in [r.check(figures)] if a is not None]
     found.sort(key=lambda a: CODES.index(a.code))
     return found
 
 
 def needs_live(figures: RunFigures) -> list[str]:
-    """The codes these figures cannot support (their figures were not measured)."""
-    unmeasured = {
-        "nonfinite_loss": figures.origins is None,
-        "model_nonfinite": figures.origins is None,
-        "fp32_module": figures.origins is None,
-        "silent_fp32": figures.fp32_rows is None,
-        "fused_optimizer": figures.non_fused is None,
-        "max_scale": figures.underflow is None or figures.knobs is None,  # needs the measurements and the cap
-        "zero_gradients": figures.underflow is None or any("loss" not in m for m in figures.underflow),  # live only
-    }
-    return [c for c in CODES if unmeasured.get(c, False)]
+    """The codes these figures cannot support (what they read was not measured)."""
+    return [code for code, r in RULES.items() if not r.measured(figures)]
+
+
+def origin_advice(figures: RunFigures) -> Optional[Advice]:
+    """The advice the skips' origins support (a bad batch or loss, what the model makes, an fp16 overflow), if any.
+
+    The one reading of the origins: ``AmpAdvisor`` and ``NaNSkipReporter``'s collapse error both say this.
+    """
+    for r in RULES.values():
+        found = r.check(figures) if r.reads_origins else None
+        if found is not None:
+            return found
+    return None
+
+
+def docs_table() -> str:
+    """The documentation's table of the advice codes (docs/guide/advisor.md holds it verbatim; a test checks)."""
+    lines = ["| code | evidence | fix | healthy look-alike (silent) | cannot see |", "|---|---|---|---|---|"]
+    lines += [f"| `{r.code}` | {r.evidence} | {r.fix} | {r.look_alike} | {r.blind} |" for r in RULES.values()]
+    return "\n".join(lines)
 
 
 def healthy_line(figures: RunFigures) -> str:
@@ -157,7 +213,7 @@ def healthy_line(figures: RunFigures) -> str:
     return "the run looks healthy: " + ", ".join(parts) + "."
 
 
-# ---------------------------------------------------------------------------------------------- the rules
+# ---------------------------------------------------------------------------------------------- reading the figures
 def _known_origins(figures: RunFigures) -> list[dict[str, Any]]:
     return [o for o in figures.origins or [] if o]
 
@@ -170,6 +226,54 @@ def _scaling_skips(figures: RunFigures) -> list[int]:
     return [s for s in figures.skipped or [] if s not in not_scaling]
 
 
+def _origins_measured(figures: RunFigures) -> bool:
+    return figures.origins is not None
+
+
+def _underflow_measured(figures: RunFigures) -> bool:
+    return figures.underflow is not None
+
+
+def _high_underflow(figures: RunFigures) -> list[dict[str, Any]]:
+    return [m for m in _measured(figures) if m["underflow_fraction"] >= HIGH_UNDERFLOW]
+
+
+def _measured(figures: RunFigures) -> list[dict[str, Any]]:
+    """The measurements with an underflow figure (an overflowed or all-zero update has none)."""
+    return [m for m in figures.underflow or [] if m.get("underflow_fraction") is not None]
+
+
+def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
+    if figures.knobs is None or figures.knobs.get("max_scale") is None:
+        return False
+    return measurement["scale"] >= figures.knobs["max_scale"]
+
+
+def _forward_overflows(figures: RunFigures) -> list[dict[str, Any]]:
+    """Origins of an fp16 overflow in a module's forward (finite in float32), with the module named."""
+    return [
+        o
+        for o in _known_origins(figures)
+        if o.get("phase") == "forward" and o.get("module") and o.get("float32") == "finite"
+    ]
+
+
+def _model_made(figures: RunFigures) -> list[dict[str, Any]]:
+    """Origins whose values the model makes in float32 too (forward or, told by a rerun, backward)."""
+    return [o for o in _known_origins(figures) if o.get("float32") == "nonfinite"]
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+@rule(
+    "nonfinite_loss",
+    evidence="in at least half the skips whose origin is known, the batch's inf/nan reached the model or the loss"
+    " was inf/nan with every module output finite",
+    fix="a guard for the batch, or the loss in float32; never an island",
+    look_alike="a module's fp16 overflow; NaN-coded values the step fills in before the model",
+    blind="offline",
+    measured=_origins_measured,
+    reads_origins=True,
+)
 def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
     phases = Counter(o.get("phase") for o in origins)
@@ -177,7 +281,7 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     if not origins or bad == 0 or 2 * bad < len(origins):
         return None
     if phases["input"] >= phases["loss"]:
-        what = f"the batch held inf/nan in {phases['input']} of {len(origins)} skipped updates"
+        what = f"the batch's inf/nan reached the model in {phases['input']} of {len(origins)} skipped updates"
         fix = (
             "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
             ' "inf/nan in the batch"  # first line of training_step; then fix the data pipeline'
@@ -196,117 +300,251 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     )
 
 
+#: the guard each backward op that makes inf/nan at a point needs (``SqrtBackward0`` -> ``sqrt``)
+_GUARDS = {
+    "Sqrt": "torch.sqrt(x.clamp_min(1e-12))  # sqrt's gradient at 0 is inf",
+    "Pow": "x.clamp_min(1e-12) ** p  # a fractional power's gradient at 0 is inf",
+    "Log": "torch.log(x.clamp_min(1e-12))  # log's gradient at 0 is inf",
+    "Div": "a / (b + 1e-12)  # a division's gradient by 0 is inf",
+    "Rsqrt": "torch.rsqrt(x.clamp_min(1e-12))",
+    "Norm": "torch.linalg.vector_norm(x + 1e-12)  # a norm's gradient at 0 is nan",
+    "LinalgVectorNorm": "torch.linalg.vector_norm(x + 1e-12)  # a norm's gradient at 0 is nan",
+    "Acos": "torch.acos(x.clamp(-1 + 1e-6, 1 - 1e-6))",
+    "Asin": "torch.asin(x.clamp(-1 + 1e-6, 1 - 1e-6))",
+    "Atan2": "torch.atan2(y, x + 1e-12)",
+}
+
+
+def _guard(op: Optional[str]) -> Optional[str]:
+    """The guard for a backward op's name (``SqrtBackward0``), if it is one that makes inf/nan at a point."""
+    base = (op or "").split("Backward")[0]
+    return _GUARDS.get(base)
+
+
+@rule(
+    "model_nonfinite",
+    evidence="most told skips were born in one place that makes inf/nan recomputed in float32 too: a module's"
+    " forward, or (with `NaNSkipReporter(backward_origin=True)`) a backward op",
+    fix="fix the module's inputs (one unmasked key per attention row) or guard the op (`sqrt(x.clamp_min(eps))`);"
+    " no island, scale or bf16",
+    look_alike="an fp16 overflow (finite in float32)",
+    blind="offline",
+    measured=_origins_measured,
+    reads_origins=True,
+)
 def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
-    """Most skips born in one module's forward that returns inf/nan in float32 too: no precision avoids them."""
+    """Most skips born in one place that makes inf/nan in float32 too: no precision avoids them."""
     origins = _known_origins(figures)
-    modules = Counter(
-        o.get("module", "") for o in origins if o.get("phase") == "forward" and o.get("float32") == "nonfinite"
-    )
-    if not modules:
+    places = Counter((o.get("phase"), o.get("module") or "", o.get("op")) for o in _model_made(figures))
+    if not places:
         return None
-    module, count = modules.most_common(1)[0]
+    (phase, module, op), count = places.most_common(1)[0]
     if 2 * count <= len(origins):
         return None
     where = module or "the LightningModule's own code"
+    if phase == "backward":
+        what = f"in the backward of {where}" + (f" ({op})" if op else "")
+        fix = _guard(op) or f"# guard the op in {where} whose gradient is inf/nan at a point (sqrt, log, a division)"
+        kind = "a sqrt, log or division at 0 in backward"
+    else:
+        what = f"in the forward of {where}"
+        fix = (
+            f"# fix the inputs of {where} (e.g. give every attention row one unmasked key), or replace its inf/nan:"
+            " out = torch.nan_to_num(out)"
+        )
+        kind = "an all-masked attention row, a log or division of 0"
     return Advice(
         "model_nonfinite",
-        f"Non-finite values were born in the forward of {where} in {count} of {len(origins)} skipped updates, and"
-        " recomputed in float32 it returns them too: the model makes them in any precision (an all-masked attention"
-        " row, a log or division of 0), so no loss scale, fp32 island or bf16 fixes it.",
-        f"# fix the inputs of {where} (e.g. give every attention row one unmasked key), or replace its inf/nan:"
-        " out = torch.nan_to_num(out)",
-        {"module": module, "skips": count, "told": len(origins)},
+        f"Non-finite values were born {what} in {count} of {len(origins)} skipped updates, and recomputed in"
+        f" float32 it makes them too: the model makes them in any precision ({kind}), so no loss scale, fp32"
+        " island or bf16 fixes it.",
+        fix,
+        {"phase": phase, "module": module, "op": op, "skips": count, "told": len(origins)},
     )
 
 
+@rule(
+    "fp32_module",
+    evidence="one module's forward, finite in float32, made the non-finite values in more than half of the told"
+    " skips (2 at least), and a replay with the islands it names in float32 computed finite values",
+    fix='`fp32_modules=[..., "that.module", ...]`: every module the replay had to put in float32 (the one the value'
+    " overflows in next joins), your own islands kept",
+    look_alike="a NaN the model makes in float32 too; an overflow no island contains (bf16)",
+    blind="offline",
+    measured=_origins_measured,
+    reads_origins=True,
+)
 def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
-    modules = Counter(
-        o["module"]
-        for o in origins
-        if o.get("phase") == "forward" and o.get("module") and o.get("float32") != "nonfinite"  # fp16's own
-    )
+    fixable = [o for o in _forward_overflows(figures) if o.get("islands")]
+    modules = Counter(o["module"] for o in fixable)
     if not modules:
         return None
     module, count = modules.most_common(1)[0]
     if count < 2 or 2 * count <= len(origins):
         return None
-    kinds = Counter(o.get("kind") for o in origins if o.get("module") == module)
+    islands = list(_given_islands(figures))
+    for o in fixable:
+        if o["module"] == module:
+            islands += [i for i in o["islands"] if i not in islands]
+    kinds = Counter(o.get("kind") for o in fixable if o["module"] == module)
+    moved = [i for i in islands if i != module and i not in _given_islands(figures)]
+    also = f"; in float32 it overflows float16 again in {', '.join(moved)}, which join it" if moved else ""
     return Advice(
         "fp32_module",
         f"Non-finite values were born in the forward of {module} in {count} of {len(origins)} skipped updates"
-        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}): its output overflows float16.",
-        plugin_fix(figures, fp32_modules=[*_given_islands(figures), module]),
-        {"module": module, "skips": count, "told": len(origins), "kinds": dict(kinds)},
+        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}): its output overflows float16{also}."
+        " A replay with these islands computed finite values.",
+        plugin_fix(figures, fp32_modules=islands),
+        {"module": module, "skips": count, "told": len(origins), "kinds": dict(kinds), "islands": islands},
     )
 
 
-def _high_underflow(figures: RunFigures) -> list[dict[str, Any]]:
-    return [m for m in _measured(figures) if m["underflow_fraction"] >= HIGH_UNDERFLOW]
-
-
-def _measured(figures: RunFigures) -> list[dict[str, Any]]:
-    """The measurements with an underflow figure (an overflowed update has none)."""
-    return [m for m in figures.underflow or [] if m.get("underflow_fraction") is not None]
-
-
-def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
-    if figures.knobs is None or figures.knobs.get("max_scale") is None:
-        return False
-    return measurement["scale"] >= figures.knobs["max_scale"]
-
-
+@rule(
+    "bf16",
+    evidence="float16's range is what fails: the float32 reference finds no scale that fits; or underflow >= 0.5"
+    " with < 1 bit of headroom; or a forward overflow no island contains; or 2+ overflows in backward at"
+    " `min_scale` while clean updates there left under a bit of headroom (or a rerun found them finite in"
+    " float32); bf16 autocast exists there",
+    fix='`AmpPlusPrecision("bf16-mixed", ...)` (the scaler\'s knobs dropped)',
+    look_alike="a run where a scale fits; a NaN the backward makes in any precision",
+    blind="origins offline",
+)
 def _bf16(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or figures.bf16_available is False:
         return None
-    fix = plugin_fix(figures, "float32's range: no loss scale needed", precision="bf16-mixed")
-    measured = _measured(figures)
-    high = _high_underflow(figures)
-    squeezed = [m for m in high if m.get("headroom_bits") is not None and m["headroom_bits"] < 1.0]
-    if measured and 2 * len(squeezed) > len(measured):
-        worst = max(m["underflow_fraction"] for m in squeezed)
-        return Advice(
-            "bf16",
-            f"The gradients span more range than float16 has: in {len(squeezed)} of {len(measured)} measurements up"
-            f" to {100 * worst:.0f}% of the non-zero gradient elements were below float16's smallest normal while the"
-            " largest was less than one doubling from overflow, so no loss scale fits.",
-            fix,
-            {"measurements": len(measured), "squeezed": len(squeezed), "worst_underflow": worst},
-        )
-    unfit = [(m, fit) for m, fit in _referenced(figures) if fit[1] >= HIGH_UNDERFLOW]
-    if measured and 2 * len(unfit) > len(measured):  # measured exactly: no scale keeps what float16 loses
-        scale, lost = max(unfit, key=lambda pair: pair[1][1])[1]
-        return Advice(
-            "bf16",
-            f"The gradients span more range than float16 has: in {len(unfit)} of {len(measured)} measurements, even"
-            f" at {_scale(scale)} (the largest scale that does not overflow) {100 * lost:.0f}% of the elements"
-            " whose float32 gradient is non-zero would sit below float16's smallest normal, so no loss scale fits.",
-            fix,
-            {"measurements": len(measured), "unfit": len(unfit), "lost_at_fitting_scale": lost},
-        )
-    knobs = figures.knobs or {}
-    min_scale = knobs.get("min_scale")
-    if min_scale is None or figures.skipped is None or not figures.curve:
-        return None
-    # overflows in backward (or of unknown origin) with the scale at its floor: a batch, a loss or a module's forward
-    # that makes inf/nan does so at any scale, and other codes say it
-    born = {o["step"]: o.get("phase") for o in _known_origins(figures) if "step" in o}
-    at_floor = [
-        s
-        for s in figures.skipped
-        if value_at(figures.curve, s) <= scale_floor(min_scale) and born.get(s, "backward") == "backward"
-    ]
-    if len(at_floor) >= 2:
-        return Advice(
-            "bf16",
-            f"{len(at_floor)} updates overflowed with the loss scale already at min_scale={_scale(min_scale)}: the"
-            " gradients exceed float16's range even unscaled.",
-            fix,
-            {"overflows_at_min_scale": len(at_floor), "first": at_floor[0], "min_scale": min_scale},
-        )
+    for reading in (_bf16_squeezed, _bf16_unfit, _bf16_uncontained, _bf16_at_floor):
+        found = reading(figures)
+        if found is not None:
+            message, evidence = found
+            fix = plugin_fix(figures, "float32's range: no loss scale needed", precision="bf16-mixed")
+            return Advice("bf16", message, fix, evidence)
     return None
 
 
+def _bf16_squeezed(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
+    measured = _measured(figures)
+    squeezed = [m for m in _high_underflow(figures) if m.get("headroom_bits") is not None and m["headroom_bits"] < 1.0]
+    if not measured or 2 * len(squeezed) <= len(measured):
+        return None
+    worst = max(m["underflow_fraction"] for m in squeezed)
+    return (
+        f"The gradients span more range than float16 has: in {len(squeezed)} of {len(measured)} measurements up"
+        f" to {100 * worst:.0f}% of the non-zero gradient elements were below float16's smallest normal while the"
+        " largest was less than one doubling from overflow, so no loss scale fits.",
+        {"measurements": len(measured), "squeezed": len(squeezed), "worst_underflow": worst},
+    )
+
+
+def _bf16_unfit(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
+    measured = _measured(figures)
+    unfit = [(m, fit) for m, fit in _referenced(figures) if fit[1] >= HIGH_UNDERFLOW]
+    if not measured or 2 * len(unfit) <= len(measured):  # measured exactly: no scale keeps what float16 loses
+        return None
+    scale, lost = max(unfit, key=lambda pair: pair[1][1])[1]
+    return (
+        f"The gradients span more range than float16 has: in {len(unfit)} of {len(measured)} measurements, even"
+        f" at {_scale(scale)} (the largest scale that does not overflow) {100 * lost:.0f}% of the elements"
+        " whose float32 gradient is non-zero would sit below float16's smallest normal, so no loss scale fits.",
+        {"measurements": len(measured), "unfit": len(unfit), "lost_at_fitting_scale": lost},
+    )
+
+
+def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
+    """Most told skips an fp16 overflow in a forward that no island contains: the value is beyond float16 anywhere."""
+    origins = _known_origins(figures)
+    loose = [o for o in _forward_overflows(figures) if o.get("islands") is None]
+    if len(loose) < 2 or 2 * len(loose) <= len(origins):
+        return None
+    module = Counter(o["module"] for o in loose).most_common(1)[0][0]
+    return (
+        f"Non-finite values were born in the forward of {module} (and others) in {len(loose)} of {len(origins)}"
+        " skipped updates: float16 overflows there, and a replay shows that keeping it in float32 only moves the"
+        " overflow on (its float32 output does not fit float16 where it flows next).",
+        {"uncontained": len(loose), "told": len(origins), "module": module},
+    )
+
+
+def _backward_at_floor(figures: RunFigures) -> list[int]:
+    """Skips with forward and loss finite (or of unknown origin) while the scale sat at its floor."""
+    knobs = figures.knobs or {}
+    min_scale = knobs.get("min_scale")
+    if min_scale is None or figures.skipped is None or not figures.curve:
+        return []
+    born = {o["step"]: o.get("phase") for o in _known_origins(figures) if "step" in o}
+    return [
+        s
+        for s in figures.skipped
+        if value_at(figures.curve, s) <= scale_floor(min_scale) and born.get(s, "backward") in ("backward", "unknown")
+    ]
+
+
+def _range_at_floor(figures: RunFigures) -> Optional[str]:
+    """Why overflows at the floor are float16's range, when something measured says so (None: nothing does)."""
+    backward = [o for o in _known_origins(figures) if o.get("phase") == "backward" and o.get("float32")]
+    if backward:
+        finite = [o for o in backward if o["float32"] == "finite"]
+        return "a rerun found their gradients finite in float32" if 2 * len(finite) > len(backward) else None
+    floor = scale_floor((figures.knobs or {}).get("min_scale", 1.0))
+    tight = [m for m in _measured(figures) if m["scale"] <= floor and (m.get("headroom_bits") or 99.0) < 1.0]
+    if tight:
+        return f"clean updates at that scale left {min(m['headroom_bits'] for m in tight):.1f} bits of headroom"
+    return None
+
+
+def _bf16_at_floor(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
+    at_floor = _backward_at_floor(figures)
+    why = _range_at_floor(figures)
+    if len(at_floor) < 2 or why is None:
+        return None
+    min_scale = (figures.knobs or {})["min_scale"]
+    return (
+        f"{len(at_floor)} updates overflowed in backward with the loss scale already at min_scale="
+        f"{_scale(min_scale)}, and {why}: the gradients exceed float16's range even unscaled.",
+        {"overflows_at_min_scale": len(at_floor), "first": at_floor[0], "min_scale": min_scale, "why": why},
+    )
+
+
+@rule(
+    "backward_skips",
+    evidence="2+ updates skipped at `min_scale` with forward and loss finite, and nothing measured tells float16's"
+    " range (bf16 fixes it) from a backward that makes inf/nan in any precision (nothing but a model fix does)",
+    fix="`NaNSkipReporter(backward_origin=True)`: on such skips, a sandboxed rerun of the step names the op and"
+    " module and says whether float32 makes them too (then `model_nonfinite` or `bf16`)",
+    look_alike="overflows at `min_scale` with a measured range cause (`bf16`)",
+    blind="offline",
+)
+def _backward_skips(figures: RunFigures) -> Optional[Advice]:
+    if figures.precision == "bf16-mixed":
+        return None
+    at_floor = _backward_at_floor(figures)
+    if len(at_floor) < 2 or _range_at_floor(figures) is not None:
+        return None
+    if any(o.get("phase") == "backward" and o.get("float32") for o in _known_origins(figures)):
+        return None  # told by a rerun: model_nonfinite or bf16 says it
+    min_scale = (figures.knobs or {})["min_scale"]
+    return Advice(
+        "backward_skips",
+        f"{len(at_floor)} updates were skipped with forward and loss finite while the loss scale sat at"
+        f" min_scale={_scale(min_scale)}: either the gradients exceed float16's range even unscaled (bf16 fixes"
+        " that) or the backward makes inf/nan in any precision (a sqrt, log or division at 0; no precision fixes"
+        " that). Nothing this run measured tells which, without running the step again.",
+        "NaNSkipReporter(backward_origin=True)  # reruns a skipped step, sandboxed: the op and its float32 verdict",
+        {"skipped_at_min_scale": len(at_floor), "first": at_floor[0], "min_scale": min_scale},
+    )
+
+
+@rule(
+    "zero_gradients",
+    evidence="without a float32 reference, most measurements found every gradient element float16 held exactly"
+    " zero while the loss was finite and not zero: nothing trained, flushed or truly zero (only float32 tells)",
+    fix="`GradUnderflowMonitor(exact=True)`, the reference that tells which and measures the scale that keeps them"
+    " (then `max_scale` or `bf16`)",
+    look_alike="a loss of exactly 0",
+    blind="offline (the loss is measured live)",
+    measured=lambda f: f.underflow is not None and all("loss" in m for m in f.underflow),
+    explains_skips=False,
+)
 def _zero_gradients(figures: RunFigures) -> Optional[Advice]:
     """Every gradient float16 held exactly zero, at most measurements, while the loss was finite and not zero.
 
@@ -329,73 +567,6 @@ def _zero_gradients(figures: RunFigures) -> Optional[Advice]:
     )
 
 
-def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:
-    """From a float32 reference: the largest scale that fits, and what float16 would still lose there.
-
-    ``GradUnderflowMonitor`` measures both: the largest power of two that keeps the largest true gradient a doubling
-    below float16's overflow, and the fraction of the non-zero true gradient elements still below float16's smallest
-    normal at it. None without a reference.
-
-    Example:
-        >>> fitting_scale({"fitting_scale": 2.0**54, "lost_at_fitting_scale": 0.1})
-        (1.8014398509481984e+16, 0.1)
-    """
-    if measurement.get("fitting_scale") is None:
-        return None
-    return measurement["fitting_scale"], measurement["lost_at_fitting_scale"]
-
-
-def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, float]]]:
-    """The high-underflow measurements that have a float32 reference, with their fitting scale."""
-    found = []
-    for m in _high_underflow(figures):
-        fit = fitting_scale(m)
-        if fit is not None:
-            found.append((m, fit))
-    return found
-
-
-def _max_scale(figures: RunFigures) -> Optional[Advice]:
-    measured = _measured(figures)
-    fits = [(m, fit) for m, fit in _referenced(figures) if fit[1] < HIGH_UNDERFLOW and fit[0] > m["scale"]]
-    if measured and 2 * len(fits) > len(measured):  # measured exactly: a higher scale keeps what float16 loses
-        new = min(min(fit[0] for _, fit in fits), MAX_PROPOSED_SCALE)
-        worst = max(m["underflow_fraction"] for m, _ in fits)
-        cap = (figures.knobs or {}).get("max_scale")
-        change: dict[str, Any] = (
-            {"max_scale": new, "init_scale": new} if cap is None or new > cap else {"init_scale": new}
-        )
-        return Advice(
-            "max_scale",
-            f"In {len(fits)} of {len(measured)} measurements up to {100 * worst:.0f}% of the gradient elements whose"
-            f" float32 gradient is non-zero were zero or subnormal in float16 at loss scale"
-            f" {_scale(fits[-1][0]['scale'])}; their float32 reference shows that {_scale(new)} fits (the largest"
-            " gradient a doubling below overflow) and keeps them.",
-            plugin_fix(figures, **change),
-            {"measurements": len(measured), "lost": len(fits), "worst_underflow": worst, "fitting_scale": new},
-        )
-    pinned = [
-        m
-        for m in _high_underflow(figures)
-        if _at_max(figures, m) and m.get("headroom_bits") is not None and m["headroom_bits"] >= 2.0
-    ]
-    if not measured or 2 * len(pinned) <= len(measured):
-        return None
-    assert figures.knobs is not None
-    max_scale = figures.knobs["max_scale"]
-    room = min(m["headroom_bits"] for m in pinned)
-    # one doubling of margin below the largest gradient's overflow; never beyond what a fix can sensibly hold
-    new = min(max_scale * 2.0 ** math.floor(room - 1), max(MAX_PROPOSED_SCALE, max_scale))
-    return Advice(
-        "max_scale",
-        f"The scale sits at max_scale={_scale(max_scale)} with {room:.1f} bits of headroom left while"
-        f" {100 * max(m['underflow_fraction'] for m in pinned):.0f}% of the non-zero gradient elements sit below"
-        " float16's smallest normal: the cap holds the scale down.",
-        plugin_fix(figures, max_scale=new, init_scale=new),
-        {"max_scale": max_scale, "headroom_bits": room, "measurements": len(measured), "pinned": len(pinned)},
-    )
-
-
 def _leading_skips(figures: RunFigures) -> int:
     """Skipped updates in a row from the run's first recorded update, each one a loss scale could have avoided."""
     if not figures.skipped or not figures.curve:
@@ -404,14 +575,19 @@ def _leading_skips(figures: RunFigures) -> int:
     scaling = set(_scaling_skips(figures))
     count = 0
     for expected, step in enumerate(figures.skipped, start=first):
-        if step not in scaling:
-            break
-        if step != expected:
+        if step not in scaling or step != expected:
             break
         count += 1
     return count
 
 
+@rule(
+    "init_scale",
+    evidence="the first 2+ updates were skipped while the scale came down from `init_scale` (and a later update"
+    " applied)",
+    fix="`init_scale=` the scale it settled at",
+    look_alike="one calibration skip",
+)
 def _init_scale(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve:
         return None
@@ -432,11 +608,102 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
     )
 
 
+def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:
+    """From a float32 reference: the largest scale that fits, and what float16 would still lose there.
+
+    ``GradUnderflowMonitor`` measures both: the largest power of two that keeps the largest true gradient of the
+    backward (weights' and activations') a doubling below float16's overflow, and the fraction of the non-zero true
+    weight gradient elements still below float16's smallest normal at it. None without a reference.
+
+    Example:
+        >>> fitting_scale({"fitting_scale": 2.0**54, "lost_at_fitting_scale": 0.1})
+        (1.8014398509481984e+16, 0.1)
+    """
+    if measurement.get("fitting_scale") is None:
+        return None
+    return measurement["fitting_scale"], measurement["lost_at_fitting_scale"]
+
+
+def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, float]]]:
+    """The high-underflow measurements that have a float32 reference, with their fitting scale."""
+    found = []
+    for m in _high_underflow(figures):
+        fit = fitting_scale(m)
+        if fit is not None:
+            found.append((m, fit))
+    return found
+
+
+@rule(
+    "max_scale",
+    evidence="underflow >= 0.5 in most measurements and the float32 reference shows a higher scale that fits (the"
+    " largest gradient of the backward, weights' and activations', a doubling below overflow) and keeps them;"
+    " without a reference: the scale pinned at `max_scale` with 2+ bits of the weights' headroom",
+    fix="with the reference: `max_scale=`, `init_scale=` that scale (a dead run, `loss * 1e-14`, trains again);"
+    " without: a higher `max_scale` the scaler grows into until the backward overflows",
+    look_alike="an embedding run whose zeros are structural",
+    blind="the reference offline",
+    measured=lambda f: f.underflow is not None and f.knobs is not None,  # needs the measurements and the cap
+)
+def _max_scale(figures: RunFigures) -> Optional[Advice]:
+    measured = _measured(figures)
+    fits = [(m, fit) for m, fit in _referenced(figures) if fit[1] < HIGH_UNDERFLOW and fit[0] > m["scale"]]
+    if measured and 2 * len(fits) > len(measured):  # measured exactly: a higher scale keeps what float16 loses
+        new = min(min(fit[0] for _, fit in fits), MAX_PROPOSED_SCALE)
+        worst = max(m["underflow_fraction"] for m, _ in fits)
+        cap = (figures.knobs or {}).get("max_scale")
+        change: dict[str, Any] = (
+            {"max_scale": new, "init_scale": new} if cap is None or new > cap else {"init_scale": new}
+        )
+        return Advice(
+            "max_scale",
+            f"In {len(fits)} of {len(measured)} measurements up to {100 * worst:.0f}% of the gradient elements whose"
+            f" float32 gradient is non-zero were zero or subnormal in float16 at loss scale"
+            f" {_scale(fits[-1][0]['scale'])}; their float32 reference shows that {_scale(new)} fits (the largest"
+            " gradient of the backward, weights' and activations', a doubling below overflow) and keeps them.",
+            plugin_fix(figures, **change),
+            {"measurements": len(measured), "lost": len(fits), "worst_underflow": worst, "fitting_scale": new},
+        )
+    return _max_scale_pinned(figures, measured)
+
+
+def _max_scale_pinned(figures: RunFigures, measured: list[dict[str, Any]]) -> Optional[Advice]:
+    """Without a reference: the scale pinned at the cap while the weights' gradients leave headroom."""
+    pinned = [
+        m
+        for m in _high_underflow(figures)
+        if _at_max(figures, m) and m.get("headroom_bits") is not None and m["headroom_bits"] >= 2.0
+    ]
+    if not measured or 2 * len(pinned) <= len(measured):
+        return None
+    assert figures.knobs is not None
+    max_scale = figures.knobs["max_scale"]
+    room = min(m["headroom_bits"] for m in pinned)
+    new = min(max_scale * 2.0 ** math.floor(room - 1), max(MAX_PROPOSED_SCALE, max_scale))
+    return Advice(
+        "max_scale",
+        f"The scale sits at max_scale={_scale(max_scale)} while"
+        f" {100 * max(m['underflow_fraction'] for m in pinned):.0f}% of the non-zero gradient elements sit below"
+        f" float16's smallest normal and the weights' largest gradient leaves {room:.1f} bits of headroom: the cap"
+        " holds the scale down. Raised, the scaler grows into the room until the backward overflows (where the"
+        " activations' gradients, which only a float32 reference measures, may stop it sooner) and backs off there.",
+        plugin_fix(figures, max_scale=new),
+        {"max_scale": max_scale, "headroom_bits": room, "measurements": len(measured), "pinned": len(pinned)},
+    )
+
+
 def _changes(curve: list[tuple[int, float]]) -> list[tuple[int, float, float]]:
     """``(step, before, after)`` for each change of the scale."""
     return [(s, a, b) for (_, a), (s, b) in zip(curve, curve[1:], strict=False) if b != a]
 
 
+@rule(
+    "growth_interval",
+    evidence="after a backoff (past the calibration, from an overflow a scale can avoid) the scale never grew back"
+    " in 50+ clean updates, while 5%+ of the true gradient was lost at the lower scale",
+    fix="`growth_interval=` a quarter of those updates, rounded to 1, 2 or 5 x 10^k",
+    look_alike="a scale that grew back",
+)
 def _growth_interval(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve or figures.last_step is None:
         return None
@@ -481,6 +748,33 @@ def _growth_interval(figures: RunFigures) -> Optional[Advice]:
     )
 
 
+def _spikes(figures: RunFigures, interval: int, cap: float) -> list[int]:
+    """Isolated overflows at the cap: alone (no skip on either side), one halving, after ``interval`` clean updates."""
+    skipped = set(figures.skipped or [])
+    halved = {s for s, a, b in _changes(figures.curve) if b < a}
+    scaling = set(_scaling_skips(figures))
+    return [
+        s
+        for s in (figures.skipped or [])[_leading_skips(figures) :]
+        if s in scaling
+        and s - 1 not in skipped
+        and s + 1 not in skipped
+        and s + 1 in halved  # one overflow, one halving
+        and value_at(figures.curve, s) >= cap
+        and _held_clean(figures, s) >= interval
+    ]
+
+
+@rule(
+    "hysteresis",
+    evidence="3+ isolated overflows at `max_scale`, each after `growth_interval`+ clean updates there (a held scale,"
+    " not its ceiling), each halving it, regrown in between, with 5%+ of the true gradient lost at the halved"
+    " scale",
+    fix="`hysteresis=2`",
+    look_alike="the saw-tooth (each growth into the ceiling overflows once: `hysteresis=2` there measured to add"
+    " skips)",
+    blind="offline (needs the cap)",
+)
 def _hysteresis(figures: RunFigures) -> Optional[Advice]:
     """Rare spikes at ``max_scale``, each halving a scale the run holds, where the halved scale loses gradient bits.
 
@@ -494,19 +788,7 @@ def _hysteresis(figures: RunFigures) -> Optional[Advice]:
     interval, cap = knobs.get("growth_interval"), knobs.get("max_scale")
     if knobs.get("hysteresis", 1) != 1 or interval is None or cap is None:
         return None  # offline the knobs are unknown: a spike cannot be told from the scale's ceiling
-    skipped = set(figures.skipped)
-    halved = {s for s, a, b in _changes(figures.curve) if b < a}
-    scaling = set(_scaling_skips(figures))
-    spikes = [
-        s
-        for s in figures.skipped[_leading_skips(figures) :]
-        if s in scaling
-        and s - 1 not in skipped
-        and s + 1 not in skipped
-        and s + 1 in halved  # one overflow, one halving
-        and value_at(figures.curve, s) >= cap
-        and _held_clean(figures, s) >= interval
-    ]
+    spikes = _spikes(figures, interval, cap)
     if len(spikes) < MIN_ISOLATED_BACKOFFS:
         return None
     regrowth = [_regrowth(figures, s) for s in spikes]
@@ -542,50 +824,14 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
     return back[0] - (step + 1) if back else None
 
 
-def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
-    # work autocast lowers, measured faster lowered on this device; an island is the user's choice
-    rows = [
-        r
-        for r in figures.fp32_rows or []
-        if r.get("island") is None and (r.get("lowered_speedup") or 0.0) >= MIN_LOWERED_SPEEDUP
-    ]
-    if not rows:
-        return None
-    rows.sort(key=lambda r: r.get("time_share", 0.0), reverse=True)
-    top = rows[0]
-    cause = top.get("cause") or "an explicit cast"
-    if "autocast disabled" in cause:
-        fix = f"# run {top['name']} under autocast: remove the `with torch.autocast(..., enabled=False)` around it"
-    else:
-        fix = f"# drop the `.float()` (or the float32 op) before {top['name']}: let autocast choose its dtype"
-    names = ", ".join(
-        f"{r['name']} ({100 * r.get('time_share', 0.0):.0f}% of the forward, {r['lowered_speedup']:.1f}x faster"
-        " lowered here)"
-        for r in rows[:5]
-    )
-    return Advice(
-        "silent_fp32",
-        f"{len(rows)} heavy module(s) ran in float32 under {figures.precision or 'mixed precision'}: {names};"
-        f" {top['name']}: {cause}.",
-        fix,
-        {"modules": [{k: r.get(k) for k in ("name", "type", "time_share", "cause", "lowered_speedup")} for r in rows]},
-    )
-
-
-def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
-    if not figures.non_fused:
-        return None
-    first = figures.non_fused[0]
-    names = ", ".join(f"{o['name']} on {o['device']}" for o in figures.non_fused)
-    return Advice(
-        "fused_optimizer",
-        f"{names} runs non-fused although torch has a fused implementation there: each step reads the overflow"
-        " flag on the host (one sync per step); the fused step checks it on the device.",
-        first.get("fused_call") or f"torch.optim.{first['name']}(self.parameters(), lr=..., fused=True)",
-        {"optimizers": list(figures.non_fused)},
-    )
-
-
+@rule(
+    "skip_rate",
+    evidence="half the updates or more were skipped, or the run ended in 3+ skips in a row, and no cause above"
+    " explains it (told beside speed hints; never called healthy)",
+    fix="`NaNSkipReporter(report_path=...)` to see each skip",
+    look_alike="a few spikes",
+    unless_explained=True,
+)
 def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     """A run that skipped many of its updates, or ended in a streak of skips, which no other code explains.
 
@@ -619,35 +865,83 @@ def trailing_streak(figures: RunFigures) -> int:
     return count
 
 
-#: the codes that say why updates were skipped (a speed hint does not)
-_EXPLAIN_SKIPS = frozenset(CODES) - {"skip_rate", "silent_fp32", "fused_optimizer", "zero_gradients"}
-
-
-def origin_advice(figures: RunFigures) -> Optional[Advice]:
-    """The advice the skips' origins support (a bad batch or loss, a NaN the model makes, an fp16 overflow), if any.
-
-    The one reading of the origins: ``AmpAdvisor`` and ``NaNSkipReporter``'s collapse error both say this.
-    """
-    for rule in (_nonfinite_loss, _model_nonfinite, _fp32_module):
-        found = rule(figures)
-        if found is not None:
-            return found
-    return None
-
-
-_RULES = (
-    _nonfinite_loss,
-    _model_nonfinite,
-    _fp32_module,
-    _bf16,
-    _zero_gradients,
-    _init_scale,
-    _max_scale,
-    _growth_interval,
-    _hysteresis,
-    _silent_fp32,
-    _fused_optimizer,
+@rule(
+    "silent_fp32",
+    evidence="a matmul/conv module autocast lowers ran in float32 outside an island, and runs its recorded inputs"
+    " at least 1.2x faster lowered on this device (median of 5 timed runs each)",
+    fix="the module, its time share, the speed-up and the cause",
+    look_alike="float16 on a CPU (slower lowered there), a LayerNorm or GELU",
+    blind="offline",
+    measured=lambda f: f.fp32_rows is not None,
+    explains_skips=False,
 )
+def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
+    # work autocast lowers, measured faster lowered on this device; an island is the user's choice
+    rows = [
+        r
+        for r in figures.fp32_rows or []
+        if r.get("island") is None and (r.get("lowered_speedup") or 0.0) >= MIN_LOWERED_SPEEDUP
+    ]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r.get("time_share", 0.0), reverse=True)
+    top = rows[0]
+    cause = top.get("cause") or "an explicit cast"
+    if "autocast disabled" in cause:
+        fix = f"# run {top['name']} under autocast: remove the `with torch.autocast(..., enabled=False)` around it"
+    else:
+        fix = f"# drop the `.float()` (or the float32 op) before {top['name']}: let autocast choose its dtype"
+    names = ", ".join(
+        f"{r['name']} ({100 * r.get('time_share', 0.0):.0f}% of the forward, {r['lowered_speedup']:.1f}x faster"
+        " lowered here)"
+        for r in rows[:5]
+    )
+    return Advice(
+        "silent_fp32",
+        f"{len(rows)} heavy module(s) ran in float32 under {figures.precision or 'mixed precision'}: {names};"
+        f" {top['name']}: {cause}.",
+        fix,
+        {"modules": [{k: r.get(k) for k in ("name", "type", "time_share", "cause", "lowered_speedup")} for r in rows]},
+    )
+
+
+@rule(
+    "fused_optimizer",
+    evidence="a torch `SGD`/`Adam`/`AdamW` (`Adagrad` on CPU) with a fused implementation on its device runs"
+    " non-fused, and its fused step, timed on copies on this device, saves 2%+ of the run's step",
+    fix="the optimizer call with its settings and `fused=True`; the trade-off said: a fused step's skip is decided"
+    " on the device, and told at the next logging step, not at once",
+    look_alike="an optimizer whose fused step saves nothing measurable here (SGD on a CPU)",
+    blind="offline",
+    measured=lambda f: f.non_fused is not None,
+    explains_skips=False,
+)
+def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
+    gains = []
+    for o in figures.non_fused or []:
+        step, fused, train = o.get("step_ms"), o.get("fused_step_ms"), o.get("train_step_ms")
+        if step is not None and fused is not None and train and (step - fused) / train >= MIN_FUSED_GAIN:
+            gains.append((o, step, fused, train))
+    if not gains:
+        return None
+    first, step, fused, train = gains[0]
+    names = "; ".join(
+        f"{o['name']} on {o['device']}: its fused step took {f:.2f} ms against {s:.2f} ms (timed on copies),"
+        f" {100 * (s - f) / t:.0f}% of this run's {t:.1f} ms step"
+        for o, s, f, t in gains
+    )
+    return Advice(
+        "fused_optimizer",
+        f"A fused optimizer kernel runs faster here: {names}. The trade-off: a fused step's skip is decided on the"
+        " device, so `NaNSkipReporter` tells it (offenders and origin read when its flag reaches the host) at the"
+        " next logging step, not at once (`sync_fused=True` reads each flag at its step: one host sync per step).",
+        first.get("fused_call") or f"torch.optim.{first['name']}(self.parameters(), lr=..., fused=True)",
+        {"optimizers": [o for o, _, _, _ in gains]},
+    )
+
+
+#: the codes, most important first (the order the rules are declared in)
+CODES = tuple(RULES)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -683,6 +977,7 @@ def plugin_fix(figures: RunFigures, comment: Optional[str] = None, **change: Any
 
 
 def _given_islands(figures: RunFigures) -> list[str]:
+    """The islands the user gave the plugin: a fix keeps them."""
     return list(figures.plugin_args.get("fp32_modules") or [])
 
 

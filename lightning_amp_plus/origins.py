@@ -60,6 +60,15 @@ class BatchCalls:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     losses: list[Tensor] = field(default_factory=list)
     start: Optional[tuple[Tensor, Optional[Tensor], Optional[list[tuple[Any, Any]]]]] = None
+    index: int = -1
+    host: Optional[list[tuple[Any, Any]]] = None  # Python's and numpy's random state, when a rerun may need them
+
+    def step_start(self) -> Optional[StepStart]:
+        """The random state the whole step started from (for a rerun of ``training_step``)."""
+        if self.start is None:
+            return None
+        torch_state, cuda_state, owned = self.start
+        return StepStart(torch_state, cuda_state, owned, self.host)
 
 
 def unknown(reason: str) -> Origin:
@@ -137,12 +146,16 @@ class OriginFinder:
         self._handles = []
         self._current = None
 
-    def start_batch(self, batch: Any) -> None:
-        """Record this training batch's calls from now on, and the random state it starts with."""
+    def start_batch(self, batch: Any, index: int = -1, host: bool = False) -> None:
+        """Record this training batch's calls from now on, and the random state it starts with.
+
+        ``host``: Python's and numpy's global random state too (a rerun of ``training_step`` draws from them).
+        """
         owned = capture(self._owned) if self._owned else None
         cuda_state = self._cuda_state
         start = (torch.default_generator.get_state(), cuda_state() if cuda_state is not None else None, owned)
-        self._current = BatchCalls(batch=batch, start=start)
+        kept = capture(global_streams()[1:]) if host else None  # torch's is in `start`
+        self._current = BatchCalls(batch=batch, start=start, index=index, host=kept)
 
     def add_loss(self, loss: Tensor) -> None:
         """A loss of this batch (a GAN backpropagates two)."""
@@ -209,9 +222,10 @@ class OriginFinder:
         if born.get("islands") is None:
             return born
         islands = list(born["islands"])
+        chain = self._chain(record, index)  # the calls that took in what it made: the islands cover them already
         for later in range(index + 1, len(record.calls)):
             _, _, args, kwargs, output, _, _, _ = record.calls[later]
-            if nonfinite_kind((args, kwargs), masks=True) is not None or nonfinite_kind(output) is None:
+            if later in chain or nonfinite_kind((args, kwargs)) is not None or nonfinite_kind(output) is None:
                 continue  # it took in what an earlier call made, or made nothing
             also = self._inside(record, later)
             if also is None:

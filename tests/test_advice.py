@@ -20,6 +20,14 @@ def codes(figures):
     return [a.code for a in advise(figures)]
 
 
+def fwd(module, kind="inf", step=None, islands="same", float32="finite"):
+    """A forward origin as the finder tells it: an fp16 overflow whose islands a replay measured."""
+    origin = {"phase": "forward", "module": module, "kind": kind, "float32": float32}
+    if float32 == "finite":
+        origin["islands"] = [module] if islands == "same" else islands
+    return origin if step is None else {**origin, "step": step}
+
+
 def run(curve, skipped, last_step, **kwargs):
     return RunFigures(
         precision="16-mixed",
@@ -143,7 +151,7 @@ def test_nonfinite_loss_when_at_least_half_the_told_skips_had_a_bad_batch_or_los
 
 @pytest.mark.parametrize(("same", "told", "fires"), [(1, 1, False), (2, 4, False), (2, 3, True)])
 def test_fp32_module_when_one_module_is_born_in_most_skips(same, told, fires):
-    origins = [{"phase": "forward", "module": "enc.3.ff", "kind": "inf"}] * same
+    origins = [fwd("enc.3.ff")] * same
     origins += [{"phase": "backward"}] * (told - same)
     figures = run([(0, 1024.0)], list(range(1, 2 * told, 2)), 20, origins=origins)
     assert ("fp32_module" in codes(figures)) is fires
@@ -172,13 +180,13 @@ def test_the_underflow_threshold(underflow, fires):
 
 
 def test_the_order_is_the_code_order():
-    origins = [{"phase": "forward", "module": "m", "kind": "inf"}] * 3
+    origins = [fwd("m")] * 3
     figures = run(
         [(0, 2.0**16), (1, 2.0**15), (2, 2.0**14)],
         [0, 1, 5, 6, 7],
         30,
         origins=origins,
-        non_fused=[{"name": "AdamW", "device": "cpu"}],
+        non_fused=[{"name": "AdamW", "device": "cpu", "step_ms": 2.0, "fused_step_ms": 1.0, "train_step_ms": 10.0}],
         fp32_rows=[{"name": "head", "type": "Linear", "time_share": 0.5, "cause": "autocast disabled", "island": None}],
     )
     found = codes(figures)
@@ -225,16 +233,46 @@ def test_nice_intervals(n, nice):
     assert _nice(n) == nice
 
 
+TIGHT_AT_FLOOR = [{"step": 5, "scale": 1.0, "underflow_fraction": 0.0, "headroom_bits": 0.5}]
+
+
 @pytest.mark.parametrize(("phase", "fires"), [("backward", True), ("forward", False), ("input", False)])
 def test_bf16_at_min_scale_only_for_overflows_born_in_backward(phase, fires):
     origins = [{"phase": phase, "module": "m", "kind": "inf", "step": s} for s in (3, 4)]
-    figures = run([(0, 1.0)], [3, 4], 10, origins=origins, bf16_available=True)
+    figures = run([(0, 1.0)], [3, 4], 10, origins=origins, underflow=TIGHT_AT_FLOOR, bf16_available=True)
     assert ("bf16" in codes(figures)) is fires
 
 
 def test_bf16_at_min_scale_needs_two_overflows():
-    assert "bf16" not in codes(run([(0, 1.0)], [3], 10, bf16_available=True))
-    assert "bf16" in codes(run([(0, 1.0)], [3, 7], 10, bf16_available=True))
+    assert "bf16" not in codes(run([(0, 1.0)], [3], 10, underflow=TIGHT_AT_FLOOR, bf16_available=True))
+    assert "bf16" in codes(run([(0, 1.0)], [3, 7], 10, underflow=TIGHT_AT_FLOOR, bf16_available=True))
+
+
+@pytest.mark.parametrize(("headroom", "code"), [(0.99, "bf16"), (1.0, "backward_skips")])
+def test_overflows_at_min_scale_are_float16s_range_only_when_the_headroom_there_says_so(headroom, code):
+    measured = [{"step": 5, "scale": 1.0, "underflow_fraction": 0.0, "headroom_bits": headroom}]
+    assert codes(run([(0, 1.0)], [3, 7], 10, underflow=measured, bf16_available=True)) == [code]
+
+
+@pytest.mark.parametrize(("verdicts", "code"), [(["finite", "finite"], "bf16"), (["nonfinite"] * 2, "model_nonfinite")])
+def test_a_rerun_of_the_backward_decides_range_or_the_models_own(verdicts, code):
+    origins = [
+        {"phase": "backward", "module": "", "op": "SqrtBackward0", "kind": "nan", "float32": v, "step": s}
+        for v, s in zip(verdicts, (3, 7), strict=True)
+    ]
+    assert codes(run([(0, 1.0)], [3, 7], 10, origins=origins, bf16_available=True)) == [code]
+
+
+def test_the_models_own_nan_in_backward_gets_the_guard_of_its_op():
+    origins = [
+        {"phase": "backward", "module": "", "op": "SqrtBackward0", "kind": "nan", "float32": "nonfinite", "step": s}
+        for s in (3, 7)
+    ]
+    (advice,) = advise(run([(0, 1.0)], [3, 7], 10, origins=origins))
+    assert advice.message.startswith(
+        "Non-finite values were born in the backward of the LightningModule's own code (SqrtBackward0) in 2 of 2"
+    )
+    assert advice.fix == "torch.sqrt(x.clamp_min(1e-12))  # sqrt's gradient at 0 is inf"
 
 
 # ------------------------------------------------------------------------------------------ every word of the advice
@@ -242,8 +280,8 @@ def test_nonfinite_loss_in_full():
     origins = [{"phase": "input", "step": 1}, {"phase": "input", "step": 3}, {"phase": "loss", "step": 5}]
     (advice,) = advise(run([(0, 1024.0)], [1, 3, 5], 9, origins=origins))
     assert advice.message == (
-        "The batch held inf/nan in 2 of 3 skipped updates: not a scaling problem (no loss scale or fp32 island fixes"
-        " it)."
+        "The batch's inf/nan reached the model in 2 of 3 skipped updates: not a scaling problem (no loss scale or fp32"
+        " island fixes it)."
     )
     assert advice.fix.startswith("assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t)")
     assert advice.evidence == {"input": 2, "loss": 1, "told": 3}
@@ -256,27 +294,38 @@ def test_nonfinite_loss_in_full():
     assert advice.fix.startswith("loss = loss_fn(logits.float(), target)")
     tie = [{"phase": "loss", "step": 1}, {"phase": "input", "step": 3}]
     assert advise(run([(0, 1024.0)], [1, 3], 9, origins=tie))[0].evidence["input"] == 1
-    assert advise(run([(0, 1024.0)], [1, 3], 9, origins=tie))[0].message.startswith("The batch held")
+    assert advise(run([(0, 1024.0)], [1, 3], 9, origins=tie))[0].message.startswith("The batch's inf/nan reached")
 
 
 def test_fp32_module_in_full():
     origins = [
-        {"phase": "forward", "module": "enc.3.ff", "kind": "inf", "step": 1},
-        {"phase": "forward", "module": "enc.3.ff", "kind": "nan", "step": 2},
-        {"phase": "forward", "module": "enc.3.ff", "kind": "inf", "step": 3},
-        {"phase": "forward", "module": "head", "kind": "inf", "step": 4},
+        fwd("enc.3.ff", "inf", 1),
+        fwd("enc.3.ff", "nan", 2, islands=["enc.3.ff", "enc.3.out"]),
+        fwd("enc.3.ff", "inf", 3),
+        fwd("head", "inf", 4),
         {"phase": "forward", "module": "", "kind": "inf", "step": 5},
     ]
-    found = advise(run([(0, 1024.0)], [1, 2, 3, 4, 5], 9, origins=origins))
-    (advice,) = [a for a in found if a.code == "fp32_module"]
+    figures = run([(0, 1024.0)], [1, 2, 3, 4, 5], 9, origins=origins, plugin_args={"fp32_modules": ["norm"]})
+    (advice,) = [a for a in advise(figures) if a.code == "fp32_module"]
     assert advice.message == (
         "Non-finite values were born in the forward of enc.3.ff in 3 of 5 skipped updates (2 inf, 1 nan): its output"
-        " overflows float16."
+        " overflows float16; in float32 it overflows float16 again in enc.3.out, which join it. A replay with these"
+        " islands computed finite values."
     )
-    assert advice.fix == 'AmpPlusPrecision("16-mixed", fp32_modules=["enc.3.ff"])'
-    assert advice.evidence == {"module": "enc.3.ff", "skips": 3, "told": 5, "kinds": {"inf": 2, "nan": 1}}
+    # the user's own island first, then every module the replays had to put in float32
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", fp32_modules=["norm", "enc.3.ff", "enc.3.out"])'
+    assert advice.evidence == {
+        "module": "enc.3.ff",
+        "skips": 3,
+        "told": 5,
+        "kinds": {"inf": 2, "nan": 1},
+        "islands": ["norm", "enc.3.ff", "enc.3.out"],
+    }
     own_code = [{"phase": "forward", "module": "", "kind": "inf", "step": s} for s in (1, 2, 3)]
     assert "fp32_module" not in codes(run([(0, 1024.0)], [1, 2, 3], 9, origins=own_code))  # no module to name
+    # an overflow no island contains (its float32 output does not fit float16 where it flows next): bf16, not islands
+    loose = [fwd("enc.3.ff", step=s, islands=None) for s in (1, 2, 3)]
+    assert codes(run([(0, 1024.0)], [1, 2, 3], 9, origins=loose, bf16_available=True)) == ["bf16"]
 
 
 def test_bf16_and_max_scale_in_full():
@@ -289,23 +338,32 @@ def test_bf16_and_max_scale_in_full():
         " so no loss scale fits."
     )
     assert advice.evidence == {"measurements": 3, "squeezed": 2, "worst_underflow": 0.8}
-    (advice,) = advise(run([(0, 1.0)], [3, 7], 10, bf16_available=True))
+    tight = [{"step": 5, "scale": 1.0, "underflow_fraction": 0.0, "headroom_bits": 0.5}]
+    (advice,) = advise(run([(0, 1.0)], [3, 7], 10, underflow=tight, bf16_available=True))
     assert advice.message == (
-        "2 updates overflowed with the loss scale already at min_scale=2.0**0: the gradients exceed float16's range"
-        " even unscaled."
+        "2 updates overflowed in backward with the loss scale already at min_scale=2.0**0, and clean updates at that"
+        " scale left 0.5 bits of headroom: the gradients exceed float16's range even unscaled."
     )
-    assert advice.evidence == {"overflows_at_min_scale": 2, "first": 3, "min_scale": 1.0}
+    why = "clean updates at that scale left 0.5 bits of headroom"
+    assert advice.evidence == {"overflows_at_min_scale": 2, "first": 3, "min_scale": 1.0, "why": why}
+    # nothing measured tells range from a backward that makes inf/nan itself: no bf16, the rerun that tells
+    (advice,) = advise(run([(0, 1.0)], [3, 7], 10, bf16_available=True))
+    assert advice.code == "backward_skips"
+    assert advice.fix.startswith("NaNSkipReporter(backward_origin=True)")
     pinned = [_measure(0.7, 5.5), _measure(0.9, 3.2)]
     (advice,) = advise(run([(0, 2.0**24)], [], 20, underflow=pinned))
     assert advice.message == (
-        "The scale sits at max_scale=2.0**24 with 3.2 bits of headroom left while 90% of the non-zero gradient elements"
-        " sit below float16's smallest normal: the cap holds the scale down."
+        "The scale sits at max_scale=2.0**24 while 90% of the non-zero gradient elements sit below float16's smallest"
+        " normal and the weights' largest gradient leaves 3.2 bits of headroom: the cap holds the scale down. Raised,"
+        " the scaler grows into the room until the backward overflows (where the activations' gradients, which only"
+        " a float32 reference measures, may stop it sooner) and backs off there."
     )
-    assert advice.fix == 'AmpPlusPrecision("16-mixed", max_scale=2.0**26, init_scale=2.0**26)'
+    # the cap only: the scale grows into it, never starts above what the activations' gradients allow
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", max_scale=2.0**26)'
     assert advice.evidence == {"max_scale": 2.0**24, "headroom_bits": 3.2, "measurements": 2, "pinned": 2}
     huge = [_measure(0.9, 110.0)] * 2
     assert advise(run([(0, 2.0**24)], [], 20, underflow=huge))[0].fix == (
-        'AmpPlusPrecision("16-mixed", max_scale=2.0**64, init_scale=2.0**64)'  # within what float32 holds
+        'AmpPlusPrecision("16-mixed", max_scale=2.0**64)'  # within what float32 holds
     )
 
 
@@ -362,11 +420,16 @@ def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
     }
     (advice,) = advise(run([(0, 1024.0)], [], 5, fp32_rows=rows[:1]))
     assert advice.fix == "# drop the `.float()` (or the float32 op) before head: let autocast choose its dtype"
-    optimizers = [{"name": "AdamW", "device": "cuda"}, {"name": "SGD", "device": "cuda"}]
-    (advice,) = advise(run([(0, 1024.0)], [], 5, non_fused=optimizers))
-    assert advice.message.startswith("AdamW on cuda, SGD on cuda runs non-fused")
+    faster = {"name": "AdamW", "device": "cuda", "step_ms": 3.0, "fused_step_ms": 1.0, "train_step_ms": 40.0}
+    same = {"name": "SGD", "device": "cuda", "step_ms": 1.0, "fused_step_ms": 0.95, "train_step_ms": 40.0}
+    (advice,) = advise(run([(0, 1024.0)], [], 5, non_fused=[same, faster]))
+    assert advice.message == (
+        "A fused optimizer kernel runs faster here: AdamW on cuda: its fused step took 1.00 ms against 3.00 ms (timed"
+        " on copies), 5% of this run's 40.0 ms step. The trade-off: a fused step's skip is decided on the device, so"
+        " `NaNSkipReporter` names a skip's offending parameters only with `sync_fused=True` (one host sync per step)."
+    )
     assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=..., fused=True)"
-    assert advice.evidence == {"optimizers": optimizers}
+    assert advice.evidence == {"optimizers": [faster]}  # SGD's 0.05 ms is 0.1% of the step: not told
     (advice,) = advise(run([(0, 1024.0)], [1, 3, 5, 7, 9], 9))
     assert advice.message == (
         "5 of 10 updates were skipped (50%) and no rule here explains why: the weights moved on the rest only."
@@ -584,3 +647,34 @@ def test_skip_rate_advice_word_for_word_and_the_number_helpers():
     assert _at_max(RunFigures(knobs={}), {"scale": 8.0}) is False  # no cap known: never "at the cap"
     assert _at_max(RunFigures(knobs={"max_scale": 8.0}), {"scale": 8.0}) is True
     assert _at_max(RunFigures(knobs={"max_scale": 16.0}), {"scale": 8.0}) is False
+
+
+@pytest.mark.parametrize(("clean", "fires"), [(9, False), (10, True)])
+def test_a_spike_needs_exactly_growth_interval_clean_updates_at_the_cap(clean, fires):
+    """The first spike comes after ``clean`` clean updates at the cap (the run starts there); the interval is 10."""
+    first = clean  # steps 0 .. clean-1 are clean at the cap
+    figures = spiky([first, first + 30, first + 60, first + 90], regrow=5, interval=10)
+    assert _held_clean_before(figures, first) == clean
+    spikes = advise(figures)
+    told = [a for a in spikes if a.code == "hysteresis"]
+    assert told  # the later three; and, from exactly the interval on, the first
+    assert (first in told[0].evidence["isolated_overflows"]) is fires
+
+
+def _held_clean_before(figures, step):
+    from lightning_amp_plus.advice import _held_clean
+
+    return _held_clean(figures, step)
+
+
+def test_two_overflows_in_a_row_are_no_isolated_spike():
+    """An overflow whose next update overflows too is no spike, nor is the second of the pair."""
+    figures = spiky([10, 40, 70, 100, 130])
+    # the update after step 40 overflows too: the pair at 40, 41 backs the scale off twice
+    figures.skipped = sorted([*figures.skipped, 41])
+    figures.curve = sorted([*figures.curve, (42, 256.0)])
+    (advice,) = [a for a in advise(figures) if a.code == "hysteresis"]
+    assert advice.evidence["isolated_overflows"] == [10, 70, 100, 130]
+    figures.skipped = sorted([*figures.skipped, 9])  # and one right before step 10
+    (advice,) = [a for a in advise(figures) if a.code == "hysteresis"]
+    assert 10 not in advice.evidence["isolated_overflows"]

@@ -285,3 +285,17 @@ def test_the_performance_page_includes_what_the_command_it_names_prints(monkeypa
     ours, floor = per_step["AmpPlusPrecision + callbacks"], per_step["stock AMP + 2 empty callbacks"]
     over = f"{ours[0] - floor[0]:+d} Python calls, {ours[1] - floor[1]:+d} aten ops a step"
     assert f"\n- AmpPlusPrecision + callbacks over stock AMP + 2 empty callbacks: {over}\n" in markdown
+
+
+def test_the_advice_codes_table_is_the_rules_own():
+    """Each advice code is declared once (`advice.RULES`): the advisor page's table is what the rules say of themselves.
+
+    Regenerate it with `python -c "from lightning_amp_plus.advice import docs_table; print(docs_table())"`.
+    """
+    from lightning_amp_plus.advice import CODES, docs_table
+
+    page = _read(os.path.join(DOCS, "guide", "advisor.md"))
+    assert docs_table() in page
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    table = [line for line in rows if line in docs_table().splitlines()]
+    assert [line.split("`")[1] for line in table] == list(CODES)

@@ -1,29 +1,30 @@
-"""The origin of a skip a fused optimizer decided on the device, told one batch late and without a sync."""
+"""What a skip a fused optimizer decided on the device can tell, read one batch late at most and without a sync."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 from torch import Tensor
 
 from lightning_amp_plus.history import ScaleHistory
-from lightning_amp_plus.origins import BatchCalls, Origin
+from lightning_amp_plus.origins import BatchCalls
 from lightning_amp_plus.syncs import FlagPeek
 
 
 class DeviceSkipProbe:
-    """Holds a device-decided update's flag copy and its batch until the flag is on the host, then tells its origin.
+    """Holds a device-decided update's flag copy and its batch until the flag is on the host, then tells of it.
 
     After such a batch, :meth:`hold` starts a non-blocking copy of the flag; :meth:`look` (at the next batch start, or
-    ``wait=True`` at the end of fit) reads it once it arrived and, on a skip, asks ``tell`` for the batch's origin,
-    kept until the skip is reported (:meth:`take`). A later batch's flag replaces one still in flight.
+    ``wait=True`` at the end of fit) reads it once it arrived and, on a skip, asks ``tell`` what it can tell of it
+    (the reporter: the batch's origin, the offending gradients), kept until the skip is reported (:meth:`take`). A
+    later batch's flag replaces one still in flight.
     """
 
     def __init__(self) -> None:
         self._held: Optional[tuple[int, FlagPeek, Optional[BatchCalls]]] = None
         self._probed_upto = -1  # the last update whose flag was held
-        self._told: dict[int, Optional[Origin]] = {}
+        self._told: dict[int, Any] = {}
 
     @property
     def held_step(self) -> Optional[int]:
@@ -40,7 +41,7 @@ class DeviceSkipProbe:
         if isinstance(found, Tensor):
             self._held = (step, FlagPeek(found), calls)
 
-    def look(self, tell: Callable[[Optional[BatchCalls]], Optional[Origin]], wait: bool) -> None:
+    def look(self, tell: Callable[[Optional[BatchCalls], int], Any], wait: bool) -> None:
         """Tell the held batch's origin if its flag is on the host (``wait``: read it anyway)."""
         if self._held is None:
             return
@@ -50,14 +51,14 @@ class DeviceSkipProbe:
             return
         self._held = None
         if flag > 0:
-            self._told[step] = tell(calls)
+            self._told[step] = tell(calls, step)
 
     def drop(self) -> None:
         """Let the flag in flight go (with the batch it holds)."""
         self._held = None
 
-    def take(self, step: int) -> Optional[Origin]:
-        """The origin told for ``step``'s skip (None: none was)."""
+    def take(self, step: int) -> Any:
+        """What ``tell`` said of ``step``'s skip (None: its flag was not read in time)."""
         return self._told.pop(step, None)
 
     def __repr__(self) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
 import os
+import time
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -11,14 +11,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import say
-from lightning_amp_plus._repr import KnobsRepr, given_arguments, same_value
+from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._series import held
 from lightning_amp_plus._validation import check_bool, check_path
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.advice import Advice, RunFigures, advise, healthy_line
+from lightning_amp_plus.callbacks import _fused
 from lightning_amp_plus.callbacks._common import (
     check_writable,
     find_plugin,
@@ -30,10 +30,9 @@ from lightning_amp_plus.callbacks._common import (
 from lightning_amp_plus.callbacks.grad_underflow_monitor import GradUnderflowMonitor
 from lightning_amp_plus.callbacks.nan_skip_reporter import LossScaleCollapseError, NaNSkipReporter
 from lightning_amp_plus.callbacks.precision_report import PrecisionReport
-from lightning_amp_plus.scaler import steps_on_device
 
-#: torch optimizers with a fused implementation, and the device types it runs on (None: torch's fused list)
-_FUSED: dict[str, Optional[tuple[str, ...]]] = {"SGD": None, "Adam": None, "AdamW": None, "Adagrad": ("cpu",)}
+#: batch ends left out of the run's step time (the first steps warm up)
+_WARM_BATCHES = 2
 
 
 class AmpAdvisor(KnobsRepr, Callback):
@@ -89,6 +88,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         self._report: Optional[PrecisionReport]
         self._own: list[Callback] = []  # the callbacks run inside the advisor (the trainer lacked them)
         self._advised: bool  # this fit's advice was given (at the end of training, or on its exception)
+        self._clock = (0, 0.0, 0.0)  # batch ends seen, the time of the warm-up's last one, the time of the last
 
     # ------------------------------------------------------------------ wiring
     @override
@@ -97,6 +97,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             return
         self._plugin = find_plugin(trainer, type(self).__name__)
         self._advised = False
+        self._clock = (0, 0.0, 0.0)
         if self._fit_scope.starts_afresh(trainer):
             self.advice = []
             self.figures = None
@@ -143,6 +144,9 @@ class AmpAdvisor(KnobsRepr, Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        count, first, _ = self._clock
+        now = time.perf_counter()
+        self._clock = (count + 1, now if count + 1 == _WARM_BATCHES else first, now)
         for callback in self._own:
             callback.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
@@ -222,33 +226,20 @@ class AmpAdvisor(KnobsRepr, Callback):
         )
 
     def _non_fused(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
-        """Torch optimizers that could run fused on their device, run non-fused, and so sync for the skip flag."""
-        plugin = self._plugin
-        if plugin.scaler is None and not plugin.skip_nonfinite:
-            return []  # nothing reads a skip flag: fused or not, no sync
-        if plugin.sync_skips or _steps_a_scheduler_per_step(trainer, plugin):
-            return []  # a fused step's flag is read on the host each step too: fusing removes no sync
-        try:
-            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-            supported = tuple(_get_fused_kernels_supported_devices())
-        except ImportError:  # pragma: no cover - torch versions without the helper
-            supported = ("cuda",)
+        """Torch optimizers that could run fused on their device and do not, with their steps timed both ways."""
+        step_ms = self._step_ms()
         found = []
-        for optimizer in trainer.optimizers:
-            real = resolve_optimizer(optimizer)
-            name = type(real).__name__
-            if type(real).__module__.split(".")[:2] != ["torch", "optim"] or name not in _FUSED:
-                continue
-            if steps_on_device(real):
-                continue
-            params = [p for g in real.param_groups for p in g["params"]]
-            devices = {p.device.type for p in params}  # fused kernels group by device: each must have one
-            if any(p.grad is not None and p.grad.is_sparse for p in params):
-                continue  # fused kernels refuse sparse gradients (an `Embedding(sparse=True)`)
-            if devices <= set(_FUSED[name] or supported) and all(p.is_floating_point() for p in params):
-                found.append({"name": name, "device": ", ".join(sorted(devices)), "fused_call": _fused_call(real)})
+        for optimizer, entry in _fused.candidates(trainer.optimizers):
+            times = _fused.step_times(optimizer)
+            if times is not None:
+                entry.update(step_ms=times[0], fused_step_ms=times[1], train_step_ms=step_ms)
+            found.append(entry)
         return found
+
+    def _step_ms(self) -> Optional[float]:
+        """The run's mean step time, between batch ends after the first two (None: too few batches)."""
+        count, first, last = self._clock
+        return None if count <= _WARM_BATCHES else 1e3 * (last - first) / (count - _WARM_BATCHES)
 
     def format(self) -> str:
         """The console text: the advice, most important first, or the healthy line."""
@@ -296,26 +287,6 @@ def _find(callbacks: dict[type, Callback], kind: type) -> Any:
         if issubclass(cls, kind):
             return callback
     return None
-
-
-def _steps_a_scheduler_per_step(trainer: pl.Trainer, plugin: Any) -> bool:
-    """Whether the plugin reads each step's skip flag for a step-interval scheduler (fused or not: one sync)."""
-    if not plugin.skip_scheduler_on_overflow or not trainer.lightning_module.automatic_optimization:
-        return False
-    return any(config.interval == "step" for config in trainer.lr_scheduler_configs)
-
-
-def _fused_call(optimizer: torch.optim.Optimizer) -> str:
-    """The user's optimizer call with ``fused=True``: every setting that differs from the class's default kept."""
-    cls = type(optimizer)
-    defaults = {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
-    kept = [
-        f"{name}={value!r}"
-        for name, value in optimizer.defaults.items()
-        if name not in ("fused", "foreach") and name in defaults and not same_value(value, defaults[name])
-    ]
-    params, note = ("self.parameters()", "") if len(optimizer.param_groups) == 1 else ("param_groups", "  # as before")
-    return f"torch.optim.{cls.__name__}({', '.join([params, *kept, 'fused=True'])}){note}"
 
 
 def _bf16_available(device: str) -> bool:

@@ -28,7 +28,7 @@ from lightning_amp_plus.callbacks._common import (
     parameters_and_names,
     shards_gradients,
 )
-from lightning_amp_plus.callbacks._reference import BatchState, float32_gradients, why_no_reference
+from lightning_amp_plus.callbacks._rerun import BatchState, float32_gradients, why_no_reference
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
 from lightning_amp_plus.sandbox import reach
 from lightning_amp_plus.syncs import to_host
@@ -103,17 +103,20 @@ def float32_only(losses: list[Tensor]) -> set[int]:
     return full - half
 
 
-def _magnitudes(reference: list[Tensor], device: torch.device) -> Tensor:
+def _magnitudes(reference: list[Tensor], device: torch.device, activations: Optional[Tensor] = None) -> Tensor:
     """``[log2 max |g|, the fitting scale's exponent, non-zero elements still lost there]`` of a reference.
 
-    The fitting scale is the largest power of two that keeps the largest true gradient a doubling below float16's
-    overflow; the elements still lost there are the non-zero ones it leaves below float16's smallest normal. On the
-    device, no host read (the measurement's one transfer carries them).
+    The largest gradient is the weights' or, when larger, the activations' (``activations``: the largest gradient at
+    a module's output): a scale must fit the whole backward. The fitting scale is the largest power of two that keeps
+    it a doubling below float16's overflow; the elements still lost there are the weights' non-zero ones it leaves
+    below float16's smallest normal. On the device, no host read (the measurement's one transfer carries them).
     """
     present = [r.detach().float() for r in reference if r.numel()]
     if not present:
         return torch.tensor([-math.inf, math.inf, 0.0], device=device)
     largest = torch.stack([m.to(device) for m in torch._foreach_norm(present, float("inf"))]).max()
+    if activations is not None:
+        largest = torch.maximum(largest, activations.to(device).float())
     log2_max = torch.log2(largest)
     exponent = torch.floor(math.log2(FP16_MAX) - log2_max) - 1  # inf when every element is zero: nothing counted
     threshold = FP16_SMALLEST_NORMAL / torch.exp2(exponent.clamp(max=126.0))  # |g| below it is lost at that scale
@@ -217,6 +220,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         self._batch_state: Optional[tuple[int, BatchState]] = None  # the measured batch, for its reference
         self._losses: list[Tensor] = []  # the measured batch's losses: their graph tells what float16 held
         self._reference_error: Optional[str] = None  # what the measured update's reference raised
+        self._activations: Optional[Tensor] = None  # the reference's largest gradient at a module's output
         self._measuring = False  # this batch is measured
         self._owned: list[Any] = []  # the random streams the model holds (the reference starts them as the batch did)
         self.quiet = check_bool(owner, "quiet", quiet)
@@ -308,7 +312,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
         if reference is None:
             self._reference_error = error
             return None
-        return [torch.zeros_like(p) if r is None else r for r, p in zip(reference, params, strict=True)]
+        self._activations = reference[-1]  # the largest gradient at a module's output: a scale must fit it too
+        return [torch.zeros_like(p) if r is None else r for r, p in zip(reference[:-1], params, strict=True)]
 
     def _gradients(self, optimizer: Optimizer) -> tuple[list[str], list[int], list[Optional[Tensor]]]:
         """The gradients measured: every parameter's shard when sharded, else ``optimizer``'s that float16 held."""
@@ -343,7 +348,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
             return
         scale = self._plugin.scaler.scale_tensor()
         assert scale is not None
-        self._reference_error = None
+        self._reference_error, self._activations = None, None
         with torch.no_grad():
             reference = self._reference(optimizer, step, keys)
             values = to_host(self._packed(grads, present, reference, scale))  # the one host transfer
@@ -379,7 +384,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
                     for g, r in zip(grads, reference, strict=True)
                 ]
             )
-            true_figures = _magnitudes(reference, device)
+            true_figures = _magnitudes(reference, device, self._activations)
         sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
         loss = none + math.nan  # no loss kept (a manual step that logs none): not known
         if self._losses:

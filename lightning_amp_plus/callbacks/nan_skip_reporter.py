@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
@@ -35,6 +36,7 @@ from lightning_amp_plus.callbacks._common import (
 )
 from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
 from lightning_amp_plus.callbacks._offenders import OffenderCounter
+from lightning_amp_plus.callbacks._rerun import backward_origin
 from lightning_amp_plus.callbacks._skip_text import describe, plural
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent
@@ -61,9 +63,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     checkpoint, so a resumed run continues a streak of skips where it stopped.
 
     Localising the offenders costs nothing on clean steps: with a non-fused optimizer torch already reads the
-    overflow flag on the host each step, and the reporter inspects gradients only on skipped steps. A fused
-    optimizer decides on the device: its skips are found when the history is flushed (each logging interval),
-    without offenders, unless ``sync_fused=True`` (one host sync per step) asks for them.
+    overflow flag on the host each step, and the reporter inspects gradients only on skipped steps. A fused optimizer
+    decides on the device: its flag is copied without waiting and read when it is on the host (at once on CPU, by
+    the next batch's start on a GPU), and on a skip the offenders are counted from the gradients it left and the
+    origin told; the skip is reported at the next logging step. ``sync_fused=True`` reads each flag at its step
+    instead (one host sync per step).
 
     **Where non-finite values are born** (``find_origin=True``, Trainer only): ``{"phase": "input"}`` when the batch
     held inf/nan that reached the model; ``{"phase": "forward", "module": name, "kind": "inf"|"nan", "float32": ...,
@@ -76,7 +80,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     call of the LightningModule's direct children (their inputs and outputs kept by reference until the batch ends;
     no device op, no sync); on a skipped step the one call that made the values is replayed in a sandbox (stand-in
     parameters, every random stream given back): the run is bit-identical with and without it. ``None`` when it
-    cannot be told: a skip a fused optimizer decided on the device (``sync_fused=True`` tells it), Fabric, sharded
+    cannot be told: a fused optimizer's skip whose flag reached the host too late (``sync_fused=True`` tells it),
+    Fabric, sharded
     models (FSDP: a replay would need every rank's collectives; there only ``"input"`` is told).
 
     Args:
@@ -86,10 +91,15 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
             file renamed into place). Checked at setup: its folder must be writable. A failed write never hides a
             training error.
         max_warnings: skips printed one by one before the rest are only summarised (default 5).
-        sync_fused: name the offenders of fused optimizers too, at one host sync per step (default False).
+        sync_fused: read a fused optimizer's skip flag at its step, so its skip is told at once (one host sync per
+            step; default False: read without waiting, told at the next logging step).
         prefix: key prefix of the logged metrics (default ``"amp/"``).
         max_records: skip records kept in full (the first and the last half; default 100; ``None`` keeps all).
         find_origin: tell where each skip's non-finite values were born (default True; see above).
+        backward_origin: on a skipped update whose forward and loss were finite, run the batch's ``training_step``
+            again, sandboxed, to tell where in backward the inf/nan were born: the op, the module, and whether
+            float32 makes them too (default False: it runs your step a second time; automatic optimization only;
+            the fit says so when it starts).
         quiet: records only: no metric, line, error or file (for a callback that holds this one, as ``AmpAdvisor``).
 
     Example:
@@ -108,6 +118,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         max_records: Optional[int] = 100,
         find_origin: bool = True,
         quiet: bool = False,
+        backward_origin: bool = False,
     ) -> None:
         self._given = given_arguments(NaNSkipReporter.__init__, locals())
         self._fit_scope = FitScope()
@@ -126,6 +137,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self.max_records = max_records
         self.find_origin = check_bool(owner, "find_origin", find_origin)
         self.quiet = check_bool(owner, "quiet", quiet)
+        self.backward_origin = check_bool(owner, "backward_origin", backward_origin)
+        self._rerun = False  # this fit reruns a skipped step for its backward origin
         self.origins = OriginFinder()  # where each skip's inf/nan were born (replays the batch on a skip)
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
@@ -209,7 +222,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
             if self._plugin is not None:  # skips a fused optimizer decided: reported, never raised over the error
-                self._device_probe.look(self._origin, wait=True)
+                self._device_probe.look(self._tell, wait=True)
                 self._collect_device_skips(check=False)
         finally:
             self._unchecked = []
@@ -222,9 +235,19 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self._sharded = shards_gradients(trainer)
         self.offenders.track(pl_module, self._sharded)
         self._unhook()
+        self._rerun = False
         if self.find_origin and not self._sharded:  # sharded: a replay would need every rank's collectives
             accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
             self.origins.attach(pl_module, trainer.precision_plugin.forward_context, accumulating=accumulating)
+            # a rerun of the step: only where one batch's step makes the update and steps no optimizer itself
+            self._rerun = self.backward_origin and pl_module.automatic_optimization and not accumulating
+            if self._rerun and trainer.is_global_zero and not self.quiet:
+                say(
+                    "`NaNSkipReporter(backward_origin=True)`: on a skipped update whose forward and loss were finite,"
+                    " the batch's `training_step` runs again, in a sandbox (parameters and buffers are stand-ins,"
+                    " random streams given back). It must not act outside the model: no environment step, file"
+                    " write or direct logger call."
+                )
 
     # ------------------------------------------------------------------ where non-finite values are born
     def _unhook(self) -> None:
@@ -236,15 +259,41 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._device_probe.held_step is not None:  # the previous batch's fused skip: its parameters are unchanged
-            self._device_probe.look(self._origin, wait=False)
+            self._device_probe.look(self._tell, wait=False)
         if self.find_origin:
-            self.origins.start_batch(batch)
+            self.origins.start_batch(batch, batch_idx, host=self._rerun)
 
-    def _origin(self, calls: Optional[BatchCalls] = None) -> Optional[dict[str, Any]]:
-        """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told."""
+    def _origin(
+        self, calls: Optional[BatchCalls] = None, step: Optional[int] = None, scale: Optional[float] = None
+    ) -> Optional[dict[str, Any]]:
+        """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told.
+
+        With ``backward_origin``, a backward origin is told where in backward by a sandboxed rerun of the step at
+        the update's ``scale`` (or the scale the update at ``step`` used).
+        """
         if not self.find_origin or self._trainer is None:
             return None
-        return self.origins.origin(calls)
+        origin = self.origins.origin(calls)
+        record = calls if calls is not None else self.origins.current
+        if origin != {"phase": "backward"} or not self._rerun or record is None or self._plugin is None:
+            return origin
+        start = record.step_start()
+        if start is None:
+            return origin
+        if scale is None and step is not None:
+            scale = self._plugin.history.scale_at(step)
+        if scale is None:
+            return origin
+        trainer = self._trainer
+        return backward_origin(
+            trainer.lightning_module,
+            record.batch,
+            record.index,
+            start,
+            getattr(self._plugin, "device", None) or "cpu",
+            trainer.precision_plugin.forward_context,
+            scale,
+        )
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -262,7 +311,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
             "new_scale": event.new_scale,
             "loss": _finite_or_none(self._mean_loss()),
             "offenders": self.offenders.of(event.optimizers),
-            "origin": self._job_origin(self._origin()),
+            "origin": self._job_origin(self._origin(scale=event.scale)),
         }
         self.offenders.clear()
         self._add(record, event.consecutive)
@@ -292,15 +341,26 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
     ) -> None:
         assert self._plugin is not None
         on_device = not self._plugin.skip_known_on_host
-        if on_device and self.find_origin and not self._sharded:
-            self._device_probe.hold(
-                self._plugin.history, self.origins.current
-            )  # the batch stays until its flag is read
-            self._device_probe.look(self._origin, wait=False)  # at once when it is (host memory, or the device is done)
+        if on_device and not self._sharded:
+            self._device_probe.hold(self._plugin.history, self.origins.current)  # kept until its flag is read
+            self._device_probe.look(self._tell, wait=False)  # at once when it is (host memory, or the device is done)
         self.origins.take_batch()  # the kept inputs are released when the batch ends (or kept by the probe)
         history = self._plugin.history
-        if on_device and history.pending and is_logging_step(history.last_step or 0, logging_interval(trainer)):
-            self._collect_device_skips()
+        if on_device and is_logging_step(history.last_step or 0, logging_interval(trainer)):
+            self._collect_device_skips()  # another callback may have flushed the history: not `pending` alone
+
+    def _tell(self, calls: Optional[BatchCalls], step: int) -> dict[str, Any]:
+        """A device-decided skip, once its flag is read: its origin and its offenders, from the gradients it left.
+
+        They are still the skipped step's: it is read at this batch's end or before the next batch's backward.
+        """
+        optimizers = [resolve_optimizer(o) for o in self._trainer.optimizers] if self._trainer is not None else []
+        loss = self._loss if calls is None or not calls.losses else calls.losses[-1]
+        return {
+            "origin": self._origin(calls, step),
+            "offenders": self.offenders.of(optimizers) or None,
+            "loss": _finite_or_none(loss),  # this rank's (a flag read on one rank may not be read on another yet)
+        }
 
     def collect(self, check: bool = True) -> None:
         """Report now every skip a fused optimizer decided on the device (waits for a held flag: one sync at most).
@@ -308,7 +368,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         ``check=False`` leaves their collapse check to this reporter's own end of fit (a reader that is not the
         reporter, ``AmpAdvisor``, must not raise in its place).
         """
-        self._device_probe.look(self._origin, wait=True)
+        self._device_probe.look(self._tell, wait=True)
         self._collect_device_skips(check=check)
 
     def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True) -> None:
@@ -324,16 +384,18 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
             last = min(last, held - 1)
         if last <= self._reported_upto:
             return
+        last_recorded = history.last_step if history.last_step is not None else -1
         for step in history.skipped_between(self._reported_upto + 1, last):
             if step in known:
                 continue
+            told = self._device_probe.take(step) or {}
             record = {
                 "step": step,
                 "scale": history.scale_at(step),
-                "new_scale": None,
-                "loss": None,
-                "offenders": None,  # decided on the device by a fused optimizer; sync_fused=True names them
-                "origin": self._device_probe.take(step),
+                "new_scale": history.scale_at(step + 1) if step < last_recorded else None,
+                "loss": told.get("loss"),
+                "offenders": told.get("offenders"),  # counted when its flag was read (None: it came too late)
+                "origin": told.get("origin"),
             }
             self._add(record, history.streak_at(step), check=check)
         self._reported_upto = last
@@ -422,7 +484,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
 
     def finish(self) -> None:
         """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
-        self._device_probe.look(self._origin, wait=True)
+        self._device_probe.look(self._tell, wait=True)
         self._collect_device_skips()
         self._check_unchecked()
         if self._num_skips:

@@ -119,8 +119,15 @@ def test_fused_optimizer_skips_are_found_at_the_flush(tmp_path):
     reporter = NaNSkipReporter(max_warnings=0)
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=5, log_every_n_steps=2).fit(model)
     assert [r["step"] for r in reporter.skips] == [2]
-    assert reporter.skips[0]["offenders"] is None
-    assert reporter.skips[0]["loss"] is None  # the record has every key, unknown ones None
+    # its flag read at the batch's end (on CPU at once): the gradients it refused are still there, no sync added
+    assert [o["name"] for o in reporter.skips[0]["offenders"]] == [
+        "net.0.weight",
+        "net.0.bias",
+        "net.2.weight",
+        "net.2.bias",
+    ]
+    assert reporter.skips[0]["loss"] is None  # an inf loss: unknown, None
+    assert reporter.skips[0]["new_scale"] == 512.0
 
 
 def test_fused_optimizer_offenders_with_sync_fused():
@@ -692,14 +699,34 @@ def test_the_summary_names_twenty_steps_and_five_offenders_by_count(tmp_path, ca
     assert report["unit"].endswith("steps are the logger's step")
 
 
-def test_a_fused_optimizers_skips_without_offenders_name_none_in_the_summary(caplog):
+def test_a_fused_optimizers_skip_is_told_with_its_offenders_and_on_time(caplog, tmp_path):
+    """Its flag is read at the batch's end (at once on CPU): the skip's line comes at the next logging step, with
+    the offenders its gradients still held, also when another callback flushed the history first."""
+    from lightning.pytorch import Callback
+
+    from lightning_amp_plus import LossScaleMonitor
+
+    ends = []
+
+    class Ends(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ends.append(len([r for r in caplog.records if r.getMessage().startswith("step 2 skipped")]))
+
     model = TinyModel(poison={2: "inf"}, optimizer="fused_adamw", lr=1e-3)
-    reporter = NaNSkipReporter(max_warnings=0)
-    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
-        model
+    reporter = NaNSkipReporter()
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[LossScaleMonitor(), reporter, Ends()],  # the monitor flushes the history at each logging step
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=2,
+        max_steps=6,
+    ).fit(model)
+    assert ends == [0, 0, 0, 1, 1, 1]  # told at step 3, the logging step after it, not at the end of fit
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
+    assert lines[0].startswith(
+        "step 2 skipped: born in the loss (every module output was finite); gradients non-finite in net.0.weight ("
     )
-    (summary,) = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
-    assert summary == "`NaNSkipReporter`: 1 of 4 updates skipped (at step 2); worst offenders: unknown."
+    assert lines[-1].startswith("`NaNSkipReporter`: 1 of 6 updates skipped (at step 2); worst offenders: net.0.weight")
 
 
 class _Temperature(TinyModel):
@@ -874,10 +901,9 @@ def test_a_module_whose_output_is_a_minus_inf_mask_is_no_origin_and_one_fed_a_ma
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "fused_adamw"])
-def test_the_collapse_names_five_offenders_or_none_known(optimizer):
-    """A nan loss makes all six parameters offenders: the collapse names the first five; a fused optimizer's skips
-    name none ("unknown")."""
-    names = "net.0.weight, net.0.bias, net.1.weight, net.1.bias, net.2.weight" if optimizer == "sgd" else "unknown"
+def test_the_collapse_names_five_offenders(optimizer):
+    """A nan loss makes all six parameters offenders: the collapse names the first five (a fused optimizer's too)."""
+    names = "net.0.weight, net.0.bias, net.1.weight, net.1.bias, net.2.weight"
     reporter = NaNSkipReporter(max_consecutive_skips=2, max_warnings=0)
     with pytest.raises(LossScaleCollapseError, match=rf"; last offenders: {re.escape(names)}\. The loss was inf/nan"):
         make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter]).fit(

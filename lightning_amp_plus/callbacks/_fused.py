@@ -1,0 +1,119 @@
+"""Which optimizers could run fused, and what fusing them is measured to save on this device (``fused_optimizer``).
+
+The advice names the cause that was measured: one optimizer step timed as the user configured it and with
+``fused=True``, on copies of its parameters and gradients (the run's optimizer and state are never touched), against
+the run's own step time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Optional
+
+import torch
+
+from lightning_amp_plus._identity import resolve_optimizer
+from lightning_amp_plus._repr import same_value
+from lightning_amp_plus.sandbox import attempt
+from lightning_amp_plus.scaler import steps_on_device
+
+#: torch optimizers with a fused implementation, and the device types it runs on (None: torch's fused list)
+FUSED: dict[str, Optional[tuple[str, ...]]] = {"SGD": None, "Adam": None, "AdamW": None, "Adagrad": ("cpu",)}
+#: timed steps of each variant (the median is kept), after one warm-up each
+TIMED_STEPS = 5
+#: parameter elements timed at most (a larger model is timed on its first parameters, scaled to the whole)
+TIMED_ELEMENTS = 2**24
+
+
+def candidates(optimizers: list[Any]) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
+    """The torch optimizers that have a fused kernel for their device and float parameters, and run without it.
+
+    Each with its entry: ``name``, ``device``, ``fused_call`` (the user's call with ``fused=True``).
+    """
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        supported = tuple(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - torch versions without the helper
+        supported = ("cuda",)
+    found = []
+    for optimizer in optimizers:
+        real = resolve_optimizer(optimizer)
+        name = type(real).__name__
+        if type(real).__module__.split(".")[:2] != ["torch", "optim"] or name not in FUSED or steps_on_device(real):
+            continue
+        params = [p for g in real.param_groups for p in g["params"]]
+        devices = {p.device.type for p in params}  # fused kernels group by device: each must have one
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            continue  # fused kernels refuse sparse gradients (an `Embedding(sparse=True)`)
+        if devices <= set(FUSED[name] or supported) and all(p.is_floating_point() for p in params):
+            found.append((real, {"name": name, "device": ", ".join(sorted(devices)), "fused_call": fused_call(real)}))
+    return found
+
+
+def fused_call(optimizer: torch.optim.Optimizer) -> str:
+    """The user's optimizer call with ``fused=True``: every setting that differs from the class's default kept."""
+    cls = type(optimizer)
+    defaults = {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
+    kept = [
+        f"{name}={value!r}"
+        for name, value in optimizer.defaults.items()
+        if name not in ("fused", "foreach") and name in defaults and not same_value(value, defaults[name])
+    ]
+    params, note = ("self.parameters()", "") if len(optimizer.param_groups) == 1 else ("param_groups", "  # as before")
+    return f"torch.optim.{cls.__name__}({', '.join([params, *kept, 'fused=True'])}){note}"
+
+
+def step_times(optimizer: torch.optim.Optimizer) -> Optional[tuple[float, float]]:
+    """Milliseconds of one step of ``optimizer`` as configured and with ``fused=True``, timed on copies (or None).
+
+    Each variant steps copies of the parameters with gradients of their size, warmed up once, then timed
+    :data:`TIMED_STEPS` times, alternating; the medians are kept. At most :data:`TIMED_ELEMENTS` parameter elements
+    are copied: a larger model's figures are scaled to its size.
+    """
+    groups, total, timed = [], 0, 0
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        total += sum(p.numel() for p in params)
+        chosen = []
+        for p in params:
+            if timed + p.numel() <= TIMED_ELEMENTS or not timed:
+                chosen.append(p)
+                timed += p.numel()
+        if chosen:
+            groups.append(({k: v for k, v in group.items() if k != "params"}, chosen))
+    if not timed:
+        return None
+    times, _ = attempt(_timed, type(optimizer), groups)
+    if times is None:
+        return None
+    return times[0] * total / timed, times[1] * total / timed
+
+
+def _timed(cls: type, groups: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> tuple[float, float]:
+    def build(fused: bool) -> torch.optim.Optimizer:
+        built = []
+        for options, params in groups:
+            copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+            for copy in copies:
+                copy.grad = torch.full_like(copy, 1e-3)  # no random stream of the run is drawn from
+            extra = {"fused": True, "foreach": None} if fused else {}
+            built.append({**options, **extra, "params": copies})
+        return cls(built)
+
+    variants = {False: build(False), True: build(True)}
+    cuda = any(p.is_cuda for _, ps in groups for p in ps)
+    spent: dict[bool, list[float]] = {False: [], True: []}
+    for run in range(TIMED_STEPS + 1):
+        for fused, optimizer in variants.items():
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            optimizer.step()
+            if cuda:
+                torch.cuda.synchronize()
+            if run:  # the first of each is a warm-up
+                spent[fused].append(1e3 * (time.perf_counter() - start))
+    median = {fused: sorted(t)[len(t) // 2] for fused, t in spent.items()}
+    return median[False], median[True]

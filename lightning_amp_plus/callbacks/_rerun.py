@@ -1,0 +1,270 @@
+"""The opt-in reruns of a batch's ``training_step``, sandboxed: the float32 reference, and where in backward.
+
+``GradUnderflowMonitor(exact=True)`` compares the run's scaled float16 gradients with the batch's float32 ones
+(:func:`float32_gradients`): an element whose true gradient is zero is structural (an embedding row the batch did not
+use); one whose true gradient is not zero while the float16 one is zero or subnormal was lost to float16.
+``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch whose forward and loss were finite at the skip's scale
+and watches its backward node by node (:func:`backward_origin`): the first op whose gradient came out non-finite from
+a finite one, the module it ran in, and whether float32 makes it too.
+
+Both run the user's ``training_step`` a second time, which is why they are off unless asked for by name: inside
+:func:`~lightning_amp_plus.sandbox.sandboxed` every parameter and buffer is a stand-in and every random stream is given
+back, but what the step does outside the model (a file written, an environment stepped, a logger called directly) the
+sandbox cannot undo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_amp_plus._identity import clean_name
+from lightning_amp_plus._tree import tensors
+from lightning_amp_plus.callbacks._common import all_reduce_, distributed
+from lightning_amp_plus.sandbox import StepStart, attempt, capture, copied_inputs, no_logging, sandboxed
+
+
+class BatchState:
+    """A measured batch kept for its reference: a copy of the batch, its index, and the random state it started with.
+
+    ``owned``: the random streams the model holds (``reach(module).streams``), recorded with the global ones.
+    """
+
+    def __init__(self, batch: Any, batch_idx: int, device_type: str, owned: list[Any]) -> None:
+        self.batch = copied_inputs(batch)  # the step may change its batch in place; the reference sees it as it came
+        self.batch_idx = batch_idx
+        cuda = device_type == "cuda" and torch.cuda.is_available()
+        numpy = sys.modules.get("numpy")
+        host = [random._inst, *([numpy.random.mtrand._rand] if numpy is not None else [])]  # type: ignore[attr-defined]
+        self.start = StepStart(
+            torch.default_generator.get_state(),
+            torch.cuda.default_generators[torch.cuda.current_device()].get_state() if cuda else None,
+            owned=capture(owned),
+            host=capture(host),
+        )
+
+
+def why_no_reference(trainer: pl.Trainer, sharded: bool) -> Optional[str]:
+    """Why this run's updates cannot be recomputed from one batch (None: they can)."""
+    if not trainer.lightning_module.automatic_optimization:
+        return "manual optimization (the training step steps the optimizers itself)"
+    if trainer.accumulate_grad_batches > 1:
+        return "gradient accumulation (an update spans several batches)"
+    if sharded:
+        return "a sharded model (every rank holds a shard)"
+    return None
+
+
+def float32_gradients(
+    module: pl.LightningModule, state: BatchState, params: list[torch.nn.Parameter], device_type: str
+) -> tuple[Optional[list[Optional[Tensor]]], Optional[str]]:
+    """``params``' gradients of the batch's loss recomputed in float32, or None and why not.
+
+    Same random state as the batch had (dropout masks alike), no logging, in a sandbox: the run's parameters,
+    buffers, random streams and ``.grad`` are untouched, and what the step raises is returned as text. Averaged over
+    ranks when several train (as DDP averages ``.grad``); every rank calls this at the same measured steps. The
+    last entry is the largest gradient that reached any module's output (the activations' gradients, which a
+    scale must fit too, and which can be far larger than the weights').
+    """
+
+    def run() -> Optional[list[Optional[Tensor]]]:
+        with (
+            sandboxed(module, device_type, start=state.start, grad=True) as box,
+            no_logging(module),
+            torch.autocast(device_type, enabled=False),
+            torch.enable_grad(),
+            _activation_gradients(module) as largest,
+        ):
+            output = module.training_step(state.batch, state.batch_idx)
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if not isinstance(loss, Tensor) or not loss.requires_grad:
+                return None
+            targets = [box.stand_in(p) for p in params]
+            grads = list(torch.autograd.grad(loss.float(), targets, allow_unused=True))
+            return [*grads, torch.stack(largest).max() if largest else None]
+
+    found, error = attempt(run)
+    if error is not None:
+        error = f"the float32 reference's `training_step` raised {error}"
+    elif found is None:
+        error = "the float32 reference's `training_step` returned no loss that requires grad"
+    grads = None if found is None else found[:-1]
+    activations = None if found is None else found[-1]
+    if distributed():  # every rank joins the sum, told or not: a rank without a reference adds zeros
+        world = torch.distributed.get_world_size()
+        failed = torch.tensor([0.0 if grads is not None else 1.0], device=params[0].device)
+        all_reduce_(failed)
+        values = grads or [None] * len(params)
+        summed = [
+            all_reduce_(torch.zeros_like(p) if g is None else g.float()) for p, g in zip(params, values, strict=True)
+        ]
+        peak = torch.zeros(1, device=params[0].device) if activations is None else activations.reshape(1).clone()
+        all_reduce_(peak, op="max")
+        if float(failed.item()) > 0:
+            return None, error or "the float32 reference failed on another rank"
+        return [*(g / world for g in summed), peak.reshape(())], None
+    return (None if grads is None else [*grads, activations]), error
+
+
+@contextlib.contextmanager
+def _activation_gradients(module: torch.nn.Module) -> Iterator[list[Tensor]]:
+    """The largest gradient that reaches each module's output in the rerun (a list, filled during its backward)."""
+    largest: list[Tensor] = []
+
+    def keep(grad: Tensor) -> None:
+        largest.append(grad.detach().abs().max().float())
+
+    def watch(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        for tensor in tensors(output):
+            if tensor.requires_grad and tensor.is_floating_point():
+                tensor.register_hook(keep)
+
+    handles = [m.register_forward_hook(watch) for m in module.modules()]
+    try:
+        yield largest
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def backward_origin(
+    module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    start: StepStart,
+    device_type: str,
+    forward_context: Callable[[], Any],
+    scale: float,
+) -> dict[str, Any]:
+    """Where in backward a skipped update's inf/nan were born, by rerunning its step twice, sandboxed.
+
+    At the skip's ``scale`` under ``forward_context`` (autocast): the first autograd node whose output gradient was
+    non-finite while the gradient it received was finite, named by its op (``SqrtBackward0``) and the module whose
+    forward made it (``""``: the LightningModule's own code, the loss say). Then in float32, unscaled: ``"float32":
+    "finite"`` when every gradient is finite there (float16's range: bf16, an island or a lower scale fixes it),
+    ``"nonfinite"`` when not (the model's own: no precision fixes it). A rerun that raised or did not make them says so
+    in ``reason``.
+    """
+    found, error = attempt(_watched_backward, module, batch, batch_idx, start, device_type, forward_context, scale)
+    if error is not None:
+        return {"phase": "backward", "reason": f"the rerun of the step raised {error}"}
+    if found is None:
+        return {"phase": "backward", "reason": "the rerun's backward was finite: it did not make them again"}
+    finite, error = attempt(_finite_in_float32, module, batch, batch_idx, start, device_type)
+    verdict = "unknown" if error is not None or finite is None else ("finite" if finite else "nonfinite")
+    return {"phase": "backward", **found, "float32": verdict}
+
+
+def _rerun_loss(module: pl.LightningModule, batch: Any, batch_idx: int) -> Optional[Tensor]:
+    output = module.training_step(copied_inputs(batch), batch_idx)
+    loss = output.get("loss") if isinstance(output, dict) else output
+    return loss if isinstance(loss, Tensor) and loss.requires_grad else None
+
+
+def _watched_backward(
+    module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    start: StepStart,
+    device_type: str,
+    forward_context: Callable[[], Any],
+    scale: float,
+) -> Optional[dict[str, Any]]:
+    with (
+        sandboxed(module, device_type, start=start, grad=True),
+        no_logging(module),
+        torch.enable_grad(),
+        _node_owners(module) as owners,
+    ):
+        with forward_context():
+            loss = _rerun_loss(module, batch, batch_idx)
+        if loss is None:
+            return None
+        scaled = loss.float() * scale
+        born: list[dict[str, Any]] = []
+        handles = [node.register_hook(_first_born(node, owners, born)) for node in _nodes(scaled)]
+        try:
+            params = [p for p in module.parameters() if p.requires_grad]  # the stand-ins, inside the sandbox
+            torch.autograd.grad(scaled, params, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return born[0] if born else None
+
+
+def _finite_in_float32(
+    module: pl.LightningModule, batch: Any, batch_idx: int, start: StepStart, device_type: str
+) -> Optional[bool]:
+    with (
+        sandboxed(module, device_type, start=start, grad=True),
+        no_logging(module),
+        torch.autocast(device_type, enabled=False),
+        torch.enable_grad(),
+    ):
+        loss = _rerun_loss(module, batch, batch_idx)
+        if loss is None:
+            return None
+        params = [p for p in module.parameters() if p.requires_grad]  # the stand-ins, inside the sandbox
+        grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
+        return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+
+
+def _nodes(loss: Tensor) -> list[Any]:
+    """Every node of ``loss``'s autograd graph but the leaves' accumulators."""
+    seen: dict[Any, None] = {}
+    stack: list[Any] = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or hasattr(node, "variable"):
+            continue
+        seen[node] = None
+        stack.extend(following for following, _ in node.next_functions)
+    return list(seen)
+
+
+def _first_born(node: Any, owners: dict[Any, str], born: list[dict[str, Any]]) -> Callable[..., None]:
+    def hook(grad_inputs: tuple[Optional[Tensor], ...], grad_outputs: tuple[Optional[Tensor], ...]) -> None:
+        if born:
+            return
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in grad_outputs):
+            return  # it received them non-finite: made before it
+        made = [g for g in grad_inputs if g is not None and not bool(torch.isfinite(g).all())]
+        if made:
+            kind = "nan" if any(bool(torch.isnan(g).any()) for g in made) else "inf"
+            born.append({"module": owners.get(node, ""), "op": node.name(), "kind": kind})
+
+    return hook
+
+
+@contextlib.contextmanager
+def _node_owners(module: torch.nn.Module) -> Iterator[dict[Any, str]]:
+    """Each autograd node the rerun makes, with the module whose own forward made it (inner modules first)."""
+    owners: dict[Any, str] = {}
+    names = {id(m): clean_name(n) for n, m in module.named_modules() if n}
+
+    def own(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        name = names.get(id(mod))
+        if name is None:
+            return
+        stops = {t.grad_fn for t in tensors(args) if t.grad_fn is not None}
+        stack: list[Any] = [t.grad_fn for t in tensors(output) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in owners or node in stops or hasattr(node, "variable"):
+                continue
+            owners[node] = name
+            stack.extend(following for following, _ in node.next_functions)
+
+    handles = [m.register_forward_hook(own) for m in module.modules()]
+    try:
+        yield owners
+    finally:
+        for handle in handles:
+            handle.remove()

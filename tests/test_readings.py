@@ -1,0 +1,223 @@
+"""The advisor reads non-finite values right: each reading on a run that has the problem, its fix applied as printed
+and measured, and its healthy look-alike (issue 33's cases: NaN-coded missing values, a -inf overflow, an island that
+only moves the overflow, figures of gradients float16 never held)."""
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, GradUnderflowMonitor, NaNSkipReporter
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+
+def _fit(model, loader=None, plugin=None, callbacks=(), steps=12):
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = plugin or AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(plugins=[plugin], callbacks=[advisor, *callbacks], max_steps=steps).fit(model, loader)
+    return advisor, plugin
+
+
+def _applied(fix):
+    return eval(fix, {"AmpPlusPrecision": AmpPlusPrecision})
+
+
+def _codes(advisor):
+    return [a.code for a in advisor.advice]
+
+
+# ------------------------------------------------------------------------------------------ NaN-coded missing values
+class Tabular(TinyModel):
+    """Missing values stored as NaN, filled in the step before the model sees them (`torch.nan_to_num`)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(torch.nan_to_num(x)).float(), y)
+        return loss * 1e5  # large enough to overflow in backward at the initial scale
+
+
+def _tabular(nan):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 8, generator=g)
+    if nan:
+        x[::3, 2] = float("nan")
+    else:
+        x[::3, 2] = 0.0  # what nan_to_num makes of them: the same computation, cleaned in the data set
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).nan_to_num()), batch_size=4)
+
+
+def test_nan_coded_values_the_step_fills_are_not_the_batchs_fault():
+    torch.manual_seed(0)
+    coded = Tabular()
+    advisor, plugin = _fit(coded, _tabular(nan=True))
+    torch.manual_seed(0)
+    cleaned = Tabular()
+    clean_advisor, clean_plugin = _fit(cleaned, _tabular(nan=False))
+    for (name, a), (_, b) in zip(coded.state_dict().items(), cleaned.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name  # bit-identical: the NaN never reached the model
+    assert plugin.history.skipped_steps == clean_plugin.history.skipped_steps
+    assert plugin.history.num_skipped > 0
+    origins = [r["origin"] for r in advisor._reporter.skips]
+    assert origins == [r["origin"] for r in clean_advisor._reporter.skips]
+    assert all(o["phase"] != "input" for o in origins)
+    assert _codes(advisor) == _codes(clean_advisor)
+    assert "nonfinite_loss" not in _codes(advisor)  # no `assert` on the batch that would stop training at batch 0
+
+
+class Unfilled(Tabular):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)  # the NaN reaches the model
+
+
+def test_nan_that_reaches_the_model_is_the_batchs():
+    advisor, _ = _fit(Unfilled(), _tabular(nan=True))
+    assert {r["origin"]["phase"] for r in advisor._reporter.skips} == {"input"}
+    assert _codes(advisor)[0] == "nonfinite_loss"
+
+
+# ------------------------------------------------------------------------------------------ a -inf overflow
+class Energy(nn.Module):
+    """An energy `-(x @ W)^2 / 1e5`: the square overflows float16, so its output is -inf; in float32 it is finite
+    and fits float16 (the next module takes it as it comes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.proj.weight.mul_(60.0)
+
+    def forward(self, x):
+        return -(self.proj(x) ** 2) / 1e5
+
+
+class EnergyModel(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=1e-4)
+        self.energy = Energy()
+
+    def forward(self, x):
+        return self.net(self.energy(x * 10))
+
+
+def test_a_minus_inf_overflow_is_no_mask_and_its_island_fixes_it():
+    advisor, plugin = _fit(EnergyModel())
+    assert plugin.history.num_skipped == 12
+    origin = advisor._reporter.skips[0]["origin"]
+    assert origin["module"].startswith("energy")  # born there, not in `head` one module later
+    assert origin["float32"] == "finite"
+    assert "model_nonfinite" not in _codes(advisor)  # not called the model's own, no nan_to_num to hide it
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    _, fixed = _fit(EnergyModel(), plugin=_applied(advice.fix))
+    assert fixed.history.num_skipped == 0
+    _, bf16 = _fit(EnergyModel(), plugin=AmpPlusPrecision("bf16-mixed"))
+    assert bf16.history.num_skipped == 0
+
+
+class MaskMaker(nn.Module):
+    """The look-alike: a module whose -inf is by design (an additive attention mask), in float32 too."""
+
+    def forward(self, x):
+        mask = torch.zeros_like(x)
+        mask[:, ::2] = float("-inf")
+        return mask
+
+
+class Masked(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=1e-3)
+        self.masker = MaskMaker()
+
+    def forward(self, x):
+        weights = (x + self.masker(x)).softmax(-1)
+        return self.net(weights)
+
+
+def test_a_minus_inf_mask_by_design_is_no_origin():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    advisor, plugin = _fit(Masked(), callbacks=[reporter])
+    assert plugin.history.num_skipped <= 1  # at most the calibration's backward
+    assert all(r["origin"]["phase"] == "backward" for r in reporter.skips)
+    assert not {"fp32_module", "model_nonfinite"} & set(_codes(advisor))
+
+
+# ------------------------------------------------------------------------------------------ an island that moves it
+class Pooled(TinyModel):
+    """Sum pooling of 8.2e4 (finite in float32, beyond 65504): an island on `pool` alone hands `head` a float32 value
+    it casts back to float16."""
+
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.pool = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.pool.weight.fill_(0.0)
+            self.pool.bias.fill_(8.2e4)
+            self.head.weight.fill_(1e-5)  # a moderate output: only the forward overflows
+
+    def forward(self, x):
+        return self.head(self.pool(x))
+
+
+def test_the_island_fix_names_every_module_the_value_crosses():
+    advisor, plugin = _fit(Pooled())
+    assert plugin.history.num_skipped == 12
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["pool", "head"])'
+    _, fixed = _fit(Pooled(), plugin=_applied(advice.fix))
+    assert fixed.history.num_skipped == 0  # measured: both islands, as printed
+    _, half = _fit(Pooled(), plugin=AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["pool"]))
+    assert half.history.num_skipped == 12  # the first island alone only moves the overflow to `head`
+
+
+# ---------------------------------------------------------------------------------- gradients float16 never held
+class PositionEmbedded(TinyModel):
+    """A positional embedding added in float32 (as a ViT's `pos_embed`): its scaled gradient is the run's largest,
+    beyond 65504, yet float16 never held it."""
+
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.pos_embed = nn.Parameter(torch.zeros(8))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[0](x).float()  # the float16 matmul's output, upcast
+        h = torch.cat([h[:, :8] + self.pos_embed, h[:, 8:]], dim=1)  # float32
+        out = self.net[2](torch.relu(h)).float()
+        return nn.functional.mse_loss(out, y) * 1e3 + self.pos_embed.sum() * 1e4
+
+
+def test_headroom_is_of_the_gradients_float16_held():
+    monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+    _fit(PositionEmbedded(), plugin=AmpPlusPrecision("16-mixed", init_scale=2.0**7), callbacks=[monitor])
+    applied = [m for m in monitor.measurements if m["headroom_bits"] is not None]
+    assert len(applied) >= 10
+    for m in applied:
+        assert "pos_embed" not in {w["name"] for w in m["worst"]}
+        assert m["headroom_bits"] > 0  # the pos_embed's 1.3e5 (scaled, in float32) is no overflow to come
+    largest = 1e4 * min(m["scale"] for m in applied)  # d(loss)/d(pos_embed) per element, scaled
+    assert math.log2(65504.0 / largest) < 0  # what the figure would have read with it counted
+
+
+def test_an_islands_gradients_leave_the_advisors_underflow_figures():
+    class Adapter(TinyModel):
+        def __init__(self):
+            super().__init__(optimizer="fused_sgd", lr=0.0)
+            self.adapter = nn.Linear(8, 8)
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * 1e-4
+
+        def forward(self, x):
+            return self.net(self.adapter(x))
+
+    def worst(islands):
+        monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
+        plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0, fp32_modules=islands)
+        _fit(Adapter(), plugin=plugin, callbacks=[monitor], steps=3)
+        return {w["name"] for m in monitor.measurements for w in m["worst"]}
+
+    assert {"adapter.weight", "adapter.bias"} <= worst(None)
+    assert not {"adapter.weight", "adapter.bias"} & worst(["adapter"])  # computed in float32: not float16's loss
