@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from lightning_amp_plus import knobs
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
 
@@ -945,18 +946,6 @@ CODES = tuple(RULES)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-#: the scaler's knobs: a bf16 fix drops them (bf16-mixed refuses them)
-SCALER_KNOBS = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "min_scale",
-    "max_scale",
-    "hysteresis",
-)
-
-
 def plugin_fix(figures: RunFigures, comment: Optional[str] = None, **change: Any) -> str:
     """The run's own plugin call with ``change`` applied: every other argument the user gave stays as given.
 
@@ -970,7 +959,7 @@ def plugin_fix(figures: RunFigures, comment: Optional[str] = None, **change: Any
     args = {**figures.plugin_args, **change}
     precision = args.pop("precision", "16-mixed")
     if precision == "bf16-mixed":
-        args = {k: v for k, v in args.items() if k not in SCALER_KNOBS}
+        args = {k: v for k, v in args.items() if k not in knobs.NAMES}  # bf16-mixed refuses them
     parts = [f'"{precision}"', *(f"{k}={_literal(v)}" for k, v in args.items())]
     line = f"{figures.plugin}({', '.join(parts)})"
     return f"{line}  # {comment}" if comment else line

@@ -27,9 +27,10 @@ from torch.optim import LBFGS, Optimizer
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import global_rank, say
 from lightning_amp_plus._repr import same_value
-from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int, check_scaler_args
+from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.history import ScaleHistory
+from lightning_amp_plus.knobs import DEFAULTS, check_knobs
 from lightning_amp_plus.scaler import (
     DynamicLossScaler,
     NonFiniteChecker,
@@ -503,15 +504,8 @@ def _multiply(tensors: list[Tensor], factor: Tensor) -> None:
         torch._foreach_mul_(group, factor.to(device))
 
 
-SCALER_DEFAULTS: dict[str, Any] = {
-    "init_scale": 2.0**16,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 2000,
-    "min_scale": 1.0,
-    "max_scale": 2.0**24,
-    "hysteresis": 1,
-}
+#: the scaler knobs' defaults (declared once, in :mod:`lightning_amp_plus.knobs`)
+SCALER_DEFAULTS = DEFAULTS
 
 
 def refuse_closure_optimizer(owner: str, optimizer: Optimizer) -> None:
@@ -558,7 +552,7 @@ def make_engine(
         )
     scaler = None
     if precision == "16-mixed":
-        check_scaler_args(owner, **{**SCALER_DEFAULTS, **given})
+        check_knobs(owner, {**SCALER_DEFAULTS, **given})
         if not skip_nonfinite:
             raise ValueError(
                 f"`{owner}(precision='16-mixed', skip_nonfinite=False)` is invalid: with loss scaling an overflowing"

@@ -45,13 +45,13 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     Args:
         precision: ``"16-mixed"`` (float16 autocast with loss scaling) or ``"bf16-mixed"`` (bfloat16, no scaling).
         device: device type for autocast and the scaler; ``None`` means the trainer's accelerator type.
-        init_scale: initial loss scale (16-mixed; default ``2.0**16``).
-        growth_factor: scale multiplier after ``growth_interval`` clean steps (default ``2.0``).
-        backoff_factor: scale multiplier on overflow (default ``0.5``).
-        growth_interval: clean steps in a row before the scale grows (default ``2000``).
-        min_scale: lower bound of the scale (default ``1.0``).
-        max_scale: upper bound of the scale (default ``2.0**24``).
-        hysteresis: overflows tolerated before the scale backs off (default ``1``: back off on every overflow).
+        init_scale: initial loss scale (16-mixed).
+        growth_factor: scale multiplier after ``growth_interval`` clean steps.
+        backoff_factor: scale multiplier on overflow.
+        growth_interval: clean steps in a row before the scale grows.
+        min_scale: lower bound of the scale.
+        max_scale: upper bound of the scale.
+        hysteresis: overflows tolerated before the scale backs off (1: back off on every overflow).
         skip_nonfinite: bf16-mixed only: skip optimizer steps whose gradients hold inf/nan (default ``True``).
             Costs one host sync per step with a non-fused optimizer. 16-mixed always skips.
         warn_skip_streak: warn (``AmpPlusWarning``) once this many optimizer updates in a row were skipped, so a run
@@ -62,7 +62,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
             (``"head"``, ``"encoder.*.attn"``). Installed when the model is connected, removed at teardown;
             ``state_dict()`` keys never change. An entry that matches nothing is an error.
 
-    The scaler knobs are for ``"16-mixed"``; giving one with ``"bf16-mixed"`` is an error.
+    The scaler knobs (their defaults: :data:`lightning_amp_plus.knobs.DEFAULTS`, as the signature shows) are for
+    ``"16-mixed"``; giving one with ``"bf16-mixed"`` is an error.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -85,13 +86,13 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
         device: Optional[str] = None,
         *,
-        init_scale: float = 65536.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_scale: float = 1.0,
-        max_scale: float = 16777216.0,
-        hysteresis: int = 1,
+        init_scale: float = SCALER_DEFAULTS["init_scale"],
+        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
+        min_scale: float = SCALER_DEFAULTS["min_scale"],
+        max_scale: float = SCALER_DEFAULTS["max_scale"],
+        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
         skip_nonfinite: bool = True,
         warn_skip_streak: Optional[int] = 50,
         skip_scheduler_on_overflow: bool = True,

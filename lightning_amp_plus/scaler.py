@@ -20,7 +20,8 @@ from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import INT32_MAX, scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
-from lightning_amp_plus._validation import check_bool, check_scaler_args, is_int, is_real
+from lightning_amp_plus._validation import check_bool, is_int, is_real
+from lightning_amp_plus.knobs import DEFAULTS, KNOBS, NAMES, check_knobs, grows
 
 
 class StepOutcome:
@@ -127,54 +128,34 @@ class DynamicLossScaler(torch.amp.GradScaler):
         2048.0
     """
 
+    # our knobs (torch's own are its attributes), set from the knob table
+    _min_scale: float
+    _max_scale: float
+    _hysteresis: int
+    _init_hysteresis_tracker: int
+
     def __init__(
         self,
         device: str = "cuda",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = DEFAULTS["init_scale"],
+        growth_factor: float = DEFAULTS["growth_factor"],
+        backoff_factor: float = DEFAULTS["backoff_factor"],
+        growth_interval: int = DEFAULTS["growth_interval"],
         enabled: bool = True,
         *,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        hysteresis: int = 1,
+        min_scale: float = DEFAULTS["min_scale"],
+        max_scale: float = DEFAULTS["max_scale"],
+        hysteresis: int = DEFAULTS["hysteresis"],
     ) -> None:
         self._given = given_arguments(DynamicLossScaler.__init__, locals())
-        owner = type(self).__name__
-        check_scaler_args(
-            owner,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=hysteresis,
-        )
-        check_bool(owner, "enabled", enabled)
-        super().__init__(
-            device,
-            init_scale=float(init_scale),
-            growth_factor=float(growth_factor),
-            backoff_factor=float(backoff_factor),
-            growth_interval=growth_interval,
-            enabled=enabled,
-        )
+        given = locals()
+        check_knobs(type(self).__name__, {name: given[name] for name in NAMES})
+        check_bool(type(self).__name__, "enabled", enabled)
         #: the constructor's knobs, restored by :meth:`reset` (a checkpoint may replace the live ones)
-        self._constructed: dict[str, Any] = {
-            "init_scale": float(init_scale),
-            "growth_factor": float(growth_factor),
-            "backoff_factor": float(backoff_factor),
-            "growth_interval": growth_interval,
-            "min_scale": float(min_scale),
-            "max_scale": float(max_scale),
-            "hysteresis": hysteresis,
-        }
-        self._min_scale = float(min_scale)
-        self._max_scale = float(max_scale)
-        self._hysteresis = hysteresis
-        self._init_hysteresis_tracker = hysteresis
+        self._constructed: dict[str, Any] = {knob.name: knob.convert(given[knob.name]) for knob in KNOBS}
+        torch_knobs = {knob.name: self._constructed[knob.name] for knob in KNOBS if knob.torch}
+        super().__init__(device, enabled=enabled, **torch_knobs)
+        self._set_knobs(self._constructed)
         self._hysteresis_tracker: Tensor | None = None
         # per optimizer (the real one): its last step's outcome, until the next update begins (`forget_skips`)
         self._outcomes: dict[int, StepOutcome] = {}
@@ -185,6 +166,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
         self._reduce_over_ranks = False
         self.process_group: Any = None
+
+    def _set_knobs(self, values: dict[str, Any]) -> None:
+        """Set the knobs in ``values`` where the scaler keeps them (checked before)."""
+        for knob in KNOBS:
+            if knob.name in values:
+                setattr(self, knob.attribute, knob.convert(values[knob.name]))
+        if "hysteresis" in values:
+            self._init_hysteresis_tracker = self._hysteresis
 
     # ------------------------------------------------------------------ knobs
     @property
@@ -202,32 +191,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Overflows tolerated before backing off."""
         return self._hysteresis
 
+    def _set_one(self, name: str, value: Any) -> None:
+        check_knobs(f"{type(self).__name__}.set_{name}", {**self._knobs(), name: value})
+        self._set_knobs({name: value})
+
     def set_growth_factor(self, new_factor: float) -> None:
         """Set ``growth_factor``, checked as the constructor checks it."""
-        check_scaler_args(
-            f"{type(self).__name__}.set_growth_factor",
-            init_scale=None,
-            **{**self._knobs(), "growth_factor": new_factor},
-        )
-        super().set_growth_factor(float(new_factor))
+        self._set_one("growth_factor", new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set ``backoff_factor``, checked as the constructor checks it."""
-        check_scaler_args(
-            f"{type(self).__name__}.set_backoff_factor",
-            init_scale=None,
-            **{**self._knobs(), "backoff_factor": new_factor},
-        )
-        super().set_backoff_factor(float(new_factor))
+        self._set_one("backoff_factor", new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set ``growth_interval``, checked as the constructor checks it."""
-        check_scaler_args(
-            f"{type(self).__name__}.set_growth_interval",
-            init_scale=None,
-            **{**self._knobs(), "growth_interval": new_interval},
-        )
-        super().set_growth_interval(new_interval)
+        self._set_one("growth_interval", new_interval)
 
     def set_device_type(self, device: str) -> None:
         """Set the device type once it is known (a plugin built with ``device=None`` learns it from the trainer)."""
@@ -243,15 +221,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         The object stays the same, so references to it stay valid; the device tensors are made anew at the next
         :meth:`scale`.
         """
-        knobs = self._constructed
-        self._init_scale = knobs["init_scale"]
-        self._growth_factor = knobs["growth_factor"]
-        self._backoff_factor = knobs["backoff_factor"]
-        self._growth_interval = knobs["growth_interval"]
-        self._min_scale = knobs["min_scale"]
-        self._max_scale = knobs["max_scale"]
-        self._hysteresis = knobs["hysteresis"]
-        self._init_hysteresis_tracker = knobs["hysteresis"]
+        self._set_knobs(self._constructed)
         self._init_growth_tracker = 0
         self._scale = None
         self._growth_tracker = None
@@ -426,7 +396,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if overflowed is False and self._host_growth is None:
             # the mirror was lost to a device-decided cycle: read the tracker back once
             self._host_growth = int(growth_tracker.item())
-        if overflowed is False and self._host_growth is not None and not self._grows(self._host_growth):
+        exact = self._hysteresis == 1  # torch's own kernel then
+        if (
+            overflowed is False
+            and self._host_growth is not None
+            and not grows(self._host_growth, self._growth_interval, exact)
+        ):
             growth_tracker.add_(1)
             self._host_growth += 1
             self._scale_kept = True
@@ -445,23 +420,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._update_with_hysteresis(scale, growth_tracker, found_inf)
         self.reset_cycle()
 
-    def _grows(self, tracker: int) -> bool:
-        """Whether a clean cycle with the growth tracker at ``tracker`` grows the scale, as the device rule decides.
-
-        torch's kernel (``hysteresis=1``) grows when ``tracker + 1 == growth_interval`` exactly (a tracker left above
-        a lowered interval by ``set_growth_interval`` never grows again, as in torch); the hysteresis rule uses
-        ``>=``.
-        """
-        if self._hysteresis == 1:
-            return tracker + 1 == self._growth_interval
-        return tracker + 1 >= self._growth_interval
-
     def _update_with_hysteresis(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor) -> None:
         assert self._hysteresis_tracker is not None
         hysteresis = self._hysteresis_tracker
         found = found_inf > 0
         succeeded = growth_tracker + 1
-        grow = found.logical_not() & (succeeded >= self._growth_interval)
+        grow = found.logical_not() & grows(growth_tracker, self._growth_interval, exact=False)
         growth_tracker.copy_(torch.where(found | grow, 0, succeeded))
         hysteresis.copy_(
             torch.where(found, (hysteresis - 1).clamp_min(0), torch.where(grow, self._hysteresis, hysteresis))
@@ -482,12 +446,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Torch's scaler state (a plain ``GradScaler`` loads it) plus the bounds and the hysteresis tracker."""
         state = super().state_dict()
         if self._enabled:
-            state.update(
-                min_scale=self._min_scale,
-                max_scale=self._max_scale,
-                hysteresis=self._hysteresis,
-                _hysteresis_tracker=self._get_hysteresis_tracker(),
-            )
+            state.update({knob.name: getattr(self, knob.attribute) for knob in KNOBS if not knob.torch})
+            state["_hysteresis_tracker"] = self._get_hysteresis_tracker()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -509,14 +469,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 f"`{where}`: the state lacks {', '.join(map(repr, missing))} (it has"
                 f" {', '.join(map(repr, state_dict)) or 'no keys'}); expected a `GradScaler.state_dict()`."
             )
-        knobs: dict[str, Any] = {
-            "growth_factor": state_dict["growth_factor"],
-            "backoff_factor": state_dict["backoff_factor"],
-            "growth_interval": state_dict["growth_interval"],
-            "min_scale": state_dict.get("min_scale", self._min_scale),
-            "max_scale": state_dict.get("max_scale", self._max_scale),
-            "hysteresis": state_dict.get("hysteresis", self._hysteresis),
-        }
+        # a plain GradScaler's state lacks our knobs: they stay as they are
+        knobs = {name: state_dict.get(name, current) for name, current in self._knobs().items()}
         scale = state_dict["scale"]
         if isinstance(scale, Tensor) and scale.numel() == 1:
             scale = scale.item()
@@ -524,9 +478,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise TypeError(
                 f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type(scale).__name__}."
             )
-        check_scaler_args(where, init_scale=None, **knobs)  # the knobs, as the constructor checks them
-        check_scaler_args(  # the scale: one float32 can hold (then brought inside the bounds, below)
-            where, init_scale=scale, label={"init_scale": "scale"}, **{**knobs, "min_scale": 0.0, "max_scale": math.inf}
+        check_knobs(where, knobs)  # the knobs, as the constructor checks them
+        # the scale: one float32 can hold (then brought inside the bounds, below)
+        check_knobs(
+            where, {"init_scale": scale, "min_scale": 0.0, "max_scale": math.inf}, label={"init_scale": "scale"}
         )
         growth_tracker = state_dict["_growth_tracker"]
         if not is_int(growth_tracker) or not 0 <= growth_tracker <= INT32_MAX:
@@ -557,9 +512,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         super().load_state_dict({**state_dict, "scale": bounded})
         self._host_growth = int(growth_tracker)
         self._scale_kept = False
-        self._min_scale = float(knobs["min_scale"])
-        self._max_scale = float(knobs["max_scale"])
-        self._hysteresis = int(knobs["hysteresis"])
+        self._set_knobs({name: knobs[name] for name in ("min_scale", "max_scale", "hysteresis")})
         self._init_hysteresis_tracker = int(hysteresis_tracker)
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
@@ -586,14 +539,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return {"init_scale": float(self._init_scale), **self._knobs()}
 
     def _knobs(self) -> dict[str, Any]:
-        return {
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "hysteresis": self._hysteresis,
-        }
+        """Every knob in force but the initial scale."""
+        return {knob.name: getattr(self, knob.attribute) for knob in KNOBS if knob.name != "init_scale"}
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

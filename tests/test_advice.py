@@ -426,7 +426,8 @@ def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
     assert advice.message == (
         "A fused optimizer kernel runs faster here: AdamW on cuda: its fused step took 1.00 ms against 3.00 ms (timed"
         " on copies), 5% of this run's 40.0 ms step. The trade-off: a fused step's skip is decided on the device, so"
-        " `NaNSkipReporter` names a skip's offending parameters only with `sync_fused=True` (one host sync per step)."
+        " `NaNSkipReporter` tells it (offenders and origin read when its flag reaches the host) at the next logging"
+        " step, not at once (`sync_fused=True` reads each flag at its step: one host sync per step)."
     )
     assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=..., fused=True)"
     assert advice.evidence == {"optimizers": [faster]}  # SGD's 0.05 ms is 0.1% of the step: not told

@@ -1,0 +1,179 @@
+"""The loss scaler's knobs, declared once: name, default, kind, where the scaler keeps it, and what is allowed.
+
+Standard library only (the ``advise`` command reads it without torch). Everything that lists the knobs reads
+:data:`KNOBS`: the scaler (its constructor, :meth:`reset`, ``state_dict`` keys, ``load_state_dict``), the plugins'
+signatures (``init_scale: float = DEFAULTS["init_scale"]``: the value shows in ``help()``, IDEs and
+``--print_config``), the argument checks (:func:`check_knobs`, one message per rule), and the advice's fix lines
+(a bf16 fix drops :data:`NAMES`). Adding a knob is a row here, the scaler's use of it, and its line in the docs.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, TypeGuard
+
+from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX
+
+
+def is_real(value: Any) -> TypeGuard[float]:
+    """An int or a float, not a bool: the one test every real-number check uses."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int, not a bool: the one test every integer check uses."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32, as the device-side scale and its update see it."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+def float32_scale(value: float) -> bool:
+    """Whether ``value`` is a finite, normal, positive float32 whose inverse is finite too."""
+    return math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX
+
+
+_SPAN = f"[{FLOAT32_TINY!r}, {FLOAT32_MAX!r}]"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob: its name, default and kind, the scaler attribute that holds it, and its rule.
+
+    ``allowed(value)`` returns None when the value is allowed, else what is (the message's "expected ..."). ``torch``:
+    ``torch.amp.GradScaler`` has it too (its attribute and its ``state_dict`` key are torch's).
+    """
+
+    name: str
+    default: Any
+    integer: bool
+    attribute: str
+    torch: bool
+    allowed: Callable[[Any], Optional[str]]
+
+    def convert(self, value: Any) -> Any:
+        """The value as the scaler keeps it (a float, or an int)."""
+        return int(value) if self.integer else float(value)
+
+
+def _scale(value: float) -> Optional[str]:
+    if float32_scale(value):
+        return None
+    return f"expected a finite float32 scale in {_SPAN} (2**-126 to float32's max), whose inverse float32 can hold too."
+
+
+def _growth_factor(value: float) -> Optional[str]:
+    if not (math.isfinite(value) and 1 < value <= FLOAT32_MAX):
+        return (
+            "expected a finite number > 1 that float32 can hold (the scale is multiplied by it after"
+            " `growth_interval` clean steps)."
+        )
+    if as_float32(value) == 1.0:
+        return (
+            "float32 rounds it to 1.0, so the scale would never grow; expected a factor float32 tells from 1"
+            " (> 1 + 2**-24, e.g. 1.001)."
+        )
+    return None
+
+
+def _backoff_factor(value: float) -> Optional[str]:
+    if not (FLOAT32_TINY <= value < 1):
+        return (
+            "expected 0 < backoff_factor < 1, at least 2**-126 so that float32 can hold it (the scale is multiplied"
+            " by it when a step overflows)."
+        )
+    if as_float32(value) == 1.0:
+        return (
+            "float32 rounds it to 1.0, so the scale would never back off; expected a factor float32 tells from 1"
+            " (< 1 - 2**-25, e.g. 0.999)."
+        )
+    return None
+
+
+def _count(value: int) -> Optional[str]:
+    return None if 1 <= value <= INT32_MAX else f"expected an int in [1, {INT32_MAX}] (the device tracker is int32)."
+
+
+def _min_scale(value: float) -> Optional[str]:
+    return (
+        None
+        if value == 0 or float32_scale(value)
+        else f"expected 0 (no bound but float32's) or a finite float32 scale in {_SPAN}."
+    )
+
+
+def _max_scale(value: float) -> Optional[str]:
+    return None if value == math.inf or float32_scale(value) else f"expected inf or a finite float32 scale in {_SPAN}."
+
+
+#: the knobs, in the order of ``torch.amp.GradScaler``'s arguments, then ours
+KNOBS: tuple[Knob, ...] = (
+    Knob("init_scale", 2.0**16, False, "_init_scale", True, _scale),
+    Knob("growth_factor", 2.0, False, "_growth_factor", True, _growth_factor),
+    Knob("backoff_factor", 0.5, False, "_backoff_factor", True, _backoff_factor),
+    Knob("growth_interval", 2000, True, "_growth_interval", True, _count),
+    Knob("min_scale", 1.0, False, "_min_scale", False, _min_scale),
+    Knob("max_scale", 2.0**24, False, "_max_scale", False, _max_scale),
+    Knob("hysteresis", 1, True, "_hysteresis", False, _count),
+)
+#: each knob's default, by name (the plugins' signatures name these values)
+DEFAULTS: dict[str, Any] = {knob.name: knob.default for knob in KNOBS}
+#: the knobs' names (a bf16 fix line drops them: bf16-mixed has no scaler)
+NAMES: tuple[str, ...] = tuple(DEFAULTS)
+
+
+def check_knobs(owner: str, values: dict[str, Any], label: Optional[dict[str, str]] = None) -> None:
+    """Check the knobs in ``values`` (a missing ``init_scale`` is not checked), each by its rule, then together.
+
+    Messages name the call, the argument (``label`` renames one: a checkpoint key), the value and what is allowed:
+    ``TypeError`` for the wrong kind, ``ValueError`` for a value outside what is allowed.
+    """
+    names = label or {}
+
+    def invalid(name: str, value: Any) -> str:
+        return f"`{owner}({names.get(name, name)}={value!r})` is invalid"
+
+    for knob in KNOBS:
+        if knob.name not in values or (knob.name == "init_scale" and values[knob.name] is None):
+            continue  # the knobs given only (a setter, a checkpoint's knobs, a scale)
+        value = values[knob.name]
+        if not (is_int(value) if knob.integer else is_real(value)):
+            kind = "an int" if knob.integer else "a real number"
+            raise TypeError(f"{invalid(knob.name, value)}: expected {kind}, got {type(value).__name__}.")
+        value = knob.convert(value)  # a real number is told as the float it becomes
+        expected = knob.allowed(value)
+        if expected is not None:
+            raise ValueError(f"{invalid(knob.name, value)}: {expected}")
+    low, high = values.get("min_scale", DEFAULTS["min_scale"]), values.get("max_scale", DEFAULTS["max_scale"])
+    if low > high:
+        raise ValueError(
+            f"`{owner}({names.get('min_scale', 'min_scale')}={low!r}, {names.get('max_scale', 'max_scale')}={high!r})`"
+            " is invalid: expected min_scale <= max_scale."
+        )
+    init = values.get("init_scale")
+    if init is not None and not low <= init <= high:  # checked above: a real number
+        given = ", ".join(
+            f"{names.get(n, n)}={v!r}" for n, v in (("init_scale", init), ("min_scale", low), ("max_scale", high))
+        )
+        raise ValueError(
+            f"`{owner}({given})` is invalid: expected min_scale <= init_scale <= max_scale. HINT: widen"
+            " `min_scale`/`max_scale` or change `init_scale`."
+        )
+
+
+def grows(tracker: Any, interval: Any, exact: bool) -> Any:
+    """Whether a clean update with the growth tracker at ``tracker`` grows the scale (host ints or device tensors).
+
+    The one growth rule: torch's kernel (``hysteresis=1``) grows when ``tracker + 1 == interval`` exactly (a tracker
+    left above a lowered interval never grows again, as in torch); the hysteresis rule when it reaches it.
+
+    Example:
+        >>> grows(1999, 2000, exact=True), grows(2000, 2000, exact=True), grows(2000, 2000, exact=False)
+        (True, False, True)
+    """
+    return tracker + 1 == interval if exact else tracker + 1 >= interval
