@@ -322,26 +322,14 @@ class AmpEngine:
             self.history.record(cycle.step, 1.0, 0.0)
             skipped: Optional[bool] = False
         else:
-            scale = checker.scale_tensor()
-            assert scale is not None
-            # what the host knows costs no device op: an unchanged scale, a skip torch already read
-            overflowed = checker.known_outcome()
-            flag = checker.found_inf() if overflowed is None else None
-            self.history.record(
-                cycle.step,
-                None if checker.scale_kept and self._recorded_since_load else scale,
-                flag if flag is not None else float(bool(overflowed)),
-            )
-            self._recorded_since_load = True
-            skipped = overflowed if overflowed is not None else any_skipped(checker.outcomes(), sync=self.sync_skips)
-            if skipped is True and self.scaler is not None:
-                scale_before = float(scale.item())  # only on skipped steps
             pending = self._pending_gradients() if self.scaler is not None else []
-            old = scale.clone() if pending else None
-            checker.update(found_inf=flag, known=overflowed)
-            if old is not None:
-                with torch.no_grad():
-                    _multiply(pending, scale / old)
+            # the history's last scale is this scaler's unless a checkpoint was loaded since: then it needs the scale
+            closed = checker.close(sync=self.sync_skips, pending=pending, used=not self._recorded_since_load)
+            self.history.record(cycle.step, closed.scale, closed.flag)  # None: the scale is the last one recorded
+            self._recorded_since_load = True
+            skipped = closed.skipped
+            if closed.scale_before is not None and self.scaler is not None:
+                scale_before = closed.scale_before
         cycle.skipped = skipped
         if skipped is True:
             self.history.flush()  # the host knows already: the streak below is exact
@@ -493,15 +481,6 @@ def warn_unstepped(count: int, when: str, consequence: str) -> None:
 
 def _has_gradients(optimizer: Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _multiply(tensors: list[Tensor], factor: Tensor) -> None:
-    """``t *= factor`` for every tensor, one foreach kernel per device and dtype."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    for (device, _), group in groups.items():
-        torch._foreach_mul_(group, factor.to(device))
 
 
 #: the scaler knobs' defaults (declared once, in :mod:`lightning_amp_plus.knobs`)

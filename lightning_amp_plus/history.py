@@ -69,9 +69,9 @@ class ScaleHistory:
     def record(self, step: int, scale: Tensor | float | None, found_inf: Tensor | float) -> None:
         """Record one update: the scale its backward used and its overflow flag (> 0: skipped).
 
-        Tensors stay on their device (no sync): the scale is copied (it changes in place at the update), the flag is
-        kept as it is. ``scale=None`` means the scale of the previous record, for a caller that knows it did not
-        change. Plain numbers are taken at once when nothing is pending: a run whose outcomes the host knows costs
+        Tensors stay on their device (no sync) and are kept as given: a scale that changes in place later must come
+        as a copy (the scaler's :meth:`~lightning_amp_plus.DynamicLossScaler.close` hands one). ``scale=None`` means
+        the scale of the previous record, for a caller that knows it did not change. Plain numbers are taken at once when nothing is pending: a run whose outcomes the host knows costs
         no device op here.
         """
         if self._last_step is not None and step <= self._last_step:
@@ -83,9 +83,7 @@ class ScaleHistory:
             raise ValueError(f"`ScaleHistory.record(step={step}, scale=None)` is invalid: no scale recorded before.")
         self._last_step = step
         self._num_steps += 1
-        if isinstance(scale, Tensor):
-            scale = scale.detach().clone()
-        elif not self._pending and not isinstance(found_inf, Tensor):
+        if not isinstance(scale, Tensor) and not self._pending and not isinstance(found_inf, Tensor):
             previous = self._last_scale
             assert scale is not None or previous is not None  # checked above
             self._take(step, float(scale if scale is not None else previous), float(found_inf))  # type: ignore[arg-type]

@@ -74,6 +74,25 @@ def any_skipped(outcomes: Iterable[StepOutcome], *, sync: bool) -> bool | None:
     return None if unknown else False
 
 
+class Closed:
+    """What one update did, as :meth:`DynamicLossScaler.close` tells it (the engine records and reports it).
+
+    Attributes:
+        skipped: whether it was skipped (``None``: a fused optimizer decided on the device, and nobody read it).
+        flag: its overflow flag as the history records it (a device tensor when the host does not know it).
+        scale: a copy of the scale its backward used (a device tensor; None when ``kept`` and not asked for), and
+            ``kept``: whether that scale is known to be the one the update before used (nothing to record).
+        scale_before: that scale read on the host, on a known skip only (the skip's report says it).
+    """
+
+    __slots__ = ("flag", "kept", "scale", "scale_before", "skipped")
+
+    def __init__(
+        self, skipped: bool | None, flag: Tensor | float, scale: Tensor | None, kept: bool, scale_before: float | None
+    ) -> None:
+        self.skipped, self.flag, self.scale, self.kept, self.scale_before = skipped, flag, scale, kept, scale_before
+
+
 def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is fused: it takes the scale and decides its skip on the device (no host sync)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -128,11 +147,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
         2048.0
     """
 
+    #: the scale moves (a checker's never does: its value is 1, read without a sync)
+    _moves = True
     # our knobs (torch's own are its attributes), set from the knob table
     _min_scale: float
     _max_scale: float
     _hysteresis: int
     _init_hysteresis_tracker: int
+    # what the host knows of the open update (see `_fresh_mirror`, the one place they start)
+    _outcomes: dict[int, StepOutcome]
+    _host_growth: int | None
+    _scale_kept: bool
 
     def __init__(
         self,
@@ -157,12 +182,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         super().__init__(device, enabled=enabled, **torch_knobs)
         self._set_knobs(self._constructed)
         self._hysteresis_tracker: Tensor | None = None
-        # per optimizer (the real one): its last step's outcome, until the next update begins (`forget_skips`)
-        self._outcomes: dict[int, StepOutcome] = {}
-        # the device growth tracker, mirrored on the host while every cycle's outcome is known there (None: not)
-        self._host_growth: int | None = 0
-        # whether the last update() is known on the host to have left the scale as it was
-        self._scale_kept = False
+        vars(self).update(_fresh_mirror(0))
         #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
         self._reduce_over_ranks = False
         self.process_group: Any = None
@@ -227,9 +247,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._growth_tracker = None
         self._hysteresis_tracker = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._outcomes = {}
-        self._host_growth = 0
-        self._scale_kept = False
+        vars(self).update(_fresh_mirror(0))
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -370,29 +388,51 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     @property
     def scale_kept(self) -> bool:
-        """Whether the last :meth:`update` is known on the host to have left the scale unchanged (no sync)."""
+        """Whether the last update is known on the host to have left the scale unchanged (no sync)."""
         return self._scale_kept
 
-    def update(
-        self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None, known: bool | None = None
-    ) -> None:
+    def close(self, *, sync: bool = False, pending: Sequence[Tensor] = (), used: bool = False) -> Closed:
+        """End the update: apply the bounded hysteresis rule once (on the device) and say what happened.
+
+        What the host already knows costs nothing: a skip torch read, a clean update whose growth tracker does not
+        reach ``growth_interval`` (one device op then). ``sync``: read a fused step's flag now (one host sync).
+        ``pending``: gradients scaled by this scale that no step consumed (an optimizer accumulating while another
+        steps) are brought to the new scale, so their next unscale is exact. The scale the update used comes back as
+        a copy when it is not known to be the last one (or ``used`` asks for it), else None.
+        """
+        live, _ = self._check_scale_growth_tracker("update")
+        kept = self._scale_kept
+        scale = None if kept and not used else live.detach().clone()  # as it was: the rule changes it in place
+        overflowed = self.known_outcome()
+        flag: Tensor | float = self.found_inf() if overflowed is None else float(overflowed)
+        skipped = overflowed if overflowed is not None else any_skipped(self.outcomes(), sync=sync)
+        before = (float(live.item()) if self._moves else 1.0) if skipped is True else None  # read on skips only
+        old = live.clone() if pending else None
+        self._apply(flag if isinstance(flag, Tensor) else None, overflowed)
+        if old is not None:
+            with torch.no_grad():
+                _multiply(pending, live / old)
+        return Closed(skipped, flag, scale, kept, before)
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
         """Apply the bounded hysteresis rule for the cycle that just ended (on the device, no host sync).
 
-        When the host already knows the cycle was clean and the growth tracker does not reach ``growth_interval``,
-        the rule's outcome is "the growth tracker counts one more": that one op is all it runs. ``found_inf`` and
-        ``known``: the cycle's combined flag (:meth:`found_inf`) or its known outcome (:meth:`known_outcome`) when
-        the caller has read it already.
+        ``new_scale``: set the scale instead (as torch's ``update``), brought inside the bounds.
         """
         if not self._enabled:
             return
-        self._scale_kept = False
         if new_scale is not None:  # the caller's scale, inside the bounds at once
+            self._scale_kept = False
             super().update(new_scale)
             assert self._scale is not None
             self._scale.clamp_(min=self._floor, max=self._max_scale)
             return
+        self._apply(None, self.known_outcome())
+
+    def _apply(self, found_inf: Tensor | None, overflowed: bool | None) -> None:
+        """The rule, given the update's combined flag (when read already) and its outcome as the host knows it."""
+        self._scale_kept = False
         scale, growth_tracker = self._check_scale_growth_tracker("update")
-        overflowed = self.known_outcome() if known is None else known
         if overflowed is False and self._host_growth is None:
             # the mirror was lost to a device-decided cycle: read the tracker back once
             self._host_growth = int(growth_tracker.item())
@@ -510,8 +550,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if changes:
             say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(changes) + ".")
         super().load_state_dict({**state_dict, "scale": bounded})
-        self._host_growth = int(growth_tracker)
-        self._scale_kept = False
+        vars(self).update(_fresh_mirror(int(growth_tracker)))
         self._set_knobs({name: knobs[name] for name in ("min_scale", "max_scale", "hysteresis")})
         self._init_hysteresis_tracker = int(hysteresis_tracker)
         if self._hysteresis_tracker is not None:
@@ -547,13 +586,30 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
-            state["_outcomes"] = {}
-            state["_host_growth"] = state["_init_growth_tracker"]
-            state["_scale_kept"] = False
+            state.update(_fresh_mirror(state["_init_growth_tracker"]))
         return state
 
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _fresh_mirror(growth: int) -> dict[str, Any]:
+    """What the host knows of a scaler's update, afresh (a new run, a loaded state, a copy): the one place it starts.
+
+    ``_outcomes``: per optimizer (the real one), its last step's outcome, until the next update begins.
+    ``_host_growth``: the device growth tracker, mirrored while every update's outcome is known on the host (None:
+    not). ``_scale_kept``: the last update is known to have left the scale as it was.
+    """
+    return {"_outcomes": {}, "_host_growth": growth, "_scale_kept": False}
+
+
+def _multiply(tensors: Sequence[Tensor], factor: Tensor) -> None:
+    """``t *= factor`` for every tensor, one foreach kernel per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device))
 
 
 def _times(scale: Tensor, factor: float) -> Tensor:
@@ -618,6 +674,7 @@ class NonFiniteChecker(DynamicLossScaler):
         self._reduce_over_ranks = sharded
 
     __repr__ = KnobsRepr.__repr__  # its knobs are fixed: the constructor's arguments say everything
+    _moves = False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s gradients; a backward that never went through :meth:`scale` is checked too."""
@@ -638,12 +695,14 @@ class NonFiniteChecker(DynamicLossScaler):
             return outputs
         return super().scale(outputs)
 
-    def update(
-        self, new_scale: float | Tensor | None = None, *, found_inf: Tensor | None = None, known: bool | None = None
-    ) -> None:
+    def _apply(self, found_inf: Tensor | None, overflowed: bool | None) -> None:
         """End the cycle: forget every optimizer's check (the scale stays 1)."""
         self._scale_kept = True
         self.reset_cycle()
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """End the cycle (the scale stays 1, whatever ``new_scale`` says)."""
+        self._apply(None, None)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Step unless the gradients hold inf/nan; with ``closure=`` (LBFGS) check every evaluation, undo on inf/nan."""
