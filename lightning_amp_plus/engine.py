@@ -16,7 +16,6 @@ optimizer) where it enters (:func:`~lightning_amp_plus._identity.resolve_optimiz
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -42,7 +41,7 @@ from lightning_amp_plus.scaler import (
 
 @dataclass
 class SkipEvent:
-    """A skipped update, as handed to the ``skip_listeners``.
+    """A skipped update, as handed to :meth:`UpdateListener.update_skipped`.
 
     Gradients are still in place (unscaled) when listeners run, so they can be inspected. ``consecutive`` is the
     number of updates skipped in a row ending with this one (:meth:`ScaleHistory.streak_at`).
@@ -53,6 +52,30 @@ class SkipEvent:
     new_scale: float
     optimizers: list[Optimizer] = field(default_factory=list)
     consecutive: int = 1
+
+
+class UpdateListener:
+    """A part that listens to the engine's updates (``engine.listen(part)``): it overrides what it needs.
+
+    The engine calls only what a listener overrides, so a hook it does not need costs nothing on any step. Whether a
+    fused optimizer's skip must be read on the host at its step (one sync per step) follows from who listens.
+    """
+
+    #: each skip must be known on the host at its step: a fused optimizer's flag is read then (one host sync a step)
+    needs_host_skips = False
+
+    def before_unscale(self, optimizer: Optimizer, step: int) -> None:
+        """Just before ``optimizer``'s gradients are unscaled at update ``step`` (16-mixed): they are still scaled."""
+
+    def skipped_step(self, optimizer: Optimizer) -> None:
+        """Right after a step the host knows was skipped, its gradients still the ones the step refused."""
+
+    def update_skipped(self, event: SkipEvent) -> None:
+        """An update closed skipped, and the host knows it (see :class:`SkipEvent`)."""
+
+
+def _overrides(listener: UpdateListener, name: str) -> bool:
+    return getattr(type(listener), name) is not getattr(UpdateListener, name)
 
 
 class UpdateCycle:
@@ -116,16 +139,41 @@ class AmpEngine:
             self.checker = NonFiniteChecker(sharded=sharded)
         #: warn once a run of this many skipped updates in a row is seen (None: never)
         self.warn_skip_streak = warn_skip_streak
-        #: callables run on every skipped update whose skip the host knows (see :class:`SkipEvent`)
-        self.skip_listeners: list[Callable[[SkipEvent], None]] = []
-        #: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)
-        self.before_unscale_listeners: list[Callable[[Optimizer, int], None]] = []
-        #: callables ``(optimizer)`` run right after a step the host knows was skipped, while its gradients are
-        #: still the ones the step refused (a GAN's training step may zero them before the update closes)
-        self.skipped_step_listeners: list[Callable[[Optimizer], None]] = []
-        #: when True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)
-        self.sync_skips = False
+        self._listeners: list[UpdateListener] = []
+        self._route()
         self._new_run()  # the scaler given is as its constructor made it
+
+    # ------------------------------------------------------------------ listeners
+    def listen(self, listener: UpdateListener) -> None:
+        """Tell ``listener`` of the updates from now on (once, however often it is given)."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+            self._route()
+
+    def unlisten(self, listener: UpdateListener) -> None:
+        """Stop telling ``listener``."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+            self._route()
+
+    def clear_listeners(self) -> None:
+        """Stop telling anyone (a fit's end: the next fit's parts listen afresh)."""
+        self._listeners = []
+        self._route()
+
+    @property
+    def listeners(self) -> tuple[UpdateListener, ...]:
+        """Who listens."""
+        return tuple(self._listeners)
+
+    def _route(self) -> None:
+        """Each hook's callers, from who listens and what each overrides (no call for a hook nobody needs)."""
+        listening = self._listeners
+        self._before_unscale = [p.before_unscale for p in listening if _overrides(p, "before_unscale")]
+        self._skipped_step = [p.skipped_step for p in listening if _overrides(p, "skipped_step")]
+        self._update_skipped = [p.update_skipped for p in listening if _overrides(p, "update_skipped")]
+        #: a skip decided on the device (fused optimizers) is read on the host each step (one sync): someone needs it
+        self.sync_skips = any(p.needs_host_skips for p in listening)
 
     def reset(self) -> None:
         """Start a new run: the scaler back to its constructor's state, an empty history, no cycle.
@@ -140,7 +188,8 @@ class AmpEngine:
         """The engine's own per-run state, fresh."""
         self.history = ScaleHistory(scaled=self.scaler is not None)
         self._cycle: Optional[UpdateCycle] = None
-        self._closed = UpdateCycle(-1)  # the update that closed last (none yet: not skipped, nothing left over)
+        #: the update that closed last (none yet: not skipped, nothing left over)
+        self.closed = UpdateCycle(-1)
         self._streak_warned = False
         self._optimizers: list[Optimizer] = []  # every optimizer known to this run (for pending gradients)
         self._backwards = 0  # backward calls so far
@@ -164,12 +213,12 @@ class AmpEngine:
         cycle = self._cycle
         forgotten = self.forget_unstepped() if cycle is not None and cycle.unscaled else []
         stale: list[Optimizer] = []
-        leftover = self._closed.leftover
+        leftover = self.closed.leftover
         if leftover or forgotten:
             if self.checker is not None and leftover:
                 self.checker.reset_cycle(leftover)
             stale = [o for o in [*leftover, *forgotten] if _has_gradients(o)]
-            self._closed.leftover = []
+            self.closed.leftover = []
         if stale:
             warn_unstepped(
                 len(stale),
@@ -206,11 +255,11 @@ class AmpEngine:
             if self.checker is not None:
                 self.checker.forget_skips()
                 # still unscaled from an update whose step raised, no backward since: a retry applies them once
-                leftover = self._closed.leftover
+                leftover = self.closed.leftover
                 if leftover:
                     carried = [o for o in leftover if self.checker.is_unscaled(o)]
                     cycle.unscaled.extend(carried)
-                    self._closed.leftover = [o for o in leftover if o not in carried]
+                    self.closed.leftover = [o for o in leftover if o not in carried]
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
         return cycle
@@ -225,8 +274,8 @@ class AmpEngine:
         if self.checker is None:
             return
         if self.scaler is not None:
-            for listener in list(self.before_unscale_listeners):
-                listener(optimizer, cycle.step)
+            for before_unscale in self._before_unscale:
+                before_unscale(optimizer, cycle.step)
         self.checker.unscale_(optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
@@ -256,9 +305,9 @@ class AmpEngine:
             raise
         finally:
             self._stepped_at[id(optimizer)] = self._backwards  # a closure's backward is part of this step
-        if self.skipped_step_listeners and self.step_was_skipped(optimizer, sync=self.sync_skips):
-            for listener in list(self.skipped_step_listeners):
-                listener(optimizer)
+        if self._skipped_step and self.step_was_skipped(optimizer, sync=self.sync_skips):
+            for skipped_step in self._skipped_step:
+                skipped_step(optimizer)
         return result
 
     def _forget(self, optimizer: Optimizer) -> None:
@@ -292,7 +341,7 @@ class AmpEngine:
         except Exception:  # the exception being handled is the one that matters
             if self.checker is not None:
                 self.checker.reset_cycle()  # no known state left: the next step unscales what it applies
-            self._closed.leftover = []
+            self.closed.leftover = []
         finally:
             self._cycle = None
 
@@ -313,7 +362,7 @@ class AmpEngine:
             return
         # unscaled but not stepped: a retry applies them once, the next backward forgets their unscale
         cycle.leftover = cycle.unscaled_not_stepped() if cycle.unscaled != cycle.stepped else []
-        cycle.skipped, self._closed = self._closed.skipped, cycle  # a cycle without a step keeps the last outcome
+        cycle.skipped, self.closed = self.closed.skipped, cycle  # a cycle without a step keeps the last outcome
         if not cycle.stepped:
             return
         checker = self.checker
@@ -324,17 +373,17 @@ class AmpEngine:
         else:
             pending = self._pending_gradients() if self.scaler is not None else []
             # the history's last scale is this scaler's unless a checkpoint was loaded since: then it needs the scale
-            closed = checker.close(sync=self.sync_skips, pending=pending, used=not self._recorded_since_load)
-            self.history.record(cycle.step, closed.scale, closed.flag)  # None: the scale is the last one recorded
+            outcome = checker.close(sync=self.sync_skips, pending=pending, used=not self._recorded_since_load)
+            self.history.record(cycle.step, outcome.scale, outcome.flag)  # None: the scale is the last one recorded
             self._recorded_since_load = True
-            skipped = closed.skipped
-            if closed.scale_before is not None and self.scaler is not None:
-                scale_before = closed.scale_before
+            skipped = outcome.skipped
+            if outcome.scale_before is not None and self.scaler is not None:
+                scale_before = outcome.scale_before
         cycle.skipped = skipped
         if skipped is True:
             self.history.flush()  # the host knows already: the streak below is exact
         self._check_streak(skipped)
-        if skipped is True and self.skip_listeners:
+        if skipped is True and self._update_skipped:
             new_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
             event = SkipEvent(
                 step=cycle.step,
@@ -343,8 +392,8 @@ class AmpEngine:
                 optimizers=[o for o in cycle.stepped if self.step_was_skipped(o)],
                 consecutive=self.history.trailing_skips,
             )
-            for listener in list(self.skip_listeners):
-                listener(event)
+            for update_skipped in self._update_skipped:
+                update_skipped(event)
 
     def _pending_gradients(self) -> list[Tensor]:
         """Gradients still scaled by the current scale: a backward ran after their optimizer last stepped or unscaled.
@@ -397,7 +446,7 @@ class AmpEngine:
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last cycle was skipped (reads the device flag for fused optimizers: one sync)."""
-        closed = self._closed
+        closed = self.closed
         if closed.skipped is None and self.checker is not None:
             closed.skipped = any_skipped(self.checker.outcomes(), sync=True)
         return bool(closed.skipped)
@@ -405,7 +454,7 @@ class AmpEngine:
     @property
     def skip_known_on_host(self) -> bool:
         """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
-        return self._closed.skipped is not None
+        return self.closed.skipped is not None
 
     @property
     def applied_steps(self) -> int:
@@ -568,29 +617,18 @@ class EngineView:
         """The scale curve and the skipped steps."""
         return self._engine.history
 
-    @property
-    def skip_listeners(self) -> list[Callable[[SkipEvent], None]]:
-        """Callables run on every skipped step whose skip the host knows (see :class:`SkipEvent`)."""
-        return self._engine.skip_listeners
+    def listen(self, listener: UpdateListener) -> None:
+        """Tell ``listener`` (an :class:`UpdateListener`) of the updates; the plugin forgets it at its teardown."""
+        self._engine.listen(listener)
+
+    def unlisten(self, listener: UpdateListener) -> None:
+        """Stop telling ``listener``."""
+        self._engine.unlisten(listener)
 
     @property
-    def before_unscale_listeners(self) -> list[Callable[[Optimizer, int], None]]:
-        """Callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (16-mixed)."""
-        return self._engine.before_unscale_listeners
-
-    @property
-    def skipped_step_listeners(self) -> list[Callable[[Optimizer], None]]:
-        """Callables ``(optimizer)`` run right after a step the host knows was skipped (its gradients still there)."""
-        return self._engine.skipped_step_listeners
-
-    @property
-    def sync_skips(self) -> bool:
-        """When True, a skip decided on the device (fused optimizers) is read on the host each step (one sync)."""
-        return self._engine.sync_skips
-
-    @sync_skips.setter
-    def sync_skips(self, value: bool) -> None:
-        self._engine.sync_skips = value
+    def listeners(self) -> tuple[UpdateListener, ...]:
+        """Who listens to the updates."""
+        return self._engine.listeners
 
     def step_was_skipped(self, optimizer: Optimizer, *, sync: bool = True) -> Optional[bool]:
         """Whether ``optimizer``'s last step was skipped (``None`` if it has not stepped)."""
@@ -604,7 +642,7 @@ class EngineView:
     @property
     def skip_known_on_host(self) -> bool:
         """Whether the host already knows if the last cycle was skipped (False: a fused optimizer decided it)."""
-        return self._engine._closed.skipped is not None  # read directly: every callback asks each step
+        return self._engine.closed.skipped is not None  # read directly: every callback asks each step
 
     @property
     def applied_steps(self) -> int:

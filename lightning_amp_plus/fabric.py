@@ -27,7 +27,7 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
     """Fabric precision plugin sharing :class:`~lightning_amp_plus.engine.AmpEngine` with ``AmpPlusPrecision``.
 
     Same arguments and defaults as ``AmpPlusPrecision`` for the scaler (``init_scale`` ... ``hysteresis``) and
-    ``skip_nonfinite``; the same ``.scaler``, ``.history``, ``.skip_listeners``, ``.optimizer_step_was_skipped``
+    ``skip_nonfinite``; the same ``.scaler``, ``.history``, ``.listen()``, ``.optimizer_step_was_skipped``
     and ``.applied_steps``. ``fabric.clip_gradients`` unscales first, fused optimizers included. A step index is
     the count of optimizer-step cycles so far.
 

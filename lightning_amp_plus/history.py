@@ -71,8 +71,8 @@ class ScaleHistory:
 
         Tensors stay on their device (no sync) and are kept as given: a scale that changes in place later must come
         as a copy (the scaler's :meth:`~lightning_amp_plus.DynamicLossScaler.close` hands one). ``scale=None`` means
-        the scale of the previous record, for a caller that knows it did not change. Plain numbers are taken at once when nothing is pending: a run whose outcomes the host knows costs
-        no device op here.
+        the scale of the previous record, for a caller that knows it did not change. Plain numbers are taken at once
+        when nothing is pending: a run whose outcomes the host knows costs no device op here.
         """
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(

@@ -165,10 +165,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
             self._engine.apply_pending_update()
         self.history.flush()
         # what callbacks attached is per run: a failed fit leaves no listener behind for the next one
-        self.skip_listeners.clear()
-        self.skipped_step_listeners.clear()
-        self.before_unscale_listeners.clear()
-        self.sync_skips = False
+        self._engine.clear_listeners()
         self._islands.remove()
         if self._module is not None and self._wrapped_scheduler_hook:
             if self._user_scheduler_hook is _MISSING:

@@ -29,6 +29,7 @@ from lightning_amp_plus import (
 from lightning_amp_plus.__main__ import main as cli
 from lightning_amp_plus.scaler import NonFiniteChecker
 from lightning_amp_plus.syncs import HostSyncCounter
+from tests.helpers.listeners import listener
 from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
@@ -296,7 +297,7 @@ def test_bf16_abort_without_the_check_and_skip_events_at_scale_one():
 
     events: list[SkipEvent] = []
     engine = AmpEngine("bf16-mixed", None)
-    engine.skip_listeners.append(events.append)
+    engine.listen(listener(update_skipped=events.append))
     for step in range(3):
         _engine_cycle(engine, model, opt, step, bad=step > 0)
         engine.end_cycle()
@@ -641,7 +642,7 @@ def test_with_sync_skips_a_fused_update_is_known_on_the_host_after_it():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     engine = plugin.engine
-    engine.sync_skips = True  # what NaNSkipReporter(sync_fused=True) asks for
+    engine.listen(listener(needs_host_skips=True))  # what NaNSkipReporter(sync_fused=True) asks for
     for bad in (False, True, False):
         engine.scale(model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)).backward()
         engine.begin(opt)
@@ -872,8 +873,8 @@ def test_listeners_before_unscale_run_where_there_is_a_scale(precision):
     scaler = DynamicLossScaler("cpu", init_scale=8.0) if precision == "16-mixed" else None
     engine = AmpEngine(precision, scaler)
     heard = []
-    engine.before_unscale_listeners.append(
-        lambda optimizer, step: heard.append((optimizer, step, model.weight.grad.clone()))
+    engine.listen(
+        listener(before_unscale=lambda optimizer, step: heard.append((optimizer, step, model.weight.grad.clone())))
     )
     _engine_cycle(engine, model, opt, 3)
     if precision == "16-mixed":

@@ -145,8 +145,7 @@ def test_teardown_restores_the_users_own_scheduler_hook_and_removes_everything_i
         make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=3).fit(model)
     assert calls == [1, 1, 1]  # the wrapper called it while fitting
     assert model.__dict__["lr_scheduler_step"] is users_hook  # restored, not deleted
-    assert plugin.skip_listeners == []
-    assert plugin.before_unscale_listeners == []
+    assert plugin.listeners == ()
     assert plugin.fp32_module_names == []
     assert all("forward" not in vars(m) for m in model.modules())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -18,6 +18,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning_amp_plus import AmpPlusFSDPPrecision, GradUnderflowMonitor, LossScaleMonitor, NaNSkipReporter
+from tests.helpers.listeners import listener
 from tests.helpers.models import TinyModel
 from tests.helpers.sharded import CPUFSDPStrategy
 
@@ -81,7 +82,7 @@ def make(steps, ckpt=None, every=None):
         gradient_clip_val=0.05, logger=CSVLogger(out, name="logs"), callbacks=callbacks,
         enable_checkpointing=bool(every), enable_progress_bar=False, enable_model_summary=False,
     )
-    plugin.before_unscale_listeners.append(record_local)
+    plugin.listen(listener(before_unscale=record_local))
     return trainer, plugin, reporter, underflow, monitor
 
 

@@ -315,8 +315,7 @@ def test_a_failed_fit_detaches_callbacks_and_removes_hooks_then_a_retry_trains(t
     with pytest.raises(RuntimeError, match="boom"):
         make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=4, logger=CSVLogger(tmp_path)).fit(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    assert plugin.skip_listeners == []
-    assert plugin.before_unscale_listeners == []
+    assert plugin.listeners == ()
     # the same plugin, no callbacks: skips in a row are only skips (the old reporter would raise on the first)
     model.raise_at = -1
     model.poison = {0: "inf", 1: "inf", 2: "inf"}

@@ -29,6 +29,7 @@ from lightning_amp_plus.callbacks._common import (
     shards_gradients,
 )
 from lightning_amp_plus.callbacks._rerun import BatchState, float32_gradients, why_no_reference
+from lightning_amp_plus.engine import UpdateListener
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
 from lightning_amp_plus.sandbox import reach
 from lightning_amp_plus.syncs import to_host
@@ -129,7 +130,7 @@ def _larger(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
-class GradUnderflowMonitor(KnobsRepr, Callback):
+class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
     """Measure the scaled gradients before they are unscaled, every ``every_n_steps`` optimizer steps (16-mixed).
 
     Measures on the steps Lightning logs ``self.log`` values at (the last step of each interval: 9, 19, ... for 10),
@@ -250,8 +251,7 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
                 " scaler and bfloat16 has float32's range, so it measures nothing."
             )
             return
-        if self._measure not in plugin.before_unscale_listeners:  # the plugin drops them at its teardown, failed or not
-            plugin.before_unscale_listeners.append(self._measure)
+        plugin.listen(self)  # the plugin forgets its listeners at its teardown, failed or not
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -336,7 +336,8 @@ class GradUnderflowMonitor(KnobsRepr, Callback):
                 grads.append(local_tensor(param.grad))
         return names, keys, grads
 
-    def _measure(self, optimizer: Optimizer, step: int) -> None:
+    @override
+    def before_unscale(self, optimizer: Optimizer, step: int) -> None:
         if not is_logging_step(step, self._interval):
             return
         assert self._plugin is not None

@@ -39,7 +39,7 @@ from lightning_amp_plus.callbacks._offenders import OffenderCounter
 from lightning_amp_plus.callbacks._rerun import backward_origin
 from lightning_amp_plus.callbacks._skip_text import describe, plural
 from lightning_amp_plus.callbacks._state import DeclaredState
-from lightning_amp_plus.engine import EngineView, SkipEvent
+from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
 from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
 
 
@@ -47,7 +47,7 @@ class LossScaleCollapseError(RuntimeError):
     """Training stopped: too many optimizer steps in a row were skipped, or the scale overflowed at ``min_scale``."""
 
 
-class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
+class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
 
     Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is the step the logger uses
@@ -195,23 +195,18 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self._plugin = plugin
         self._trainer = trainer
         self.offenders.track(module, sharded=False)
-        if self._on_skip not in plugin.skip_listeners:
-            plugin.skip_listeners.append(self._on_skip)
-        if self._on_skipped_step not in plugin.skipped_step_listeners:
-            plugin.skipped_step_listeners.append(self._on_skipped_step)
-        if self.sync_fused:
-            plugin.sync_skips = True
+        plugin.listen(self)
 
     def detach(self) -> None:
         """Stop listening to the plugin."""
         if self._plugin is not None:
-            if self._on_skip in self._plugin.skip_listeners:
-                self._plugin.skip_listeners.remove(self._on_skip)
-            if self._on_skipped_step in self._plugin.skipped_step_listeners:
-                self._plugin.skipped_step_listeners.remove(self._on_skipped_step)
-            if self.sync_fused:
-                self._plugin.sync_skips = False
+            self._plugin.unlisten(self)
         self.offenders.clear()
+
+    @property
+    def needs_host_skips(self) -> bool:  # type: ignore[override]
+        """``sync_fused=True``: a fused optimizer's skip is read at its step (one host sync a step)."""
+        return self.sync_fused
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -301,7 +296,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         self.origins.add_loss(loss)
 
     # ------------------------------------------------------------------ host-known skips
-    def _on_skip(self, event: SkipEvent) -> None:
+    @override
+    def update_skipped(self, event: SkipEvent) -> None:
         assert self._plugin is not None
         # skips a fused optimizer decided before this one come first (the history is on the host already)
         self._collect_device_skips(upto=event.step - 1)
@@ -324,7 +320,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, Callback):
         torch.distributed.all_gather_object(gathered, origin)  # on skipped updates only
         return job_origin(gathered)
 
-    def _on_skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
+    @override
+    def skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.offenders.at_skipped_step(optimizer)
 
     def _mean_loss(self) -> Optional[Tensor]:

@@ -8,6 +8,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, AmpPlusWarning, GradUnderflowMonitor
 from lightning_amp_plus.syncs import HostSyncCounter
+from tests.helpers.listeners import listener
 from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
@@ -117,7 +118,7 @@ def test_figures_equal_the_definition_on_the_gradients_it_saw(tmp_path, exact):
 
     logger = CSVLogger(tmp_path, name="run")
     trainer = make_trainer(plugins=[plugin], callbacks=[monitor], logger=logger, max_steps=5)
-    plugin.before_unscale_listeners.append(capture)
+    plugin.listen(listener(before_unscale=capture))
     trainer.fit(model)
     assert sorted(seen) == [m["step"] for m in monitor.measurements] == [1, 3]
     rows = read_csv(logger.experiment.metrics_file_path)
@@ -272,7 +273,7 @@ def test_two_optimizers_stepping_in_one_update_give_one_measurement_of_both(tmp_
 
     logger = CSVLogger(tmp_path, name="run")
     trainer = make_trainer(plugins=[plugin], callbacks=[monitor], logger=logger, max_steps=6)  # 3 batches
-    plugin.before_unscale_listeners.append(capture)
+    plugin.listen(listener(before_unscale=capture))
     with pytest.warns(AmpPlusWarning, match=r"\(step 1\)"):  # the second measurement of b's underflow in a row
         trainer.fit(TwoOptimizers())
     assert [m["step"] for m in monitor.measurements] == [0, 1, 2]  # one record per update, not one per optimizer
@@ -313,7 +314,7 @@ def test_the_headroom_of_an_update_is_of_the_largest_gradient_of_every_optimizer
         seen.setdefault(step, []).append(max(float(g.abs().max()) for g in grads))
 
     trainer = make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=8)  # 4 batches
-    plugin.before_unscale_listeners.append(capture)
+    plugin.listen(listener(before_unscale=capture))
     trainer.fit(_LoudB())
     assert [m["step"] for m in monitor.measurements] == [0, 1, 2, 3]
     for step in (0, 3):
@@ -528,9 +529,11 @@ def test_a_retry_on_the_same_trainer_measures_the_failed_step_afresh():
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(model)
     model.failing, model.grad_poison = False, {}
-    plugin.before_unscale_listeners.append(
-        lambda optimizer, step: seen.setdefault(
-            step, max(float(p.grad.abs().max()) for g in optimizer.param_groups for p in g["params"])
+    plugin.listen(
+        listener(
+            before_unscale=lambda optimizer, step: seen.setdefault(
+                step, max(float(p.grad.abs().max()) for g in optimizer.param_groups for p in g["params"])
+            )
         )
     )
     trainer.fit(model)
