@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 
 def tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``, in order, through lists, tuples (named ones too) and dicts."""
+    """Every tensor in ``value``, in order, through lists, tuples (named ones too), dicts and dataclasses."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
@@ -18,6 +19,18 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from tensors(v)
+    elif hasattr(type(value), "__dataclass_fields__") and not isinstance(value, type):  # a dataclass instance
+        for f in dataclasses.fields(value):
+            yield from tensors(getattr(value, f.name, None))
+
+
+def values(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` as :func:`tensors` finds them, a nested tensor as its components (to read values)."""
+    for tensor in tensors(value):
+        if tensor.is_nested:
+            yield from tensor.unbind()
+        else:
+            yield tensor
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -37,3 +50,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     if isinstance(value, dict):
         return {k: map_tensors(fn, v) for k, v in value.items()}
     return value
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter (-1 for an inference tensor, which has none and cannot be changed in place)."""
+    return -1 if tensor.is_inference() else tensor._version

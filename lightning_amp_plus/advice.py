@@ -268,7 +268,7 @@ def _model_made(figures: RunFigures) -> list[dict[str, Any]]:
 @rule(
     "nonfinite_loss",
     evidence="in at least half the skips whose origin is known, the batch's inf/nan reached the model or the loss"
-    " was inf/nan with every module output finite",
+    " was inf/nan with every recorded module output finite",
     fix="a guard for the batch, or the loss in float32; never an island",
     look_alike="a module's fp16 overflow; NaN-coded values the step fills in before the model",
     blind="offline",
@@ -289,8 +289,8 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
         )
     else:
         what = (
-            f"the loss was inf/nan with every module output finite in {phases['loss']} of {len(origins)} skipped"
-            " updates"
+            f"the loss was inf/nan with every recorded module output finite in {phases['loss']} of {len(origins)}"
+            " skipped updates"
         )
         fix = "loss = loss_fn(logits.float(), target)  # compute the loss in float32; check log/div/sqrt for 0 and <0"
     return Advice(
@@ -348,7 +348,8 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
         fix = _guard(op) or f"# guard the op in {where} whose gradient is inf/nan at a point (sqrt, log, a division)"
         kind = "a sqrt, log or division at 0 in backward"
     else:
-        what = f"in the forward of {where}"
+        own = "the LightningModule's own code (between its recorded module calls)"
+        what = f"in the forward of {module or own}"
         fix = (
             f"# fix the inputs of {where} (e.g. give every attention row one unmasked key), or replace its inf/nan:"
             " out = torch.nan_to_num(out)"

@@ -276,7 +276,7 @@ class AmpEngine:
         if self.scaler is not None:
             for before_unscale in self._before_unscale:
                 before_unscale(optimizer, cycle.step)
-        self.checker.unscale_(optimizer)
+        self.checker.unscale_resolved(optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/nan (parameters and state then stay bit-identical).
@@ -290,7 +290,7 @@ class AmpEngine:
         try:
             if self.checker is None:
                 return optimizer.step(**kwargs)
-            result = self.checker.step(optimizer, **kwargs)
+            result = self.checker.step_resolved(optimizer, **kwargs)
         except BaseException:
             cycle.stepped.remove(optimizer)
             for leftover in ("grad_scale", "found_inf"):  # torch's GradScaler.step removes them only on success

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolve_module
-from lightning_amp_plus._tree import map_tensors, tensors
+from lightning_amp_plus._tree import map_tensors, tensors, values, version
 from lightning_amp_plus.islands import fp32_forward
 from lightning_amp_plus.sandbox import (
     StepStart,
@@ -37,6 +38,7 @@ from lightning_amp_plus.sandbox import (
     give_back,
     global_streams,
     holds_state,
+    no_logging,
     reach,
     sandboxed,
 )
@@ -62,6 +64,7 @@ class BatchCalls:
     start: Optional[tuple[Tensor, Optional[Tensor], Optional[list[tuple[Any, Any]]]]] = None
     index: int = -1
     host: Optional[list[tuple[Any, Any]]] = None  # Python's and numpy's random state, when a rerun may need them
+    weak: int = 0  # the calls whose outputs are held weakly (those recorded before a backward)
 
     def step_start(self) -> Optional[StepStart]:
         """The random state the whole step started from (for a rerun of ``training_step``)."""
@@ -109,6 +112,8 @@ class OriginFinder:
         replay cannot say "backward".
         """
         self.detach()
+        if getattr(module, "_compiler_ctx", None) is not None:
+            return  # compiled as a whole: a hook would be traced into its graph and change what it computes
         self._module = module
         self._forward_context = forward_context
         self._accumulating = accumulating
@@ -118,6 +123,8 @@ class OriginFinder:
         self._cuda_state = torch.cuda.default_generators[torch.cuda.current_device()].get_state if cuda else None
         cpu_state = torch.default_generator.get_state
         for name, called in call_frontier(module):
+            if isinstance(called, torch.jit.ScriptModule):
+                continue  # no hook on a scripted module: its calls are not recorded
 
             def keep(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
                 current = self._current
@@ -137,7 +144,8 @@ class OriginFinder:
                     )
                 )
 
-            self._handles.append(called.register_forward_hook(keep, with_kwargs=True))
+            with contextlib.suppress(RuntimeError):  # a module that refuses hooks is not recorded
+                self._handles.append(called.register_forward_hook(keep, with_kwargs=True))
 
     def detach(self) -> None:
         """Stop recording; forget the batch."""
@@ -158,9 +166,21 @@ class OriginFinder:
         self._current = BatchCalls(batch=batch, start=start, index=index, host=kept)
 
     def add_loss(self, loss: Tensor) -> None:
-        """A loss of this batch (a GAN backpropagates two)."""
-        if self._current is not None:
-            self._current.losses.append(loss)
+        """A loss of this batch (a GAN backpropagates two), just before its backward.
+
+        From here the calls' outputs are held weakly: an output only the step held (the logits) is freed as it would
+        be without the finder; one a later call took as input stays, held by that call's record.
+        """
+        current = self._current
+        if current is None:
+            return
+        current.losses.append(loss)
+        calls = current.calls
+        for index in range(current.weak, len(calls)):
+            call = calls[index]
+            output = call[4]  # a tensor inline: this runs once a call, every batch
+            calls[index] = (*call[:4], weakref.ref(output) if type(output) is Tensor else _weakly(output), *call[5:])
+        current.weak = len(calls)
 
     def take_batch(self) -> Optional[BatchCalls]:
         """This batch's record, handed over (for a replay later); recording stops until the next batch."""
@@ -184,32 +204,37 @@ class OriginFinder:
           overflow: the modules that had to run in float32 for the call's output to be finite, measured by replay
           (None: more than :data:`MAX_ISLANDS`). When the replay could not be made to compute what the step computed,
           ``module`` is None, ``within`` names the module call that made them and ``reason`` says why;
-        * ``{"phase": "loss"}``: every module output finite, the loss not;
+        * ``{"phase": "loss"}``: every recorded module output finite, the loss not;
         * ``{"phase": "backward"}``: forward and loss finite;
         * ``{"phase": "unknown", "reason": ...}``: it could not be told (the replay raised, say).
         """
         record = record if record is not None else self._current
         if record is None or record.batch is None:
             return None
-        in_batch = nonfinite_kind(record.batch) is not None
-        if self._module is None:
-            return {"phase": "input"} if in_batch else None  # not replayed (a sharded model): only the batch is told
-        told, error = attempt(lambda: self._tell(record, in_batch))
+        told, error = attempt(self._tell, record)
         return unknown(f"telling it raised {error}") if error is not None else told
 
-    def _tell(self, record: BatchCalls, in_batch: bool) -> Optional[Origin]:
-        for index, (name, _, args, kwargs, output, kept, _, _) in enumerate(record.calls):
-            if versions(args, kwargs, output) != kept:
+    def _tell(self, record: BatchCalls) -> Optional[Origin]:
+        in_batch = nonfinite_kind(record.batch, masks=True) is not None  # +inf or nan: never a mask
+        if self._module is None:
+            return {"phase": "input"} if in_batch else None  # not recorded (sharded, compiled): only the batch is told
+        for index, (name, _, args, kwargs, held, kept, _, _) in enumerate(record.calls):
+            output = _alive(held)
+            now = versions(args, kwargs, None if output is _GONE else output)
+            if now != (kept if output is not _GONE else kept[: kept[0] + 1]):  # a freed output changes no more
                 return unknown(f"the step changed the inputs or the output of {name} in place after the call")
-            kind = nonfinite_kind((args, kwargs), masks=not in_batch)  # the batch's own -inf is no mask
+            kind = nonfinite_kind((args, kwargs), masks=True)  # -inf alone: a mask (the module's output tells)
             if kind is not None:  # made before this call: by the batch, or the LightningModule's own code
                 return {"phase": "input"} if in_batch else {"phase": "forward", "module": "", "kind": kind}
-            if nonfinite_kind(output) is not None:
+            if output is _GONE or nonfinite_kind(output) is not None:
                 born = self._inside(record, index)
-                if born is not None:  # else: only masks (-inf by design) left the call
+                if born is not None:  # else: finite, or only masks (-inf by design) left the call
                     return self._with_later_births(record, index, born)
         if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
-            return {"phase": "input"} if in_batch else {"phase": "loss"}
+            told: Origin = {"phase": "loss"}
+            if nonfinite_kind(record.batch) is not None:
+                told["batch"] = "nonfinite"  # it may have reached the loss (a target): not told apart
+            return told
         if self._accumulating:
             return None  # an earlier micro-batch of the update may have made them: not recorded
         return {"phase": "backward"}
@@ -224,9 +249,12 @@ class OriginFinder:
         islands = list(born["islands"])
         chain = self._chain(record, index)  # the calls that took in what it made: the islands cover them already
         for later in range(index + 1, len(record.calls)):
-            _, _, args, kwargs, output, _, _, _ = record.calls[later]
-            if later in chain or nonfinite_kind((args, kwargs)) is not None or nonfinite_kind(output) is None:
-                continue  # it took in what an earlier call made, or made nothing
+            _, _, args, kwargs, held, _, _, _ = record.calls[later]
+            output = _alive(held)
+            if later in chain or nonfinite_kind((args, kwargs)) is not None:
+                continue  # it took in what an earlier call made
+            if output is not _GONE and nonfinite_kind(output) is None:
+                continue  # it made nothing (an output the step freed: the replay below tells)
             also = self._inside(record, later)
             if also is None:
                 continue
@@ -236,21 +264,38 @@ class OriginFinder:
         return {**born, "islands": islands}
 
     def _inside(self, record: BatchCalls, index: int) -> Optional[Origin]:
-        """Replay call ``index`` to name the module inside it that made its non-finite output."""
-        name, _, _, _, output, _, _, _ = record.calls[index]
+        """Replay call ``index`` to name the module inside it that made its non-finite output (if it made one).
+
+        The replay must compute what the step did: its output, or, where the step freed that, the random state the
+        call left behind.
+        """
+        name, _, args, kwargs, held, _, torch_after, cuda_after = record.calls[index]
+        output = _alive(held)
         first = self._replay(record, [index], islands=[])
         if first.error is not None:
             return unknown(f"the replay of {name} raised {first.error}")
-        if not same_values(first.outputs[0], output):
+        if output is _GONE:
+            if nonfinite_kind(first.outputs[0]) is None:
+                return None  # it made nothing non-finite (its output was freed: replayed to see)
+            after = first.after
+            alike = after is not None and torch.equal(after[0], torch_after)
+            alike = alike and (
+                cuda_after is None or (after is not None and after[1] is not None and torch.equal(after[1], cuda_after))
+            )
+        else:
+            alike = same_values(first.outputs[0], output)
+        if not alike:
             return {
                 "phase": "forward",
                 "module": None,
                 "within": name,
-                "kind": nonfinite_kind(output),
+                "kind": nonfinite_kind(first.outputs[0] if output is _GONE else output),
                 "reason": f"nondeterministic: the replay of {name} computed other values than the step",
             }
         if first.found is None:
             return None
+        if first.found["float32"] == "nonfinite" and _batch_minus_inf(record, args, kwargs):
+            return {"phase": "input"}  # the batch's -inf, which float32 does not absorb either: no mask
         born: Origin = {"phase": "forward", **first.found}
         if born["float32"] == "finite":
             born["islands"] = self._islands(record, index, first.found["module"])
@@ -287,12 +332,12 @@ class OriginFinder:
     def _chain(record: BatchCalls, index: int) -> list[int]:
         """Call ``index`` and every later call that took in, as the very tensor, what a call of the chain returned."""
         chain = [index]
-        made = {id(t) for t in tensors(record.calls[index][4])}
+        made = {id(t) for t in tensors(_alive(record.calls[index][4]))}
         for later in range(index + 1, len(record.calls)):
-            _, _, args, kwargs, output, _, _, _ = record.calls[later]
+            _, _, args, kwargs, held, _, _, _ = record.calls[later]
             if any(id(t) in made for t in tensors((args, kwargs))):
                 chain.append(later)
-                made.update(id(t) for t in tensors(output))
+                made.update(id(t) for t in tensors(_alive(held)))
         return chain
 
     def _start(self, record: BatchCalls, index: int, first: bool) -> Optional[StepStart]:
@@ -318,14 +363,21 @@ class OriginFinder:
         calls = [record.calls[i] for i in indices]
         result = _Replayed()
 
+        frontier = [(c[0], resolve_module(c[1])) for c in calls]  # a compiled module replays eagerly
+        roots = (*(inner for _, inner in frontier), *((c[2], c[3]) for c in calls))  # what the replay's code reaches
+        owned = [stream for stream, _ in (record.start[2] or [])] if record.start is not None else []  # set below
+
         def run() -> None:
-            with sandboxed(model, self._device_type, grad=True) as box, torch.enable_grad():
-                frontier = [(c[0], resolve_module(c[1])) for c in calls]  # a compiled module replays eagerly
+            with (
+                sandboxed(roots, self._device_type, grad=True, streams=owned) as box,
+                no_logging(model),
+                torch.enable_grad(),
+            ):
                 watch = _FirstBorn(frontier, self._device_type, box.streams)
                 replaced: dict[int, Tensor] = {}
                 try:
                     watch.install(islands)
-                    for position, (index, (_, args, kwargs, recorded)) in enumerate(
+                    for position, (index, (_, args, kwargs, held)) in enumerate(
                         zip(indices, [(c[1], c[2], c[3], c[4]) for c in calls], strict=True)
                     ):
                         start = self._start(record, index, first=position == 0)
@@ -334,8 +386,13 @@ class OriginFinder:
                         given = map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
                         with self._forward_context():
                             output = frontier[position][1](*copied_inputs(given[0]), **copied_inputs(given[1]))
+                        if position == 0:  # the random state the call left: the step's, if the replay was alike
+                            cuda = (
+                                torch.cuda.default_generators[torch.cuda.current_device()] if self._cuda_state else None
+                            )
+                            result.after = (torch.default_generator.get_state(), cuda.get_state() if cuda else None)
                         result.outputs.append(output)
-                        replaced.update(zip(map(id, tensors(recorded)), tensors(output), strict=False))
+                        replaced.update(zip(map(id, tensors(_alive(held))), tensors(output), strict=False))
                 finally:
                     watch.remove()
                 result.found = watch.found
@@ -351,6 +408,7 @@ class _Replayed:
     outputs: list[Any] = field(default_factory=list)
     found: Optional[dict[str, Any]] = None
     error: Optional[str] = None
+    after: Optional[tuple[Tensor, Optional[Tensor]]] = None  # torch's random state after the first call
 
 
 class _FirstBorn:
@@ -437,6 +495,11 @@ def _up(value: Any) -> Any:
     return map_tensors(lambda t: t.detach().float() if t.is_floating_point() else t.detach().clone(), value)
 
 
+def _batch_minus_inf(record: BatchCalls, args: Any, kwargs: Any) -> bool:
+    """Whether the batch held ``-inf`` and a call took ``-inf`` in: the batch's, unless float32 absorbs it (a mask)."""
+    return nonfinite_kind(record.batch) is not None and nonfinite_kind((args, kwargs)) is not None
+
+
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite
 _TELLING = {"input": 0, "loss": 1, "forward": 2, "backward": 3, "unknown": 4}
 
@@ -477,6 +540,9 @@ def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[s
     """
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
+        if isinstance(child, torch.jit.ScriptModule):
+            yield qualified, child  # called whole (its class's `forward` is scripted, not Python)
+            continue
         container = type(child).forward is torch.nn.Module.forward and "forward" not in vars(child)
         if container and not is_compiled_wrapper(child):  # `_forward_unimplemented`: never called itself
             yield from call_frontier(child, f"{qualified}.")
@@ -498,7 +564,7 @@ def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design. A batch and
     a module's output are checked without.
     """
-    for tensor in tensors(value):
+    for tensor in values(value):
         if tensor.is_floating_point():
             if bool(torch.isposinf(tensor).any()) or (not masks and bool(torch.isneginf(tensor).any())):
                 return "inf"
@@ -509,7 +575,7 @@ def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
 
 def fits_float16(value: Any) -> bool:
     """Whether every floating tensor in ``value`` fits float16's range (below 65504 in magnitude, ``-inf`` aside)."""
-    for tensor in tensors(value):
+    for tensor in values(value):
         if tensor.is_floating_point():
             finite = tensor[torch.isfinite(tensor)]
             if finite.numel() and bool(finite.abs().max() >= 65504.0):
@@ -523,7 +589,7 @@ def same_values(replayed: Any, recorded: Any) -> bool:
     Equal up to a relative 1e-3, for kernels whose float sums are not bitwise repeatable (atomics on a GPU); a replay
     that drew other random numbers (other dropout masks, another layer dropped) differs far beyond that.
     """
-    a, b = list(tensors(replayed)), list(tensors(recorded))
+    a, b = list(values(replayed)), list(values(recorded))
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=True):
@@ -544,17 +610,77 @@ def same_values(replayed: Any, recorded: Any) -> bool:
 
 
 def versions(args: Any, kwargs: Any, output: Any = None) -> list[int]:
-    """The version counters of a call's tensors (its output's too): an in-place change later shows as another number."""
-    found = []
+    """How many version counters a call's arguments hold, then theirs, then its output's.
+
+    An in-place change later shows as another number. An inference tensor (``torch.inference_mode``) has none: it
+    counts as -1 (it cannot be changed in place after).
+    """
+    found = [0]
     for arg in args:  # flat arguments, the common case, without a nested call
         if isinstance(arg, Tensor):
-            found.append(arg._version)
+            found.append(-1 if arg.is_inference() else arg._version)
         elif isinstance(arg, (list, tuple, dict)) or dataclasses.is_dataclass(arg):
-            found.extend(t._version for t in tensors(arg))
+            found.extend(version(t) for t in tensors(arg))
     if kwargs:
-        found.extend(t._version for t in tensors(kwargs))
+        found.extend(version(t) for t in tensors(kwargs))
+    found[0] = len(found) - 1
     if isinstance(output, Tensor):
-        found.append(output._version)
+        found.append(-1 if output.is_inference() else output._version)
     elif output is not None:
-        found.extend(t._version for t in tensors(output))
+        found.extend(version(t) for t in tensors(output))
     return found
+
+
+#: an output the step freed (held weakly once its forward was done)
+_GONE = object()
+
+
+class _Weak:
+    """A call's output held weakly: its structure with each tensor a weak reference.
+
+    Lists, tuples, dicts, a model's output dict: the step frees what only it held (the logits), as it would without
+    the finder.
+    """
+
+    __slots__ = ("tree",)
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
+
+
+def _weakly(output: Any) -> Any:
+    """``output`` held weakly: a tensor, each tensor in a container, or the object itself (where one can be)."""
+    if isinstance(output, Tensor):
+        return weakref.ref(output)
+    if isinstance(output, (list, tuple, dict)):
+        return _Weak(map_tensors(weakref.ref, output))
+    if hasattr(type(output), "__weakref__"):
+        return weakref.ref(output)
+    return output
+
+
+def _alive(held: Any) -> Any:
+    """What a record holds: the output, or :data:`_GONE` when it was held weakly and the step freed any of it."""
+    if isinstance(held, weakref.ref):
+        output = held()
+        return _GONE if output is None else output
+    if isinstance(held, _Weak):
+        output = _strong(held.tree)
+        return _GONE if output is _GONE else output
+    return held
+
+
+def _strong(tree: Any) -> Any:
+    """A :class:`_Weak` tree's output again (:data:`_GONE` if a tensor in it was freed)."""
+    if isinstance(tree, weakref.ref):
+        value = tree()
+        return _GONE if value is None else value
+    if isinstance(tree, (list, tuple)):
+        items = [_strong(v) for v in tree]
+        if any(v is _GONE for v in items):
+            return _GONE
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    if isinstance(tree, dict):
+        values = {k: _strong(v) for k, v in tree.items()}
+        return _GONE if any(v is _GONE for v in values.values()) else values
+    return tree

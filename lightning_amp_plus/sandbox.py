@@ -23,17 +23,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy as copy_module
+import functools
 import random
 import sys
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import is_compiled_wrapper
+from lightning_amp_plus._tree import version
 
 _replays = [0]  # replays in progress (other callbacks' hooks ignore their calls)
 
@@ -145,42 +147,110 @@ _DEPTH, _VISITS = 4, 20_000
 _OWN_STORES = ("_parameters", "_buffers", "_modules")
 #: values that hold no state of the user's to walk into
 _LEAVES = (str, bytes, int, float, complex, bool, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+#: globals a forward names that are code, not state (functions, classes, modules)
+_GLOBAL_LEAVES = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodType)
 
 
 @dataclass
 class Reach:
-    """What a module tree reaches through its attributes: modules (registered or held), tensors, random streams."""
+    """What a replay's code can reach: modules, tensors, random streams, containers, plain objects, globals.
+
+    Modules registered or held as attributes; the mutable containers and the user's plain objects they hold; the
+    globals the modules' ``forward`` functions name (a module-level generator or counter).
+    """
 
     modules: list[torch.nn.Module]
     tensors: list[Tensor]
     streams: list[Any]
+    containers: list[Any] = field(default_factory=list)
+    objects: list[Any] = field(default_factory=list)
+    globals: list[tuple[dict[str, Any], str]] = field(default_factory=list)
 
 
-def reach(module: torch.nn.Module) -> Reach:
-    """Walk ``module``'s tree and what its modules hold as attributes (containers, plain objects, bounded)."""
-    modules: dict[int, torch.nn.Module] = {}
-    tensors: dict[int, Tensor] = {}
-    streams: dict[int, Any] = {}
+def reach(*roots: Any) -> Reach:
+    """Walk what ``roots`` (modules, a call's arguments) reach; bounded, and it never raises.
+
+    Module trees, what their modules hold as attributes (containers, plain objects), the globals their ``forward``
+    reads.
+    """
+    found = Reach([], [], [])
     seen: set[int] = set()
-    pending: list[tuple[Any, int]] = [(module, 0)]
+    pending: list[tuple[Any, int]] = [(root, 0) for root in roots]
     while pending and len(seen) < _VISITS:
         value, depth = pending.pop()
         if id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, torch.nn.Module):
-            for m in value.modules():
-                if id(m) not in modules:
-                    modules[id(m)] = m
-                    seen.add(id(m))
-                    pending.extend((v, 1) for k, v in vars(m).items() if k not in _OWN_STORES)
-        elif isinstance(value, Tensor):
-            tensors.setdefault(id(value), value)
-        elif _is_stream(value):
-            streams.setdefault(id(value), value)
-        elif depth < _DEPTH:
-            pending.extend((v, depth + 1) for v in _children(value))
-    return Reach(list(modules.values()), list(tensors.values()), list(streams.values()))
+        try:
+            _visit(value, depth, found, seen, pending)
+        except ReferenceError:  # a dead weak proxy: nothing to reach
+            continue
+    return found
+
+
+def _visit(value: Any, depth: int, found: Reach, seen: set[int], pending: list[tuple[Any, int]]) -> None:
+    if isinstance(value, torch.nn.Module):
+        for m in value.modules():
+            if m is value or id(m) not in seen:
+                seen.add(id(m))
+                found.modules.append(m)
+                pending.extend((v, 1) for k, v in vars(m).items() if k not in _OWN_STORES)
+                pending.extend((g, 1) for g in _forward_globals(m, found))
+                pending.extend((g, 1) for hook in _hooks(m) for g in _function_state(hook, found))
+    elif isinstance(value, Tensor):
+        found.tensors.append(value)
+    elif _is_stream(value):
+        found.streams.append(value)
+    elif depth < _DEPTH:
+        if isinstance(value, _MUTABLE):
+            found.containers.append(value)
+        elif _is_users(value):
+            found.objects.append(value)
+        pending.extend((v, depth + 1) for v in _children(value))
+
+
+def _forward_globals(module: torch.nn.Module, found: Reach) -> list[Any]:
+    """The global values a module class's ``forward`` names (a module-level generator, a counter): kept by name."""
+    if type(module).__module__.split(".")[0] in _MACHINERY:
+        return []
+    return _function_state(getattr(type(module), "forward", None), found)
+
+
+#: a module's hook stores: a user's hook runs in a replay too, what it records is put back
+_HOOK_STORES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooks(module: torch.nn.Module) -> list[Any]:
+    return [hook for store in _HOOK_STORES for hook in getattr(module, store, {}).values()]
+
+
+def _function_state(function: Any, found: Reach) -> list[Any]:
+    """What a user's function can change: the globals it names (kept by name), its closure, its bound object."""
+    if isinstance(function, functools.partial):
+        return [function.func, *function.args, *function.keywords.values()]
+    bound = getattr(function, "__self__", None)
+    function = getattr(function, "__func__", function)
+    code, namespace = getattr(function, "__code__", None), getattr(function, "__globals__", None)
+    if code is None or namespace is None or str(getattr(function, "__module__", "")).split(".")[0] in _MACHINERY:
+        return []
+    names = [n for n in code.co_names if n in namespace and not isinstance(namespace[n], _GLOBAL_LEAVES)]
+    found.globals.extend((namespace, n) for n in names)
+    cells = [c.cell_contents for c in function.__closure__ or () if _filled(c)]
+    return [namespace[n] for n in names] + cells + ([bound] if bound is not None else [])
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        return cell.cell_contents is not _ABSENT
+    except ValueError:  # an empty cell
+        return False
+
+
+def _is_users(value: Any) -> bool:
+    """A plain object of the user's with attributes (not the run's machinery, not a module-like type)."""
+    if isinstance(value, _LEAVES) or not hasattr(value, "__dict__"):
+        return False
+    return type(value).__module__.split(".")[0] not in _MACHINERY
 
 
 def _children(value: Any) -> list[Any]:
@@ -189,12 +259,7 @@ def _children(value: Any) -> list[Any]:
         return list(value.values())
     if isinstance(value, _CONTAINERS):
         return list(value)
-    if isinstance(value, _LEAVES):
-        return []
-    owner = type(value).__module__.split(".")[0]
-    if owner in _MACHINERY or not hasattr(value, "__dict__"):
-        return []
-    return list(vars(value).values())
+    return list(vars(value).values()) if _is_users(value) else []
 
 
 # ---------------------------------------------------------------------------------------------- the step's start
@@ -236,16 +301,29 @@ class Box:
 
 @contextlib.contextmanager
 def sandboxed(
-    module: torch.nn.Module, device_type: str, start: Optional[StepStart] = None, grad: bool = False
+    roots: Any, device_type: str, start: Optional[StepStart] = None, grad: bool = False, streams: Any = ()
 ) -> Iterator[Box]:
-    """Run a replay of ``module``'s code that leaves the run exactly as it was (see the module docstring).
+    """Run a replay of code that leaves the run exactly as it was (see the module docstring).
 
-    ``start``: the random state to replay from. ``grad``: parameters' stand-ins require grad as the originals do
-    (a replay that takes gradients); otherwise they are plain copies.
+    ``roots``: the module (or a tuple of modules and a call's arguments) whose code runs: whatever they reach is
+    covered. ``start``: the random state to replay from. ``grad``: parameters' stand-ins require grad as the
+    originals do (a replay that takes gradients); otherwise they are plain copies. ``streams``: other random streams
+    the replay sets (a recorded start's, restored inside): given back too.
     """
-    tree = reach(module)
-    states = capture([*global_streams(device_type), *tree.streams])
-    with replay_scope(), _attributes_kept(tree), _stand_ins(tree.modules, grad) as copies, all_eager(module):
+    roots = roots if isinstance(roots, tuple) else (roots,)
+    tree = reach(*roots)
+    restored = [stream for stream, _ in (start.owned or []) + (start.host or [])] if start is not None else []
+    states = capture([*global_streams(device_type), *tree.streams, *restored, *streams])
+    modules = [r for r in roots if isinstance(r, torch.nn.Module)]
+    with (
+        replay_scope(),
+        no_collectives(),
+        _kept(tree),
+        _stand_ins(tree, grad) as copies,
+        contextlib.ExitStack() as eager,
+    ):
+        for module in modules:
+            eager.enter_context(all_eager(module))
         try:
             if start is not None:
                 start.restore()
@@ -255,74 +333,169 @@ def sandboxed(
 
 
 @contextlib.contextmanager
-def _stand_ins(modules: list[torch.nn.Module], grad: bool) -> Iterator[dict[int, Tensor]]:
-    """Every parameter and buffer replaced, in its module's dicts, by a copy (tied ones stay tied) for the duration.
+def _stand_ins(tree: Reach, grad: bool) -> Iterator[dict[int, Tensor]]:
+    """Every parameter and buffer replaced by a copy (tied ones stay tied) for the duration.
 
-    A real tensor written all the same (through a reference held outside the module tree) is put back: a
-    ``.data`` assignment from the storage kept, an in-place write from its untouched stand-in.
+    In its module's dicts, and in the lists and dicts the replay's code reaches (an EMA's list of parameters). A real
+    tensor written all the same (through a reference held outside what the replay reaches) is put back: a ``.data``
+    assignment from the storage kept, an in-place write from its untouched stand-in.
     """
-    copies: dict[int, Tensor] = {}
     saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for m in modules:
+    for m in tree.modules:
         saved.extend([(m._parameters, dict(m._parameters)), (m._buffers, dict(m._buffers))])
     reals = {id(t): t for _, old in saved for t in old.values() if t is not None}
-    marks = {key: (t._version, t.data_ptr(), t.data) for key, t in reals.items()}
+    marks = {key: (version(t), t.data_ptr(), t.data) for key, t in reals.items()}
+    copies: dict[int, Tensor] = {}
     for key, t in reals.items():
         copy = t.detach().clone()
-        if isinstance(t, torch.nn.Parameter):
-            copy = torch.nn.Parameter(copy, requires_grad=grad and t.requires_grad)
-        copies[key] = copy
-    stand_in_versions = {key: c._version for key, c in copies.items()}
+        copies[key] = (
+            torch.nn.Parameter(copy, requires_grad=grad and t.requires_grad)
+            if isinstance(t, torch.nn.Parameter)
+            else copy
+        )
+    stand_in_versions = {key: version(c) for key, c in copies.items()}
     try:
         for store, old in saved:
-            for name, t in old.items():
-                if t is not None:
-                    store[name] = copies[id(t)]
+            store.update({name: copies[id(t)] for name, t in old.items() if t is not None})
+        for container in tree.containers:  # put back by `_kept`, which saw them first
+            _substitute(container, copies)
         yield copies
     finally:
         for store, old in saved:
             store.clear()
             store.update(old)
         for key, t in reals.items():
-            version, pointer, storage = marks[key]
+            was, pointer, storage = marks[key]
             if t.data_ptr() != pointer:
                 t.data = storage  # `.data = ...` on a reference the stand-ins did not cover
-            if t._version != version and copies[key]._version == stand_in_versions[key]:
+            if version(t) != was and version(copies[key]) == stand_in_versions[key]:
                 with torch.no_grad():
                     t.data.copy_(copies[key])  # written in place through such a reference: the copy is untouched
 
 
+def _substitute(container: Any, copies: dict[int, Tensor]) -> None:
+    """Each real parameter or buffer in ``container`` (a list, dict or deque) swapped for its stand-in.
+
+    Directly, or inside the tuples it holds (``list(zip(teacher.parameters(), student.parameters()))``).
+    """
+    if isinstance(container, dict):
+        for key, value in list(container.items()):
+            swapped = _swapped(value, copies)
+            if swapped is not value:
+                container[key] = swapped
+    elif isinstance(container, (list, collections.deque)):
+        for index, value in enumerate(list(container)):
+            swapped = _swapped(value, copies)
+            if swapped is not value:
+                container[index] = swapped
+
+
+def _swapped(value: Any, copies: dict[int, Tensor]) -> Any:
+    """``value`` with its stand-in in place of a real tensor, through tuples; ``value`` itself when nothing changes."""
+    if isinstance(value, Tensor):
+        return copies.get(id(value), value)
+    if isinstance(value, tuple):
+        items = [_swapped(v, copies) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
 @contextlib.contextmanager
-def _attributes_kept(tree: Reach) -> Iterator[None]:
-    """Every module attribute, container held as an attribute, and tensor held as a plain attribute, put back."""
-    saved = [(m, dict(vars(m)), dict(m._modules)) for m in tree.modules]
-    containers = [
-        (value, _structure(value))
-        for m in tree.modules
-        for key, value in vars(m).items()
-        if not key.startswith("_") and isinstance(value, _MUTABLE)
-    ]
-    held = [t for t in tree.tensors if not isinstance(t, torch.nn.Parameter)]
-    values = [(t, t._version, t.detach().clone()) for t in held]
+def _kept(tree: Reach) -> Iterator[None]:
+    """Put back what the replay's code may change other than parameters and buffers.
+
+    Every attribute of the modules and plain objects it reaches, the contents of the containers it reaches, tensors
+    held as plain attributes (``.data`` writes too), and the globals its modules' ``forward`` names.
+    """
+    modules = [(m, dict(vars(m)), dict(m._modules)) for m in tree.modules]
+    objects = [(o, dict(vars(o))) for o in tree.objects]
+    containers = [(c, _structure(c)) for c in tree.containers]
+    owned = {id(t) for m in tree.modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+    held = [(t, t.data, t.detach().clone()) for t in _bases(tree.tensors) if id(t) not in owned]
+    names = [(namespace, name, namespace[name]) for namespace, name in tree.globals]
     try:
         yield
     finally:
         with torch.no_grad():
-            for tensor, version, copy in values:
-                if tensor._version != version:
-                    tensor.copy_(copy)
-        for m, attributes, children in saved:
+            for tensor, storage, copy in held:
+                if tensor.data_ptr() != storage.data_ptr():
+                    tensor.data = storage
+                with torch.inference_mode(tensor.is_inference()):
+                    tensor.data.copy_(copy)  # through `.data`: no version counter moves
+        for m, attributes, children in modules:
             if not _unchanged(m._modules, children):
                 m._modules.clear()
                 m._modules.update(children)
-            for key in [k for k in vars(m) if k not in attributes]:
-                del m.__dict__[key]
-            for key, value in attributes.items():
-                if m.__dict__.get(key, _ABSENT) is not value:
-                    m.__dict__[key] = value
+            _put_back(vars(m), attributes)
+        for o, attributes in objects:
+            _put_back(vars(o), attributes)
         for container, content in containers:
             if not _unchanged(container, content):
                 _restore_into(container, content)
+        for namespace, name, value in names:
+            if namespace.get(name, _ABSENT) is not value:
+                namespace[name] = value
+
+
+def _bases(held: list[Tensor]) -> list[Tensor]:
+    """The tensors that own the memory ``held`` tensors show: a view's base in its place, once.
+
+    A view may show one element twice (an ``expand``): it cannot be written back, its base can.
+    """
+    bases: dict[int, Tensor] = {}
+    for t in held:
+        while t._base is not None:
+            t = t._base
+        bases.setdefault(id(t), t)
+    return list(bases.values())
+
+
+def _put_back(now: dict[str, Any], saved: dict[str, Any]) -> None:
+    """An object's attributes as they were: added ones gone, changed ones the saved values (only what changed)."""
+    for key in [k for k in now if k not in saved]:
+        del now[key]
+    for key, value in saved.items():
+        if now.get(key, _ABSENT) is not value:
+            now[key] = value
+
+
+#: what a replay may not call: it runs on one rank, the others would wait for it (or answer with their values)
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather",
+    "scatter", "send", "recv", "isend", "irecv", "gather_object", "scatter_object_list",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def no_collectives() -> Iterator[None]:
+    """Inside, a ``torch.distributed`` collective raises instead of running: a replay runs on one rank only."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"a replay runs on one rank and cannot take part in a collective (`{name}`)")
+
+        return collective
+
+    patched = [
+        (namespace, name, getattr(namespace, name))
+        for namespace in (torch.distributed, c10d)
+        for name in _COLLECTIVES
+        if hasattr(namespace, name)
+    ]
+    try:
+        for namespace, name, _ in patched:
+            setattr(namespace, name, refuse(name))
+        yield
+    finally:
+        for namespace, name, original in patched:
+            setattr(namespace, name, original)
 
 
 #: the Python containers whose contents a replay restores (nested ones included), as module attributes

@@ -285,11 +285,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``."""
-        super().unscale_(resolve_optimizer(optimizer))
+        self.unscale_resolved(resolve_optimizer(optimizer))
+
+    def unscale_resolved(self, optimizer: torch.optim.Optimizer) -> None:
+        """:meth:`unscale_` of the optimizer itself, never a wrapper (the engine resolved it where it came in)."""
+        super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan."""
-        optimizer = resolve_optimizer(optimizer)
+        return self.step_resolved(resolve_optimizer(optimizer), *args, **kwargs)
+
+    def step_resolved(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`step` of the optimizer itself, never a wrapper (the engine resolved it where it came in)."""
         if self._enabled and steps_on_device(optimizer):
             created_from = len(optimizer.state)
             retval = super().step(optimizer, *args, **kwargs)
@@ -334,7 +341,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         Free for non-fused optimizers (torch already read the flag). For fused optimizers the flag lives on the
         device: ``sync=True`` reads it (one host sync), ``sync=False`` returns ``None``.
         """
-        outcome = self._outcomes.get(id(resolve_optimizer(optimizer)))
+        outcome = self._outcomes.get(id(optimizer))  # the optimizer itself (the engine's): no resolving
+        if outcome is None:
+            outcome = self._outcomes.get(id(resolve_optimizer(optimizer)))
         if outcome is None:
             return None
         return outcome.read() if sync else outcome._skipped
@@ -676,10 +685,10 @@ class NonFiniteChecker(DynamicLossScaler):
     __repr__ = KnobsRepr.__repr__  # its knobs are fixed: the constructor's arguments say everything
     _moves = False
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_resolved(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s gradients; a backward that never went through :meth:`scale` is checked too."""
         self._place_scale(optimizer)
-        super().unscale_(optimizer)
+        super().unscale_resolved(optimizer)
 
     def _place_scale(self, optimizer: torch.optim.Optimizer) -> None:
         # bf16 scales nothing: a scale of 1 on the parameters' device stands in for the one scale() would place
@@ -704,15 +713,14 @@ class NonFiniteChecker(DynamicLossScaler):
         """End the cycle (the scale stays 1, whatever ``new_scale`` says)."""
         self._apply(None, None)
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step_resolved(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Step unless the gradients hold inf/nan; with ``closure=`` (LBFGS) check every evaluation, undo on inf/nan."""
-        optimizer = resolve_optimizer(optimizer)
         self._place_scale(optimizer)  # `loss.backward()` called directly: stepped as stock bf16 steps it
         closure = kwargs.pop("closure", None)
         if closure is None and args and callable(args[0]):
             closure, args = args[0], args[1:]
         if closure is None:
-            return super().step(optimizer, *args, **kwargs)
+            return super().step_resolved(optimizer, *args, **kwargs)
         return self._step_with_closure(optimizer, closure, *args, **kwargs)
 
     def _step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Any, *args: Any, **kwargs: Any) -> Any:

@@ -288,8 +288,8 @@ def test_nonfinite_loss_in_full():
     origins = [{"phase": "loss", "step": 1}, {"phase": "loss", "step": 3}, {"phase": "input", "step": 5}]
     (advice,) = advise(run([(0, 1024.0)], [1, 3, 5], 9, origins=origins))
     assert advice.message == (
-        "The loss was inf/nan with every module output finite in 2 of 3 skipped updates: not a scaling problem (no"
-        " loss scale or fp32 island fixes it)."
+        "The loss was inf/nan with every recorded module output finite in 2 of 3 skipped updates: not a scaling"
+        " problem (no loss scale or fp32 island fixes it)."
     )
     assert advice.fix.startswith("loss = loss_fn(logits.float(), target)")
     tie = [{"phase": "loss", "step": 1}, {"phase": "input", "step": 3}]

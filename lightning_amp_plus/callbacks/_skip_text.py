@@ -40,12 +40,12 @@ def describe_origin(origin: Optional[dict[str, Any]]) -> str:
     if phase == "forward":
         if origin.get("module") is None:
             return f"born in forward of {origin.get('within')} (the module inside: unknown, {origin.get('reason')})"
-        where = origin.get("module") or "the LightningModule's own code"
+        where = origin.get("module") or "the LightningModule's own code (between its recorded module calls)"
         return f"born in forward of {where} ({origin.get('kind')})"
     if phase == "input":
         return "born in the batch (the inputs held inf/nan)"
     if phase == "loss":
-        return "born in the loss (every module output was finite)"
+        return "born in the loss (every recorded module output was finite)"
     if phase == "backward":
         return "born in backward (forward and loss finite)"
     if phase == "unknown":

@@ -108,7 +108,10 @@ class AmpAdvisor(KnobsRepr, Callback):
         self._report = _find(theirs, PrecisionReport)
         own: dict[type, Any] = {type(c): c for c in self._own}
         if self._underflow is None and self._plugin.scaler is not None:
-            self._underflow = own.get(GradUnderflowMonitor) or GradUnderflowMonitor(max_warnings=0, quiet=True)
+            self._underflow = own.get(GradUnderflowMonitor)
+            if self._underflow is None:
+                self._underflow = GradUnderflowMonitor(max_warnings=0, quiet=True)
+                self._underflow._first_too = True  # a fit shorter than log_every_n_steps is measured too
         if self._reporter is None:
             self._reporter = own.get(NaNSkipReporter) or NaNSkipReporter(
                 max_consecutive_skips=None, max_warnings=0, max_records=None, quiet=True

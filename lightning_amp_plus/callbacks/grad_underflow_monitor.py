@@ -73,7 +73,7 @@ def float32_only(losses: list[Tensor]) -> set[int]:
     it, the dtype it was made in counts). A parameter used in float32 only (an fp32 island, a LayerNorm, an embedding,
     a positional embedding added to a float32 sum) never had its gradient in float16: its figures say nothing about
     float16's range. A parameter the graph does not reach (a gradient set by hand) is not in the set. No user code
-    runs, no device op.
+    runs, no device op. A compiled graph's backward is opaque: the parameters it reaches are measured.
     """
     stack = [(loss.grad_fn, False) for loss in losses if loss.grad_fn is not None]
     half: set[int] = set()
@@ -91,6 +91,7 @@ def float32_only(losses: list[Tensor]) -> set[int]:
         else:  # older torch: a cast's backward is what autocast puts between a float32 parameter and float16 work
             in_half = name == "ToCopyBackward"
         in_half = in_half or (came_half and name in _PASS_THROUGH)
+        in_half = in_half or name.startswith("CompiledFunction")  # a compiled graph's casts are hidden: measured
         for following, _ in node.next_functions:
             if following is None:
                 continue
@@ -229,6 +230,8 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._high = 0
         self._warned = 0
+        self._first: Optional[int] = None  # the logger step of this fit's first batch
+        self._first_too = False  # measure the fit's first update as well (the advisor's: a short fit is read too)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -260,6 +263,7 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self._sharded = shards_gradients(trainer)
         self._batch_state = None
         self._losses, self._measuring = [], False
+        self._first = None
         self.no_reference = "exact=False" if not self.exact else why_no_reference(trainer, self._sharded)
         if self._plugin is None or self._plugin.scaler is None:
             self.no_reference = "bf16-mixed (nothing is measured)"
@@ -278,7 +282,9 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = logger_step(pl_module)
-        self._measuring = step is not None and is_logging_step(step, self._interval)
+        if self._first is None:
+            self._first = step
+        self._measuring = step is not None and self._measures(step)
         self._losses = []
         if self._measuring and self.no_reference is None:
             assert step is not None
@@ -336,9 +342,13 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
                 grads.append(local_tensor(param.grad))
         return names, keys, grads
 
+    def _measures(self, step: int) -> bool:
+        """Whether the update at ``step`` is measured: a logging step's (and, for the advisor, the fit's first)."""
+        return is_logging_step(step, self._interval) or (self._first_too and step == self._first)
+
     @override
     def before_unscale(self, optimizer: Optimizer, step: int) -> None:
-        if not is_logging_step(step, self._interval):
+        if not self._measures(step):
             return
         assert self._plugin is not None
         assert self._plugin.scaler is not None

@@ -73,16 +73,17 @@ def lowered_speedup(module: nn.Module, args: Any, kwargs: Any, device_type: str,
     def high(t: torch.Tensor) -> torch.Tensor:
         return t.float() if t.is_floating_point() else t
 
+    # `forward` itself: the module's hooks (a user's too) are no part of what is timed
     def lowered() -> None:
         with torch.autocast(device_type, dtype=dtype):
-            module(*map_tensors(low, args), **map_tensors(low, kwargs))
+            module.forward(*map_tensors(low, args), **map_tensors(low, kwargs))
 
     def full() -> None:
         with torch.autocast(device_type, enabled=False):
-            module(*map_tensors(high, args), **map_tensors(high, kwargs))
+            module.forward(*map_tensors(high, args), **map_tensors(high, kwargs))
 
     times: dict[Any, list[float]] = {lowered: [], full: []}
-    with sandboxed(module, device_type), torch.no_grad():
+    with sandboxed((module, args, kwargs), device_type), torch.no_grad():
         for run in range(SPEED_RUNS + 1):
             for variant in (lowered, full):
                 if cuda:
@@ -260,8 +261,12 @@ class PrecisionReport(KnobsRepr, Callback):
                 stats["time"] += time.perf_counter() - stats.pop("t0")
             stats["output"] = _first_dtype(output)  # also: a call ended (a forward that raised has none)
 
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
+        try:
+            first = module.register_forward_pre_hook(pre, with_kwargs=True)
+        except RuntimeError:  # a module that refuses hooks (a scripted one): it has no row
+            self._stats.pop(name, None)
+            return
+        handles.extend((first, module.register_forward_hook(post, with_kwargs=True)))
 
     def _hook_replay(self, raw_name: str, wrapper: nn.Module, device_type: str) -> None:
         """A compiled submodule: after its compiled forward, replay the call eagerly with its leaves hooked."""
@@ -284,7 +289,7 @@ class PrecisionReport(KnobsRepr, Callback):
                         self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
                 # eager, in the compiled call's autocast and grad mode (a forward may call autograd.grad), with every
                 # nested compiled module eager too (no hook may end up inside a graph): the sandbox runs it on stand-ins
-                with sandboxed(inner, device_type, grad=grad), torch.set_grad_enabled(grad):
+                with sandboxed((inner, call_args, call_kwargs), device_type, grad=grad), torch.set_grad_enabled(grad):
                     inner(*call_args, **call_kwargs)
             except Exception as error:  # the report never stops training
                 self.skipped_reason = (

@@ -943,6 +943,22 @@ def test_a_dead_run_is_not_called_healthy_without_a_rerun_and_the_reference_it_p
     assert "max_scale" not in codes(fixed)
 
 
+def test_a_dead_run_shorter_than_the_logging_interval_is_measured_too():
+    """The advisor's own measurement also takes the fit's first update: a 10-step fit (Lightning logs every 50) is
+    read, not called healthy for want of a measurement."""
+    torch.manual_seed(0)
+    advisor = AmpAdvisor()
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[advisor], max_steps=10).fit(
+        Dead(optimizer="fused_sgd", lr=1e12)
+    )
+    assert [m["step"] for m in advisor.figures.underflow] == [0]
+    assert codes(advisor) == ["zero_gradients"]
+    assert "looks healthy" not in advisor.format()
+    mine = GradUnderflowMonitor()  # a user's monitor measures on logging steps only, as documented
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[mine], max_steps=10).fit(Dead())
+    assert mine.measurements == []
+
+
 class Quiet(TinyModel):
     """A healthy look-alike of the dead run: a loss of exactly 0 (nothing to learn) also has all-zero gradients."""
 

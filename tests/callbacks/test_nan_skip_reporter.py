@@ -64,7 +64,8 @@ def test_collapse_stops_within_six_steps_and_writes_no_checkpoint(tmp_path):
         LossScaleCollapseError,
         # the loss is inf: the error says what AmpAdvisor says, not a scaling hint
         match=r"5 consecutive optimizer steps were skipped \(max_consecutive_skips=5\).*The loss was inf/nan with"
-        r" every module output finite in 5 of 5 skipped updates: not a scaling problem.*HINT: loss = loss_fn\(",
+        r" every recorded module output finite in 5 of 5 skipped updates: not a scaling problem"
+        r".*HINT: loss = loss_fn\(",
     ):
         trainer.fit(model)
     assert len(reporter.skips) == 5
@@ -367,7 +368,7 @@ def test_accumulation_tells_the_last_micro_batch_and_nothing_it_cannot_see(optim
 
 
 class _GanLoss(TinyModel):
-    """Manual optimization, two backward passes; the second loss is inf with every module output finite."""
+    """Manual optimization, two backward passes; the second loss is inf with every recorded module output finite."""
 
     def __init__(self):
         super().__init__()
@@ -535,8 +536,8 @@ def test_the_skip_line_word_for_word():
             "module": "enc.3",
             "kind": "inf",
         },
-        "step 7 skipped: born in forward of the LightningModule's own code (nan); gradients non-finite, loss scale"
-        " 1024 -> 512": {"phase": "forward", "module": "", "kind": "nan"},
+        "step 7 skipped: born in forward of the LightningModule's own code (between its recorded module calls) (nan);"
+        " gradients non-finite, loss scale 1024 -> 512": {"phase": "forward", "module": "", "kind": "nan"},
         "step 7 skipped: born in forward of enc (the module inside: unknown, nondeterministic: the replay of enc"
         " computed other values than the step); gradients non-finite, loss scale 1024 -> 512": {
             "phase": "forward",
@@ -550,8 +551,8 @@ def test_the_skip_line_word_for_word():
         "step 7 skipped: born in the batch (the inputs held inf/nan); gradients non-finite, loss scale 1024 -> 512": {
             "phase": "input"
         },
-        "step 7 skipped: born in the loss (every module output was finite); gradients non-finite, loss scale 1024 ->"
-        " 512": {"phase": "loss"},
+        "step 7 skipped: born in the loss (every recorded module output was finite); gradients non-finite, loss"
+        " scale 1024 -> 512": {"phase": "loss"},
         "step 7 skipped: born in backward (forward and loss finite); gradients non-finite, loss scale 1024 -> 512": {
             "phase": "backward"
         },
@@ -724,7 +725,8 @@ def test_a_fused_optimizers_skip_is_told_with_its_offenders_and_on_time(caplog, 
     assert ends == [0, 0, 0, 1, 1, 1]  # told at step 3, the logging step after it, not at the end of fit
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
     assert lines[0].startswith(
-        "step 2 skipped: born in the loss (every module output was finite); gradients non-finite in net.0.weight ("
+        "step 2 skipped: born in the loss (every recorded module output was finite); gradients non-finite in"
+        " net.0.weight ("
     )
     assert lines[-1].startswith("`NaNSkipReporter`: 1 of 6 updates skipped (at step 2); worst offenders: net.0.weight")
 
