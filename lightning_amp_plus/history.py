@@ -242,25 +242,7 @@ class ScaleHistory:
             raise ValueError(
                 f"`{where}['last_step']={last_step!r}` is invalid: expected an int >= every recorded step."
             )
-        if version == 1:  # 0.1.x: no streaks were kept; each skip counts as its own
-            streaks: Any = [1] * len(skipped)
-            trailing: Any = 0
-        else:
-            streaks = state_dict.get("skip_streaks")
-            trailing = state_dict.get("trailing_skips")
-            if (
-                not isinstance(streaks, list)
-                or len(streaks) != len(skipped)
-                or not all(_is_count(v) and v >= 1 for v in streaks)
-            ):
-                raise ValueError(
-                    f"`{where}['skip_streaks']={streaks!r:.120}` is invalid: expected an int >= 1 per skipped step."
-                )
-            if not _is_count(trailing) or trailing not in (0, streaks[-1] if streaks else 0):
-                raise ValueError(
-                    f"`{where}['trailing_skips']={trailing!r}` is invalid: expected 0 or the last skip's streak"
-                    f" ({streaks[-1] if streaks else 0})."
-                )
+        streaks, trailing = _streaks(where, state_dict, version, len(skipped))
         scaled = state_dict.get("scaled", True)
         if not isinstance(scaled, bool):
             raise ValueError(f"`{where}['scaled']={scaled!r}` is invalid: expected True or False.")
@@ -296,6 +278,23 @@ class ScaleHistory:
 
 def _is_count(value: Any) -> bool:
     return is_int(value) and value >= 0
+
+
+def _streaks(where: str, state: dict[str, Any], version: int, skips: int) -> tuple[list[int], int]:
+    """A saved history's skip streaks and trailing skips, checked (0.1.x kept none: each skip its own streak)."""
+    if version == 1:
+        return [1] * skips, 0
+    streaks, trailing = state.get("skip_streaks"), state.get("trailing_skips")
+    if not isinstance(streaks, list) or len(streaks) != skips or not all(_is_count(v) and v >= 1 for v in streaks):
+        raise ValueError(
+            f"`{where}['skip_streaks']={streaks!r:.120}` is invalid: expected an int >= 1 per skipped step."
+        )
+    last = streaks[-1] if streaks else 0
+    if not _is_count(trailing) or trailing not in (0, last):
+        raise ValueError(
+            f"`{where}['trailing_skips']={trailing!r}` is invalid: expected 0 or the last skip's streak ({last})."
+        )
+    return list(streaks), trailing
 
 
 def _int_list(where: str, state: dict[str, Any], key: str) -> list[int]:

@@ -177,3 +177,65 @@ def grows(tracker: Any, interval: Any, exact: bool) -> Any:
         (True, False, True)
     """
     return tracker + 1 == interval if exact else tracker + 1 >= interval
+
+
+#: the keys of a ``torch.amp.GradScaler.state_dict()``
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A scaler checkpoint's values, checked: its knobs, its scale (inside the bounds), its trackers.
+
+    ``changes``: what it changes of the scaler that loads it, said to the user.
+    """
+
+    knobs: dict[str, Any]
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+    changes: list[str]
+
+
+def read_checkpoint(where: str, state: Any, current: dict[str, Any]) -> Checkpoint:
+    """A scaler ``state_dict`` (ours, or a plain ``GradScaler``'s: ``current`` knobs then stay) checked by the rules.
+
+    An invalid value raises ``ValueError``/``TypeError`` naming the checkpoint key and the value.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"`{where}` expected a dict (a scaler's `state_dict()`), got {type(state).__name__}.")
+    missing = [key for key in TORCH_KEYS if key not in state]
+    if missing:
+        raise ValueError(
+            f"`{where}`: the state lacks {', '.join(map(repr, missing))} (it has"
+            f" {', '.join(map(repr, state)) or 'no keys'}); expected a `GradScaler.state_dict()`."
+        )
+    knobs = {name: state.get(name, value) for name, value in current.items()}
+    scale = state["scale"]
+    if hasattr(scale, "numel") and scale.numel() == 1:  # a tensor (torch is not imported here)
+        scale = scale.item()
+    if not is_real(scale):
+        raise TypeError(f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type(scale).__name__}.")
+    check_knobs(where, knobs)
+    # a scale float32 can hold, then brought inside the bounds
+    check_knobs(where, {"init_scale": scale, "min_scale": 0.0, "max_scale": math.inf}, label={"init_scale": "scale"})
+    growth = state["_growth_tracker"]
+    if not is_int(growth) or not 0 <= growth <= INT32_MAX:  # above growth_interval: torch writes it too
+        raise ValueError(
+            f"`{where}(_growth_tracker={growth!r})` is invalid: expected an int in [0, {INT32_MAX}] (the count of"
+            " clean steps since the last growth or skip)."
+        )
+    hysteresis = state.get("_hysteresis_tracker", knobs["hysteresis"])
+    if not is_int(hysteresis) or not 0 <= hysteresis <= knobs["hysteresis"]:
+        raise ValueError(
+            f"`{where}(_hysteresis_tracker={hysteresis!r})` is invalid: expected an int in"
+            f" [0, hysteresis={knobs['hysteresis']}]."
+        )
+    bounded = min(max(float(scale), knobs["min_scale"]), knobs["max_scale"])
+    changes = [f"{n} {v!r} -> {knobs[n]!r}" for n, v in current.items() if float(v) != float(knobs[n])]
+    if bounded != scale:
+        changes.append(
+            f"scale {scale!r} -> {bounded!r} (brought inside [min_scale, max_scale] ="
+            f" [{knobs['min_scale']!r}, {knobs['max_scale']!r}])"
+        )
+    return Checkpoint(knobs, bounded, int(growth), int(hysteresis), changes)

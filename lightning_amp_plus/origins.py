@@ -82,10 +82,8 @@ def unknown(reason: str) -> Origin:
 class OriginFinder:
     """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
 
-    Clean steps cost two Python calls per call of a recorded module (its inputs and output kept by reference until
-    the batch ends, torch's random state read on the host; no device op, no sync). Use :meth:`attach` at fit start,
-    :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training batch, and :meth:`origin` on a
-    skip.
+    Use :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training
+    batch, and :meth:`origin` on a skip (what recording costs: the Performance page).
 
     Example:
         >>> import torch

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,11 +16,11 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_amp_plus._identity import resolve_optimizer
-from lightning_amp_plus._limits import INT32_MAX, scale_floor
+from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
-from lightning_amp_plus._validation import check_bool, is_int, is_real
-from lightning_amp_plus.knobs import DEFAULTS, KNOBS, NAMES, check_knobs, grows
+from lightning_amp_plus._validation import check_bool
+from lightning_amp_plus.knobs import DEFAULTS, KNOBS, NAMES, check_knobs, grows, read_checkpoint
 
 
 class StepOutcome:
@@ -93,6 +92,43 @@ class Closed:
         self.skipped, self.flag, self.scale, self.kept, self.scale_before = skipped, flag, scale, kept, scale_before
 
 
+class HostMirror:
+    """What the host knows of a scaler's open update without a sync.
+
+    A new one is the one place it starts (a new run, a loaded state, a copy). ``outcomes``: per optimizer (the real
+    one), its last step's outcome, until the next update begins. ``growth``: the device growth tracker, mirrored while
+    every update's outcome is known on the host (None: not). ``kept``: the last update is known to have left the
+    scale as it was.
+    """
+
+    __slots__ = ("growth", "kept", "outcomes")
+
+    def __init__(self, growth: int | None = 0) -> None:
+        self.outcomes: dict[int, StepOutcome] = {}
+        self.growth = growth
+        self.kept = False
+
+    def known(self, states: dict[int, dict[str, Any]]) -> bool | None:
+        """Whether the update overflowed (``states``: torch's per optimizer); None when the host cannot tell."""
+        if not states:
+            return None
+        outcomes = []
+        for key, state in states.items():
+            if state["stage"] is not OptState.STEPPED:  # checked (clipped) without a step: not decided here
+                return None
+            outcomes.append(self.outcomes[key])
+        return any_skipped(outcomes, sync=False)
+
+    def skipped(self, optimizer: torch.optim.Optimizer, sync: bool) -> bool | None:
+        """Whether ``optimizer``'s last step was skipped (None: it has not stepped, or its flag is unread)."""
+        outcome = self.outcomes.get(id(optimizer))  # the optimizer itself (the engine's): no resolving
+        if outcome is None:
+            outcome = self.outcomes.get(id(resolve_optimizer(optimizer)))
+        if outcome is None:
+            return None
+        return outcome.read() if sync else outcome.known
+
+
 def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is fused: it takes the scale and decides its skip on the device (no host sync)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -127,8 +163,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         hysteresis: overflows tolerated (steps skipped, scale kept) before the scale backs off; a growth resets it.
         enabled: ``False`` turns every method into a pass-through, as in torch.
 
-    Every scale, bound and factor must be one float32 can hold (see :func:`~lightning_amp_plus._validation.
-    check_scaler_args`); :meth:`load_state_dict` checks a checkpoint's values by the same rules.
+    Every scale, bound and factor must be one float32 can hold (the rules: :data:`~lightning_amp_plus.knobs.KNOBS`);
+    :meth:`load_state_dict` checks a checkpoint's values by the same rules.
 
     Example:
         >>> import torch
@@ -154,10 +190,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     _max_scale: float
     _hysteresis: int
     _init_hysteresis_tracker: int
-    # what the host knows of the open update (see `_fresh_mirror`, the one place they start)
-    _outcomes: dict[int, StepOutcome]
-    _host_growth: int | None
-    _scale_kept: bool
+    _host: HostMirror  # what the host knows of the open update
 
     def __init__(
         self,
@@ -182,7 +215,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         super().__init__(device, enabled=enabled, **torch_knobs)
         self._set_knobs(self._constructed)
         self._hysteresis_tracker: Tensor | None = None
-        vars(self).update(_fresh_mirror(0))
+        self._host = HostMirror()
         #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
         self._reduce_over_ranks = False
         self.process_group: Any = None
@@ -236,18 +269,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return self._scale if self._enabled else None
 
     def reset(self) -> None:
-        """Back to the state the constructor made (a new run): its knobs, ``init_scale``, fresh trackers, no cycle.
-
-        The object stays the same, so references to it stay valid; the device tensors are made anew at the next
-        :meth:`scale`.
-        """
+        """Back to the state the constructor made (a new run), in place: its knobs, ``init_scale``, fresh trackers."""
         self._set_knobs(self._constructed)
         self._init_growth_tracker = 0
         self._scale = None
         self._growth_tracker = None
         self._hysteresis_tracker = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        vars(self).update(_fresh_mirror(0))
+        self._host = HostMirror()
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -262,7 +291,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         skipped = False
         for flag in optimizer_state["found_inf_per_device"].values():
             skipped = skipped or bool(flag.item())
-        self._outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
+        self._host.outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
         return None if skipped else optimizer.step(*args, **kwargs)
 
     def _unscale_grads_(
@@ -277,8 +306,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not per_device:
             per_device = {found_inf.device: found_inf}
         if self._reduce_over_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
-            flags = list(per_device.values())
-            combined = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
+            combined = _combined(list(per_device.values()), next(iter(per_device)))
             torch.distributed.all_reduce(combined, group=self.process_group)
             per_device = {combined.device: combined}
         return per_device
@@ -300,16 +328,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._enabled and steps_on_device(optimizer):
             created_from = len(optimizer.state)
             retval = super().step(optimizer, *args, **kwargs)
-            flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
-            if len(optimizer.state) > created_from:
+            # the fused kernel decided on the device: its flags are read only if someone asks
+            outcome = StepOutcome(
+                flags=list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+            )
+            if len(optimizer.state) > created_from and outcome.read():
                 # a skipped fused step still creates state (fused SGD's momentum uninitialised): take it back out
-                outcome = StepOutcome(flags=flags)
-                if outcome.read():
-                    for param in list(optimizer.state)[created_from:]:
-                        del optimizer.state[param]
-            else:  # the fused kernel decided on the device: keep its flags, read them only if someone asks
-                outcome = StepOutcome(flags=flags)
-            self._outcomes[id(optimizer)] = outcome
+                for param in list(optimizer.state)[created_from:]:
+                    del optimizer.state[param]
+            self._host.outcomes[id(optimizer)] = outcome
             return retval
         return super().step(optimizer, *args, **kwargs)
 
@@ -333,7 +360,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             for optimizer in optimizers:
                 key = id(resolve_optimizer(optimizer))
                 self._per_optimizer_states.pop(key, None)
-                self._outcomes.pop(key, None)
+                self._host.outcomes.pop(key, None)
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> bool | None:
         """Whether the last step of ``optimizer`` was skipped (``None`` if it has not stepped).
@@ -341,20 +368,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         Free for non-fused optimizers (torch already read the flag). For fused optimizers the flag lives on the
         device: ``sync=True`` reads it (one host sync), ``sync=False`` returns ``None``.
         """
-        outcome = self._outcomes.get(id(optimizer))  # the optimizer itself (the engine's): no resolving
-        if outcome is None:
-            outcome = self._outcomes.get(id(resolve_optimizer(optimizer)))
-        if outcome is None:
-            return None
-        return outcome.read() if sync else outcome._skipped
+        return self._host.skipped(optimizer, sync)
 
     def outcomes(self) -> list[StepOutcome]:
         """The outcome of each optimizer's last step since :meth:`forget_skips` (read them with :func:`any_skipped`)."""
-        return list(self._outcomes.values())
+        return list(self._host.outcomes.values())
 
     def forget_skips(self) -> None:
         """Forget the last steps' outcomes (a new update begins)."""
-        self._outcomes = {}
+        self._host.outcomes = {}
 
     def found_inf(self) -> Tensor:
         """The combined overflow flag of this cycle so far (a device tensor, > 0 on overflow), as `update` sees it.
@@ -362,17 +384,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         One flag on the scale's device (the usual case) is returned as it is: no device op.
         """
         scale, _ = self._check_scale_growth_tracker("found_inf")
-        found_infs = [
-            found_inf.to(device=scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found_inf in state["found_inf_per_device"].values()
-        ]
-        if not found_infs:
+        flags = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        if not flags:
             raise AssertionError("No inf checks were recorded prior to update.")
-        combined = found_infs[0]
-        for extra in found_infs[1:]:
-            combined = combined + extra
-        return combined
+        return _combined(flags, scale.device)
 
     # ------------------------------------------------------------------ the rule
     @property
@@ -385,20 +400,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         ``True``/``False``, or ``None`` when a fused optimizer decided on the device or an optimizer was checked
         without stepping.
         """
-        states = self._per_optimizer_states
-        if not states:
-            return None
-        outcomes = []
-        for key, state in states.items():
-            if state["stage"] is not OptState.STEPPED:  # checked (clipped) without a step: not decided here
-                return None
-            outcomes.append(self._outcomes[key])
-        return any_skipped(outcomes, sync=False)
+        return self._host.known(self._per_optimizer_states)
 
     @property
     def scale_kept(self) -> bool:
         """Whether the last update is known on the host to have left the scale unchanged (no sync)."""
-        return self._scale_kept
+        return self._host.kept
 
     def close(self, *, sync: bool = False, pending: Sequence[Tensor] = (), used: bool = False) -> Closed:
         """End the update: apply the bounded hysteresis rule once (on the device) and say what happened.
@@ -410,7 +417,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         a copy when it is not known to be the last one (or ``used`` asks for it), else None.
         """
         live, _ = self._check_scale_growth_tracker("update")
-        kept = self._scale_kept
+        kept = self._host.kept
         scale = None if kept and not used else live.detach().clone()  # as it was: the rule changes it in place
         overflowed = self.known_outcome()
         flag: Tensor | float = self.found_inf() if overflowed is None else float(overflowed)
@@ -431,7 +438,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         if new_scale is not None:  # the caller's scale, inside the bounds at once
-            self._scale_kept = False
+            self._host.kept = False
             super().update(new_scale)
             assert self._scale is not None
             self._scale.clamp_(min=self._floor, max=self._max_scale)
@@ -440,24 +447,19 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def _apply(self, found_inf: Tensor | None, overflowed: bool | None) -> None:
         """The rule, given the update's combined flag (when read already) and its outcome as the host knows it."""
-        self._scale_kept = False
+        host = self._host
+        host.kept = False
         scale, growth_tracker = self._check_scale_growth_tracker("update")
-        if overflowed is False and self._host_growth is None:
-            # the mirror was lost to a device-decided cycle: read the tracker back once
-            self._host_growth = int(growth_tracker.item())
+        if overflowed is False and host.growth is None:
+            host.growth = int(growth_tracker.item())  # the mirror was lost to a device-decided cycle: read it once
         exact = self._hysteresis == 1  # torch's own kernel then
-        if (
-            overflowed is False
-            and self._host_growth is not None
-            and not grows(self._host_growth, self._growth_interval, exact)
-        ):
+        if overflowed is False and host.growth is not None and not grows(host.growth, self._growth_interval, exact):
             growth_tracker.add_(1)
-            self._host_growth += 1
-            self._scale_kept = True
+            host.growth += 1
+            host.kept = True
             self.reset_cycle()
             return
-        # a skip or a growth resets the mirror; a device-decided outcome loses it
-        self._host_growth = None if overflowed is None else 0
+        host.growth = None if overflowed is None else 0  # a skip or a growth resets the mirror; the device's loses it
         found_inf = self.found_inf() if found_inf is None else found_inf
         if self._hysteresis == 1:
             # torch's own fused kernel, then the bounds: bit-identical to GradScaler inside float32's normal range
@@ -510,66 +512,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         where = f"{type(self).__name__}.load_state_dict"
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"`{where}` expected a dict (a scaler's `state_dict()`), got {type(state_dict).__name__}.")
-        missing = [key for key in _TORCH_KEYS if key not in state_dict]
-        if missing:
-            raise ValueError(
-                f"`{where}`: the state lacks {', '.join(map(repr, missing))} (it has"
-                f" {', '.join(map(repr, state_dict)) or 'no keys'}); expected a `GradScaler.state_dict()`."
-            )
-        # a plain GradScaler's state lacks our knobs: they stay as they are
-        knobs = {name: state_dict.get(name, current) for name, current in self._knobs().items()}
-        scale = state_dict["scale"]
-        if isinstance(scale, Tensor) and scale.numel() == 1:
-            scale = scale.item()
-        if not is_real(scale):
-            raise TypeError(
-                f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type(scale).__name__}."
-            )
-        check_knobs(where, knobs)  # the knobs, as the constructor checks them
-        # the scale: one float32 can hold (then brought inside the bounds, below)
-        check_knobs(
-            where, {"init_scale": scale, "min_scale": 0.0, "max_scale": math.inf}, label={"init_scale": "scale"}
-        )
-        growth_tracker = state_dict["_growth_tracker"]
-        if not is_int(growth_tracker) or not 0 <= growth_tracker <= INT32_MAX:
-            # above growth_interval is a state torch itself writes after `set_growth_interval` lowered it
-            raise ValueError(
-                f"`{where}(_growth_tracker={growth_tracker!r})` is invalid: expected an int in [0, {INT32_MAX}] (the"
-                " count of clean steps since the last growth or skip)."
-            )
-        hysteresis_tracker = state_dict.get("_hysteresis_tracker", knobs["hysteresis"])
-        if not is_int(hysteresis_tracker) or not 0 <= hysteresis_tracker <= knobs["hysteresis"]:
-            raise ValueError(
-                f"`{where}(_hysteresis_tracker={hysteresis_tracker!r})` is invalid: expected an int in"
-                f" [0, hysteresis={knobs['hysteresis']}]."
-            )
-        bounded = min(max(float(scale), knobs["min_scale"]), knobs["max_scale"])
-        changes = [
-            f"{name} {current!r} -> {knobs[name]!r}"
-            for name, current in self._knobs().items()
-            if float(current) != float(knobs[name])
-        ]
-        if bounded != scale:
-            changes.append(
-                f"scale {scale!r} -> {bounded!r} (brought inside [min_scale, max_scale] ="
-                f" [{knobs['min_scale']!r}, {knobs['max_scale']!r}])"
-            )
-        if changes:
-            say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(changes) + ".")
-        super().load_state_dict({**state_dict, "scale": bounded})
-        vars(self).update(_fresh_mirror(int(growth_tracker)))
-        self._set_knobs({name: knobs[name] for name in ("min_scale", "max_scale", "hysteresis")})
-        self._init_hysteresis_tracker = int(hysteresis_tracker)
+        read = read_checkpoint(where, state_dict, self._knobs())
+        if read.changes:
+            say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(read.changes) + ".")
+        super().load_state_dict({**state_dict, "scale": read.scale})
+        self._host = HostMirror(read.growth_tracker)
+        self._set_knobs({name: read.knobs[name] for name in ("min_scale", "max_scale", "hysteresis")})
+        self._init_hysteresis_tracker = read.hysteresis_tracker
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
 
     def __repr__(self) -> str:
-        """The class and what differs from the defaults, with the knobs as they are now.
-
-        After a checkpoint or a setter the live values show, e.g. ``DynamicLossScaler(device='cpu', hysteresis=2)``.
-        """
+        """The class and what differs from the defaults, with the live knobs (after a checkpoint or a setter)."""
         if not self._enabled:
             return f"{type(self).__name__}(enabled=False)"
         defaults = {name: p.default for name, p in inspect.signature(DynamicLossScaler.__init__).parameters.items()}
@@ -595,21 +549,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
-            state.update(_fresh_mirror(state["_init_growth_tracker"]))
+            state["_host"] = HostMirror(state["_init_growth_tracker"])
         return state
 
 
-_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-def _fresh_mirror(growth: int) -> dict[str, Any]:
-    """What the host knows of a scaler's update, afresh (a new run, a loaded state, a copy): the one place it starts.
-
-    ``_outcomes``: per optimizer (the real one), its last step's outcome, until the next update begins.
-    ``_host_growth``: the device growth tracker, mirrored while every update's outcome is known on the host (None:
-    not). ``_scale_kept``: the last update is known to have left the scale as it was.
-    """
-    return {"_outcomes": {}, "_host_growth": growth, "_scale_kept": False}
+def _combined(flags: list[Tensor], device: torch.device) -> Tensor:
+    """The overflow flags summed on ``device`` (one flag, already there: itself, no device op)."""
+    if len(flags) == 1 and flags[0].device == device:
+        return flags[0]
+    return torch.stack([f.to(device, non_blocking=True) for f in flags]).sum()
 
 
 def _multiply(tensors: Sequence[Tensor], factor: Tensor) -> None:
@@ -706,7 +654,7 @@ class NonFiniteChecker(DynamicLossScaler):
 
     def _apply(self, found_inf: Tensor | None, overflowed: bool | None) -> None:
         """End the cycle: forget every optimizer's check (the scale stays 1)."""
-        self._scale_kept = True
+        self._host.kept = True
         self.reset_cycle()
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
@@ -759,5 +707,5 @@ class NonFiniteChecker(DynamicLossScaler):
             optimizer.state.update(saved_state)
         state["found_inf_per_device"] = {found.device: found}
         state["stage"] = OptState.STEPPED
-        self._outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
+        self._host.outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
         return retval

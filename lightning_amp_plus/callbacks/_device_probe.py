@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from lightning_amp_plus.callbacks._skip_text import skip_record
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.origins import BatchCalls
 from lightning_amp_plus.syncs import FlagPeek
@@ -52,6 +53,27 @@ class DeviceSkipProbe:
         self._held = None
         if flag > 0:
             self._told[step] = tell(calls, step)
+
+    def records(
+        self, history: ScaleHistory, after: int, known: set[int], upto: Optional[int]
+    ) -> tuple[list[tuple[dict[str, Any], int]], int]:
+        """The skips in ``history`` after ``after``, not ``known``, up to ``upto``: records with streaks, last step.
+
+        Those a fused optimizer decided on the device; ``upto`` default: all (a held flag's step waits for it).
+        """
+        recorded = history.last_step if history.last_step is not None else -1
+        last = recorded if upto is None else min(recorded, upto)
+        if self.held_step is not None:
+            last = min(last, self.held_step - 1)
+        if last <= after:
+            return [], after
+        found = []
+        for step in history.skipped_between(after + 1, last):
+            if step not in known:
+                new_scale = history.scale_at(step + 1) if step < recorded else None
+                told = self.take(step) or {}  # when its flag was read (nothing: it came too late)
+                found.append((skip_record(step, history.scale_at(step), new_scale, told), history.streak_at(step)))
+        return found, last
 
     def drop(self) -> None:
         """Let the flag in flight go (with the batch it holds)."""

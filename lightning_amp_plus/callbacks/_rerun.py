@@ -26,8 +26,10 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name
+from lightning_amp_plus._log import say
 from lightning_amp_plus._tree import tensors
 from lightning_amp_plus.callbacks._common import all_reduce_, distributed
+from lightning_amp_plus.origins import BatchCalls
 from lightning_amp_plus.sandbox import StepStart, attempt, capture, copied_inputs, no_logging, sandboxed
 
 
@@ -49,6 +51,15 @@ class BatchState:
             owned=capture(owned),
             host=capture(host),
         )
+
+
+def announce(who: str, when: str) -> None:
+    """Say, as the fit starts, that ``who`` runs the batch's ``training_step`` again, and what it must not do."""
+    say(
+        f"`{who}`: {when} the batch's `training_step` runs again, in a sandbox (parameters and buffers are stand-ins,"
+        " random streams given back). It must not act outside the model: no environment step, file write or direct"
+        " logger call."
+    )
 
 
 def why_no_reference(trainer: pl.Trainer, sharded: bool) -> Optional[str]:
@@ -160,6 +171,20 @@ def backward_origin(
     finite, error = attempt(_finite_in_float32, module, batch, batch_idx, start, device_type)
     verdict = "unknown" if error is not None or finite is None else ("finite" if finite else "nonfinite")
     return {"phase": "backward", **found, "float32": verdict}
+
+
+def in_backward(
+    origin: dict[str, Any], record: Optional[BatchCalls], trainer: pl.Trainer, device_type: str, scale: Optional[float]
+) -> dict[str, Any]:
+    """A ``{"phase": "backward"}`` origin told where in backward (:func:`backward_origin`).
+
+    When the batch's record and the scale its update used are known; else the origin as it was.
+    """
+    start = record.step_start() if record is not None else None
+    if record is None or start is None or scale is None:
+        return origin
+    context = trainer.precision_plugin.forward_context
+    return backward_origin(trainer.lightning_module, record.batch, record.index, start, device_type, context, scale)
 
 
 def _rerun_loss(module: pl.LightningModule, batch: Any, batch_idx: int) -> Optional[Tensor]:

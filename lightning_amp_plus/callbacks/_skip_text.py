@@ -1,8 +1,22 @@
-"""The lines a skip is told in: one per skipped update, and the counts in summaries (plain text, no state)."""
+"""A skip's record and the lines it is told in: one per skipped update, and the summaries (plain data, no state)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+
+def skip_record(step: int, scale: Any, new_scale: Any, told: dict[str, Any]) -> dict[str, Any]:
+    """One skip's record (the one place its keys are written): ``told`` holds its loss, offenders and origin."""
+    keys = ("loss", "offenders", "origin")
+    return {"step": step, "scale": scale, "new_scale": new_scale, **{key: told.get(key) for key in keys}}
+
+
+def enough(printed: int) -> str:
+    """Said after the last skip printed one by one."""
+    return (
+        f"`NaNSkipReporter`: {plural(printed, 'skipped step')} printed; further skips are counted in `.skips` and"
+        " summarised at the end of fit."
+    )
 
 
 def plural(n: int, noun: str) -> str:
@@ -51,3 +65,39 @@ def describe_origin(origin: Optional[dict[str, Any]]) -> str:
     if phase == "unknown":
         return f"origin unknown ({origin.get('reason')})"
     return ""
+
+
+def collapse_message(
+    record: dict[str, Any], consecutive: int, limit: Optional[int], min_scale: Optional[float], cause: Any
+) -> str:
+    """``LossScaleCollapseError``'s message: why it stopped, the scale, the offenders, the advisor's diagnosis.
+
+    ``min_scale`` given: it overflowed there. ``cause``: the advisor's ``Advice`` (its fix is the HINT), or None.
+    """
+    if min_scale is not None:
+        why = (
+            f"step {record['step']} overflowed while the loss scale already sat at min_scale={min_scale:g}"
+            f" ({plural(consecutive, 'consecutive skipped step')})"
+        )
+    else:
+        were = "was" if consecutive == 1 else "were"
+        why = f"{plural(consecutive, 'consecutive optimizer step')} {were} skipped (max_consecutive_skips={limit})"
+    offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
+    message = f"Mixed-precision training collapsed: {why}; loss scale {record['scale']:g}; last offenders: {offenders}."
+    if cause is not None:
+        return f"{message} {cause.message} HINT: {cause.fix}"
+    return (
+        f"{message} HINT: lower the learning rate, check the inputs for inf/nan, keep the named layers in float32"
+        " (`AmpPlusPrecision(fp32_modules=[...])`), or use precision='bf16-mixed'."
+    )
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The end-of-fit line: how many updates were skipped, at which steps, and the worst offenders."""
+    worst = ", ".join(f"{w['name']} ({plural(w['skips'], 'skip')})" for w in report["worst_offenders"][:5])
+    steps = report["skipped_steps"]
+    shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
+    return (
+        f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} updates skipped (at step {shown}); worst"
+        f" offenders: {worst or 'unknown'}."
+    )

@@ -54,10 +54,8 @@ class AmpAdvisor(KnobsRepr, Callback):
 
     It never runs ``training_step`` again: the underflow monitor it runs has no float32 reference (add
     ``GradUnderflowMonitor(exact=True)`` yourself for one; the advisor reads yours), and every replay it makes (a
-    skip's origin, a flagged layer's speed) runs sandboxed, leaving the run bit-identical. Its cost on clean steps is
-    that of the callbacks it runs: two Python calls per call of the model's direct children (recording them for a
-    skip's origin), the underflow measurement every ``log_every_n_steps`` (one host transfer), and one inspected
-    batch. :attr:`figures` keeps what the advice was computed from.
+    skip's origin, a flagged layer's speed) runs sandboxed, leaving the run bit-identical. It costs what the callbacks
+    it runs cost (the Performance page). :attr:`figures` keeps what the advice was computed from.
 
     Args:
         report_path: write the advice here at the end of fit (``.md`` or ``.json``); checked at setup.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -13,7 +15,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._limits import scale_floor
-from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int, check_prefix
@@ -28,7 +29,7 @@ from lightning_amp_plus.callbacks._common import (
     parameters_and_names,
     shards_gradients,
 )
-from lightning_amp_plus.callbacks._rerun import BatchState, float32_gradients, why_no_reference
+from lightning_amp_plus.callbacks._rerun import BatchState, announce, float32_gradients, why_no_reference
 from lightning_amp_plus.engine import UpdateListener
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
 from lightning_amp_plus.sandbox import reach
@@ -126,9 +127,48 @@ def _magnitudes(reference: list[Tensor], device: torch.device, activations: Opti
     return torch.stack([log2_max, exponent, lost.float()])
 
 
-def _larger(a: float, b: float) -> float:
-    """The larger of two optimizers' largest gradients in one update; nan when either is (no headroom to tell)."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+@dataclass
+class _Update:
+    """One update's measurement until it closes, declared with how each figure reduces.
+
+    ``rows``: per parameter (by id; one measured again, by a second optimizer: the latest), its name and its counts
+    ``[float16's exact zeros, elements below float16's smallest normal, elements, structural zeros]``, summed over
+    the ranks when sharded. ``largest``: each optimizer's largest gradient (the maximum over them and the ranks).
+    ``true``: the float32 reference's figures (``_magnitudes``), ``reference_error`` what it raised.
+    """
+
+    step: int
+    scale: Tensor
+    rows: dict[int, tuple[str, Tensor]] = field(default_factory=dict)
+    largest: list[Tensor] = field(default_factory=list)
+    true: Optional[Tensor] = None
+    reference_error: Optional[str] = None
+
+
+def _counts(grads: list[Optional[Tensor]], reference: Optional[list[Tensor]], device: torch.device) -> Tensor:
+    """Per gradient (a row): float16's exact zeros, elements below its smallest normal, elements, structural zeros.
+
+    Without a reference a zero cannot be told structural or flushed (every zero counts as structural); with it an
+    element is structural when its float32 gradient is zero, lost when only float16's is.
+    """
+    if not grads:
+        return torch.zeros(0, 4, device=device)
+    none = torch.zeros((), device=device)
+    zeros = torch.stack([none if g is None else (g == 0).sum().float().to(device) for g in grads])
+    if reference is None:
+        structural = zeros
+        below = torch.stack(
+            [none if g is None else (g.abs() < FP16_SMALLEST_NORMAL).sum().float().to(device) for g in grads]
+        )
+    else:
+        structural = torch.stack([(r == 0).sum().float().to(device) for r in reference])
+        lost = [
+            none if g is None else ((g.abs() < FP16_SMALLEST_NORMAL) & (r != 0)).sum().float().to(device)
+            for g, r in zip(grads, reference, strict=True)
+        ]
+        below = structural + torch.stack(lost)
+    sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
+    return torch.stack([zeros, below, sizes, structural], dim=1)
 
 
 class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
@@ -185,7 +225,7 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
     """
 
     # set at setup (and the parameters again at fit start, as trained)
-    _raw: Optional[dict[str, Any]]  # the counts of the update measured last, per parameter
+    _update: Optional[_Update]  # the update being measured, until it closes (the batch's end)
     _names: dict[int, str]
     _params: list[tuple[str, torch.nn.Parameter]]
     _sharded: bool
@@ -221,7 +261,6 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self.no_reference: Optional[str] = None  # why this fit's measurements have no float32 reference
         self._batch_state: Optional[tuple[int, BatchState]] = None  # the measured batch, for its reference
         self._losses: list[Tensor] = []  # the measured batch's losses: their graph tells what float16 held
-        self._reference_error: Optional[str] = None  # what the measured update's reference raised
         self._activations: Optional[Tensor] = None  # the reference's largest gradient at a module's output
         self._measuring = False  # this batch is measured
         self._owned: list[Any] = []  # the random streams the model holds (the reference starts them as the batch did)
@@ -238,7 +277,7 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         plugin = find_plugin(trainer, type(self).__name__)
         self._plugin = plugin
         if stage == "fit":
-            self._raw = None  # no update spans two fits (a retry on the same Trainer measures a failed step again)
+            self._update = None  # no update spans two fits (a retry on the same Trainer measures a failed step again)
             if self._fit_scope.starts_afresh(trainer):  # a new Trainer's fit starts afresh
                 self.measurements = []
                 self._high = 0
@@ -270,12 +309,7 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         elif self.no_reference is None:
             self._owned = reach(pl_module).streams
             if trainer.is_global_zero:
-                say(
-                    f"`GradUnderflowMonitor(exact=True)`: every {self._interval} steps the measured batch's"
-                    " `training_step` runs a second time, in float32, in a sandbox (parameters and buffers are"
-                    " stand-ins, random streams given back). It must not act outside the model: no environment step,"
-                    " file write or direct logger call."
-                )
+                announce("GradUnderflowMonitor(exact=True)", f"every {self._interval} steps, in float32,")
 
     @override
     def on_train_batch_start(
@@ -300,6 +334,7 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._close_update()
         self._batch_state = None  # the batch is released
         self._losses, self._measuring = [], False
 
@@ -316,7 +351,8 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
             self._plugin.device or "cpu",  # type: ignore[union-attr]
         )
         if reference is None:
-            self._reference_error = error
+            assert self._update is not None
+            self._update.reference_error = error
             return None
         self._activations = reference[-1]  # the largest gradient at a module's output: a scale must fit it too
         return [torch.zeros_like(p) if r is None else r for r, p in zip(reference[:-1], params, strict=True)]
@@ -352,102 +388,79 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
             return
         assert self._plugin is not None
         assert self._plugin.scaler is not None
-        assert self._trainer is not None
         names, keys, grads = self._gradients(optimizer)
         present = [g for g in grads if g is not None and g.numel() > 0]
         if not present and not self._sharded:
             return
         scale = self._plugin.scaler.scale_tensor()
         assert scale is not None
-        self._reference_error, self._activations = None, None
-        with torch.no_grad():
+        if self._update is None or self._update.step != step:
+            self._update = _Update(step, scale.detach().clone())  # the scale moves when the update closes
+        update = self._update
+        with torch.no_grad():  # on the device: the update's one host transfer is at its close
+            self._activations = None
             reference = self._reference(optimizer, step, keys)
-            values = to_host(self._packed(grads, present, reference, scale))  # the one host transfer
-        self._record(step, names, keys, values, has_reference=reference is not None)
+            counts = _counts(grads, reference, scale.device)
+            update.rows.update({key: (names[i], counts[i]) for i, key in enumerate(keys)})  # again: the latest
+            if present:
+                update.largest.append(
+                    torch.stack([m.float().to(scale.device) for m in torch._foreach_norm(present, float("inf"))]).max()
+                )
+            if reference is not None:
+                update.true = _magnitudes(reference, scale.device, self._activations)
 
-    def _packed(
-        self, grads: list[Optional[Tensor]], present: list[Tensor], reference: Optional[list[Tensor]], scale: Tensor
-    ) -> Tensor:
-        """On the device: the largest gradient, the scale, the loss, and per gradient its counts (see ``_record``).
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        with contextlib.suppress(Exception):  # what a failed step measured is kept; the fit's error is the one raised
+            self._close_update()
+        self._update, self._losses, self._batch_state = None, [], None
 
-        Per gradient: float16's exact zeros, the elements below float16's smallest normal (lost or structural), the
-        elements, and the structural zeros; summed over ranks when sharded (the whole model's figures on every rank).
-        """
-        device = scale.device
+    def _close_update(self) -> None:
+        """Record the update measured in this batch (every optimizer's part of it): one host transfer."""
+        update, self._update = self._update, None
+        if update is None or not update.rows:
+            return
+        device = update.scale.device
         none = torch.zeros((), device=device)
-        largest = (
-            torch.stack([m.float().to(device) for m in torch._foreach_norm(present, float("inf"))]).max()
-            if present
-            else none
-        )
-        zeros = torch.stack([none if g is None else (g == 0).sum().float().to(device) for g in grads])
-        if reference is None:  # the scaled gradients alone: a zero cannot be told structural or flushed
-            structural = zeros
-            below = torch.stack(
-                [none if g is None else (g.abs() < FP16_SMALLEST_NORMAL).sum().float().to(device) for g in grads]
-            )
-            true_figures = torch.zeros(0, device=device)
-        else:  # an element is structural when its float32 gradient is zero, lost when only float16's is
-            structural = torch.stack([(r == 0).sum().float().to(device) for r in reference])
-            below = structural + torch.stack(
-                [
-                    none if g is None else ((g.abs() < FP16_SMALLEST_NORMAL) & (r != 0)).sum().float().to(device)
-                    for g, r in zip(grads, reference, strict=True)
-                ]
-            )
-            true_figures = _magnitudes(reference, device, self._activations)
-        sizes = torch.tensor([0 if g is None else g.numel() for g in grads], dtype=torch.float32, device=device)
+        largest = torch.stack(update.largest).max() if update.largest else none
         loss = none + math.nan  # no loss kept (a manual step that logs none): not known
         if self._losses:
             loss = torch.stack([x.detach().float().mean().to(device) for x in self._losses]).sum()
-        summed = torch.cat([loss.reshape(1), zeros, below, sizes, structural])
-        if self._sharded:
+        rows = torch.stack([row for _, row in update.rows.values()])
+        summed = torch.cat([loss.reshape(1), rows.flatten()])
+        if self._sharded:  # counts summed over the ranks (each holds a shard), the largest their maximum
             all_reduce_(summed)
             summed[0] /= torch.distributed.get_world_size()  # the loss, averaged over the ranks
             largest = all_reduce_(largest.reshape(1).clone(), op="max").reshape(())
-        return torch.cat([largest.reshape(1), scale.reshape(1).to(device), summed, true_figures])
+        true = update.true if update.true is not None else torch.zeros(0, device=device)
+        values = to_host(torch.cat([largest.reshape(1), update.scale.reshape(1).to(device), summed, true]))
+        self._record(update, values)
 
-    def _record(self, step: int, names: list[str], keys: list[int], values: list[float], has_reference: bool) -> None:
-        """One record of the update measured at ``step`` (a second optimizer's measurement joins the first's)."""
-        n = len(keys)
+    def _record(self, update: _Update, values: list[float]) -> None:
+        """One record of a measured update (see ``_Update`` for the figures ``values`` holds)."""
         largest_value, scale_value, loss_value = values[0], values[1], values[2]
-        counts = values[3:]
-        # per parameter: its name, fp16's exact zeros, elements below float16's smallest normal (lost or structural),
-        # elements, structural zeros
-        measured = {
-            key: (names[i], counts[i], counts[n + i], counts[2 * n + i], counts[3 * n + i])
-            for i, key in enumerate(keys)
-        }
-        true_values = counts[4 * n :]
-        raw = self._raw
-        if raw is not None and raw["step"] == step:
-            # another optimizer's measurement at the same update (manual optimization with several optimizers): one
-            # record of the update, over every parameter measured in it (a parameter measured again: the latest)
-            raw["per"].update(measured)
-            largest_value = _larger(raw["largest"], largest_value)
-            self.measurements.pop()
-            self._high = raw["high_before"]
-        else:
-            raw = self._raw = {"step": step, "per": measured, "high_before": self._high}
-        raw["largest"] = largest_value
-        per = list(raw["per"].values())
-        total = sum(v[3] for v in per)
+        n = len(update.rows)
+        counts = [values[3 + 4 * i : 7 + 4 * i] for i in range(n)]  # zeros, below, elements, structural
+        names = [name for name, _ in update.rows.values()]
+        true_values = values[3 + 4 * n :]
+        total = sum(c[2] for c in counts)
         if not total:
             return
-        structural = sum(v[4] for v in per)
+        structural = sum(c[3] for c in counts)
         overflowed = not math.isfinite(largest_value)  # inf/nan: no fraction of the gradients exists
+        below = sum(c[1] for c in counts)
         record: dict[str, Any] = {
-            "step": step,
+            "step": update.step,
             "scale": scale_value,
             "loss": loss_value if math.isfinite(loss_value) else None,
-            "underflow_fraction": None if overflowed else underflow_fraction(sum(v[2] for v in per), structural, total),
-            "zero_fraction": sum(v[1] for v in per) / total,
+            "underflow_fraction": None if overflowed else underflow_fraction(below, structural, total),
+            "zero_fraction": sum(c[0] for c in counts) / total,
             "headroom_bits": math.log2(FP16_MAX / largest_value) if not overflowed and largest_value > 0 else None,
-            "reference": "float32" if has_reference else None,
+            "reference": "float32" if update.true is not None else None,
         }
-        if self._reference_error is not None:
-            record["reference_error"] = self._reference_error
-        if has_reference:
+        if update.reference_error is not None:
+            record["reference_error"] = update.reference_error
+        if update.true is not None:
             record["structural_fraction"] = structural / total
             log2_max, exponent, lost = true_values
             nonzero = total - structural
@@ -457,12 +470,17 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
                 record["lost_at_fitting_scale"] = lost / nonzero
         if self.per_parameter and not overflowed:
             ranked = sorted(
-                ((underflow_fraction(v[2], v[4], v[3]), v[0]) for v in per if v[3] and v[3] > v[4]), reverse=True
+                (
+                    (underflow_fraction(c[1], c[3], c[2]), nm)
+                    for c, nm in zip(counts, names, strict=True)
+                    if c[2] > c[3]
+                ),
+                reverse=True,
             )
             record["worst"] = [{"name": nm, "underflow_fraction": f} for f, nm in ranked[: self.per_parameter]]
         self.measurements.append(record)
         if not self.quiet:
-            log_to_all(self._trainer, self._metrics(record), step)  # type: ignore[arg-type]
+            log_to_all(self._trainer, self._metrics(record), update.step)  # type: ignore[arg-type]
             self._check(record)
 
     def _metrics(self, record: dict[str, Any]) -> dict[str, float]:

@@ -217,10 +217,7 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
         elif previous is not None and scale < previous:
             self._backoffs += 1
         self._last_sample = scale
-        metrics = self._scale_metrics(scale)
-        metrics[f"{self.prefix}growths"] = float(self._growths)
-        metrics[f"{self.prefix}backoffs"] = float(self._backoffs)
-        log_to_all(trainer, metrics, step)
+        log_to_all(trainer, self._metrics(scale=scale, counts=True), step)
         self._logged_upto = step
         self._show(pl_module, scale, None)
 
@@ -263,27 +260,39 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
                     else:
                         self._backoffs += 1
                 previous = scale
-                points.setdefault(step, {}).update(self._scale_metrics(scale))
+                points.setdefault(step, {}).update(self._metrics(scale=scale))
         count = self._skipped_logged
         window = [s for s in skipped if start <= s <= last]
         for step in window:
             count += 1
-            points.setdefault(step, {})[f"{self.prefix}skipped_steps"] = float(count)
+            points.setdefault(step, {}).update(self._metrics(skipped=count))
         self._skipped_logged = count
-        final = points.setdefault(last, {})
-        if scaled:
-            final.update(self._scale_metrics(history.scale_at(last)))
-        final[f"{self.prefix}skipped_steps"] = float(count)
         # a rate over recorded cycles, not over the step range (a GAN's two optimizers record every other step)
-        final[f"{self.prefix}skip_rate"] = len(window) / max(1, history.num_steps - self._steps_logged)
+        rate = len(window) / max(1, history.num_steps - self._steps_logged)
         self._steps_logged = history.num_steps
-        if scaled:
-            final[f"{self.prefix}growths"] = float(self._growths)
-            final[f"{self.prefix}backoffs"] = float(self._backoffs)
-        final[f"{self.prefix}applied_steps"] = float(history.num_steps - len(skipped))
+        last_scale = history.scale_at(last) if scaled else None
+        applied = history.num_steps - len(skipped)
+        points.setdefault(last, {}).update(self._metrics(last_scale, count, rate, applied, counts=scaled))
         for step in sorted(points):
             log_to_all(trainer, points[step], step)
         self._logged_upto = last
 
-    def _scale_metrics(self, scale: float) -> dict[str, float]:
-        return {f"{self.prefix}loss_scale": scale, f"{self.prefix}log2_loss_scale": math.log2(scale)}
+    def _metrics(
+        self,
+        scale: Optional[float] = None,
+        skipped: Optional[int] = None,
+        rate: Optional[float] = None,
+        applied: Optional[int] = None,
+        counts: bool = False,
+    ) -> dict[str, float]:
+        """The series logged at one step, by key: the one place a key is written (a figure not given is absent)."""
+        figures = {
+            "loss_scale": scale,
+            "log2_loss_scale": None if scale is None else math.log2(scale),
+            "skipped_steps": skipped,
+            "skip_rate": rate,
+            "growths": self._growths if counts else None,
+            "backoffs": self._backoffs if counts else None,
+            "applied_steps": applied,
+        }
+        return {self.prefix + key: float(value) for key, value in figures.items() if value is not None}

@@ -36,8 +36,8 @@ from lightning_amp_plus.callbacks._common import (
 )
 from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
 from lightning_amp_plus.callbacks._offenders import OffenderCounter
-from lightning_amp_plus.callbacks._rerun import backward_origin
-from lightning_amp_plus.callbacks._skip_text import describe, plural
+from lightning_amp_plus.callbacks._rerun import announce, in_backward
+from lightning_amp_plus.callbacks._skip_text import collapse_message, describe, enough, skip_record, summary
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
 from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
@@ -51,38 +51,26 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     """Report every skipped optimizer step: when, what the scale did, and which parameters overflowed.
 
     Each skipped update (one loss-scale cycle: every optimizer step of a batch; ``step`` is the step the logger uses
-    for ``self.log`` in that batch, so the skips share the x axis of every other metric) gives a record with
-    ``step``, ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when
-    finite), ``offenders``: ``[{"name", "inf", "nan"}]`` for every parameter whose gradient held non-finite
-    values, named as in ``named_parameters()``, and ``origin``: where the non-finite values were born (see below).
-    The first ``max_warnings`` skips are printed (rank zero, logger
+    for ``self.log`` in that batch, so the skips share the x axis of every other metric) gives a record with ``step``,
+    ``scale`` (the scale the step used), ``new_scale``, ``loss`` (when finite), ``offenders``: ``[{"name", "inf",
+    "nan"}]`` for every parameter whose gradient held non-finite values, named as in ``named_parameters()``, and
+    ``origin``: where the non-finite values were born. The first ``max_warnings`` skips are printed (rank zero, logger
     ``lightning_amp_plus``), e.g. ``step 412 skipped: gradients non-finite in encoder.ff.weight (12 inf), loss scale
     65536 -> 32768``; later ones are counted and summarised at the end of fit, and written to ``report_path`` as JSON
     when given. :attr:`skips` keeps the first and last ``max_records // 2`` records in full; every skip is still
     counted (:attr:`num_skips`, :attr:`skipped_steps`, the offenders' counts). The counters and records go into the
     checkpoint, so a resumed run continues a streak of skips where it stopped.
 
-    Localising the offenders costs nothing on clean steps: with a non-fused optimizer torch already reads the
-    overflow flag on the host each step, and the reporter inspects gradients only on skipped steps. A fused optimizer
-    decides on the device: its flag is copied without waiting and read when it is on the host (at once on CPU, by
-    the next batch's start on a GPU), and on a skip the offenders are counted from the gradients it left and the
-    origin told; the skip is reported at the next logging step. ``sync_fused=True`` reads each flag at its step
-    instead (one host sync per step).
+    The offenders are counted on skipped steps only. A fused optimizer decides on the device: its flag is copied
+    without waiting and read when it is on the host (at once on CPU, by the next batch's start on a GPU), and on a
+    skip the offenders are counted from the gradients it left and the origin told; the skip is reported at the next
+    logging step. ``sync_fused=True`` reads each flag at its step instead.
 
-    **Where non-finite values are born** (``find_origin=True``, Trainer only): ``{"phase": "input"}`` when the batch
-    held inf/nan that reached the model; ``{"phase": "forward", "module": name, "kind": "inf"|"nan", "float32": ...,
-    "islands": [...]}`` for the first module (in execution order) whose inputs were finite and whose output was not
-    (``module`` is ``""`` when the LightningModule's own code, between its submodules, made them; ``None``, with
-    ``within`` and ``reason``, when a replay could not compute what the step did); ``{"phase": "loss"}`` when every
-    module output was finite but the loss was not; ``{"phase": "backward"}`` when the forward and the loss were
-    finite; ``{"phase": "unknown", "reason": ...}`` when it could not be told (a replay that raised is told, never
-    raised). See :class:`~lightning_amp_plus.origins.OriginFinder`. On clean steps this costs two Python calls per
-    call of the LightningModule's direct children (their inputs and outputs kept by reference until the batch ends;
-    no device op, no sync); on a skipped step the one call that made the values is replayed in a sandbox (stand-in
-    parameters, every random stream given back): the run is bit-identical with and without it. ``None`` when it
-    cannot be told: a fused optimizer's skip whose flag reached the host too late (``sync_fused=True`` tells it),
-    Fabric, sharded
-    models (FSDP: a replay would need every rank's collectives; there only ``"input"`` is told).
+    The ``origin`` (``find_origin=True``, Trainer only) is :meth:`OriginFinder.origin
+    <lightning_amp_plus.origins.OriginFinder.origin>`'s: the batch, a module's forward (with the float32 verdict and
+    the islands a fix needs), the loss, backward, or unknown with the reason; it replays only in a sandbox, so the
+    run is bit-identical with and without it. ``None`` when it cannot be told: a fused optimizer's skip whose flag
+    reached the host too late (``sync_fused=True`` tells it), Fabric, sharded models (FSDP: only ``"input"``).
 
     Args:
         max_consecutive_skips: raise :class:`LossScaleCollapseError` after this many skipped steps in a row
@@ -187,10 +175,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             check_writable(type(self).__name__, "report_path", self.report_path)
 
     def attach(self, plugin: EngineView, module: torch.nn.Module, trainer: Optional[pl.Trainer] = None) -> None:
-        """Report the skips of ``plugin`` (``AmpPlusPrecision`` or ``AmpPlusFabricPrecision``) for ``module``.
+        """Report the skips of ``plugin`` for ``module`` (the Trainer calls it at setup).
 
-        The Trainer calls this at setup. With Fabric call it yourself after ``fabric.setup``, and :meth:`finish`
-        at the end (summary and JSON report); metrics go to loggers only under a Trainer.
+        With Fabric call it yourself after ``fabric.setup``, and :meth:`finish` at the end (summary and JSON report).
         """
         self._plugin = plugin
         self._trainer = trainer
@@ -237,11 +224,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             # a rerun of the step: only where one batch's step makes the update and steps no optimizer itself
             self._rerun = self.backward_origin and pl_module.automatic_optimization and not accumulating
             if self._rerun and trainer.is_global_zero and not self.quiet:
-                say(
-                    "`NaNSkipReporter(backward_origin=True)`: on a skipped update whose forward and loss were finite,"
-                    " the batch's `training_step` runs again, in a sandbox (parameters and buffers are stand-ins,"
-                    " random streams given back). It must not act outside the model: no environment step, file"
-                    " write or direct logger call."
+                announce(
+                    "NaNSkipReporter(backward_origin=True)", "on a skipped update whose forward and loss were finite,"
                 )
 
     # ------------------------------------------------------------------ where non-finite values are born
@@ -269,26 +253,13 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         if not self.find_origin or self._trainer is None:
             return None
         origin = self.origins.origin(calls)
-        record = calls if calls is not None else self.origins.current
-        if origin != {"phase": "backward"} or not self._rerun or record is None or self._plugin is None:
-            return origin
-        start = record.step_start()
-        if start is None:
+        if origin != {"phase": "backward"} or not self._rerun or self._plugin is None:
             return origin
         if scale is None and step is not None:
             scale = self._plugin.history.scale_at(step)
-        if scale is None:
-            return origin
-        trainer = self._trainer
-        return backward_origin(
-            trainer.lightning_module,
-            record.batch,
-            record.index,
-            start,
-            getattr(self._plugin, "device", None) or "cpu",
-            trainer.precision_plugin.forward_context,
-            scale,
-        )
+        record = calls if calls is not None else self.origins.current
+        device = getattr(self._plugin, "device", None) or "cpu"
+        return in_backward(origin, record, self._trainer, device, scale)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -301,16 +272,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         assert self._plugin is not None
         # skips a fused optimizer decided before this one come first (the history is on the host already)
         self._collect_device_skips(upto=event.step - 1)
-        record = {
-            "step": event.step,
-            "scale": event.scale,
-            "new_scale": event.new_scale,
-            "loss": _finite_or_none(self._mean_loss()),
-            "offenders": self.offenders.of(event.optimizers),
-            "origin": self._job_origin(self._origin(scale=event.scale)),
-        }
+        told = self._told(None, event.optimizers, self._mean_loss(), scale=event.scale)
+        told["origin"] = self._job_origin(told["origin"])
         self.offenders.clear()
-        self._add(record, event.consecutive)
+        self._add(skip_record(event.step, event.scale, event.new_scale, told), event.consecutive)
 
     def _job_origin(self, origin: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         """The update's origin over every rank (each skips it, so each calls this): the rank that saw it born tells."""
@@ -352,12 +317,22 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         They are still the skipped step's: it is read at this batch's end or before the next batch's backward.
         """
         optimizers = [resolve_optimizer(o) for o in self._trainer.optimizers] if self._trainer is not None else []
-        loss = self._loss if calls is None or not calls.losses else calls.losses[-1]
-        return {
-            "origin": self._origin(calls, step),
-            "offenders": self.offenders.of(optimizers) or None,
-            "loss": _finite_or_none(loss),  # this rank's (a flag read on one rank may not be read on another yet)
-        }
+        loss = self._loss if calls is None or not calls.losses else calls.losses[-1]  # this rank's
+        told = self._told(calls, optimizers, loss, step=step)
+        told["offenders"] = told["offenders"] or None
+        return told
+
+    def _told(
+        self,
+        calls: Optional[BatchCalls],
+        optimizers: list[Any],
+        loss: Optional[Tensor],
+        step: Optional[int] = None,
+        scale: Optional[float] = None,
+    ) -> dict[str, Any]:
+        """What a skip's record tells beyond its step and scales: its loss, offenders and origin."""
+        origin = self._origin(calls, step, scale)
+        return {"loss": _finite_or_none(loss), "offenders": self.offenders.of(optimizers), "origin": origin}
 
     def collect(self, check: bool = True) -> None:
         """Report now every skip a fused optimizer decided on the device (waits for a held flag: one sync at most).
@@ -371,30 +346,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True) -> None:
         """Report the skips in the history not reported yet (decided on the device), up to ``upto`` (default: all)."""
         assert self._plugin is not None
-        history = self._plugin.history
-        known = set(self._skipped_steps)
-        last = history.last_step if history.last_step is not None else -1
-        if upto is not None:
-            last = min(last, upto)
-        held = self._device_probe.held_step
-        if held is not None:  # its origin may still be told: report it once the flag is read
-            last = min(last, held - 1)
-        if last <= self._reported_upto:
-            return
-        last_recorded = history.last_step if history.last_step is not None else -1
-        for step in history.skipped_between(self._reported_upto + 1, last):
-            if step in known:
-                continue
-            told = self._device_probe.take(step) or {}
-            record = {
-                "step": step,
-                "scale": history.scale_at(step),
-                "new_scale": history.scale_at(step + 1) if step < last_recorded else None,
-                "loss": told.get("loss"),
-                "offenders": told.get("offenders"),  # counted when its flag was read (None: it came too late)
-                "origin": told.get("origin"),
-            }
-            self._add(record, history.streak_at(step), check=check)
+        found, last = self._device_probe.records(
+            self._plugin.history, self._reported_upto, set(self._skipped_steps), upto
+        )
+        for record, streak in found:
+            self._add(record, streak, check=check)
         self._reported_upto = last
 
     # ------------------------------------------------------------------ bookkeeping
@@ -406,20 +362,13 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         if self.quiet:
             return
         if self._trainer is not None:
-            log_to_all(
-                self._trainer,
-                {f"{self.prefix}step_skipped": 1.0, f"{self.prefix}consecutive_skips": float(self._consecutive)},
-                record["step"],
-            )
+            metrics = {"step_skipped": 1.0, "consecutive_skips": float(self._consecutive)}
+            log_to_all(self._trainer, {self.prefix + key: value for key, value in metrics.items()}, record["step"])
         if self._warned < self.max_warnings:
-            say(describe(record))
             self._warned += 1
+            say(describe(record))
             if self._warned == self.max_warnings:
-                say(
-                    f"`NaNSkipReporter`: {plural(self.max_warnings, 'skipped step')} printed; further skips are"
-                    " counted in"
-                    " `.skips` and summarised at the end of fit."
-                )
+                say(enough(self.max_warnings))
         if check:
             self._check_collapse(record)
         else:
@@ -439,35 +388,14 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         limit = self.max_consecutive_skips
         if not at_floor and (limit is None or self._consecutive < limit):
             return
-        if at_floor and scaler is not None:
-            why = (
-                f"step {record['step']} overflowed while the loss scale already sat at min_scale={scaler.min_scale:g}"
-                f" ({plural(self._consecutive, 'consecutive skipped step')})"
-            )
-        else:
-            were = "was" if self._consecutive == 1 else "were"
-            why = (
-                f"{plural(self._consecutive, 'consecutive optimizer step')} {were} skipped"
-                f" (max_consecutive_skips={limit})"
-            )
-        offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
-        message = (
-            f"Mixed-precision training collapsed: {why}; loss scale {record['scale']:g}; last offenders: {offenders}."
-        )
         # the origins read as AmpAdvisor reads them: one diagnosis, said the same way
         figures = RunFigures(
             origins=[{**r["origin"], "step": r["step"]} for r in self.skips if r.get("origin")],
             plugin=type(self._plugin).__name__,
             plugin_args=plugin_arguments(self._plugin),
         )
-        cause = origin_advice(figures)
-        if cause is not None:
-            message += f" {cause.message} HINT: {cause.fix}"
-        else:
-            message += (
-                " HINT: lower the learning rate, check the inputs for inf/nan, keep the named layers in float32"
-                " (`AmpPlusPrecision(fp32_modules=[...])`), or use precision='bf16-mixed'."
-            )
+        min_scale = scaler.min_scale if at_floor and scaler is not None else None
+        message = collapse_message(record, self._consecutive, limit, min_scale, origin_advice(figures))
         try:
             self._write_report()
         except OSError as error:  # the collapse is the error that matters
@@ -485,14 +413,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._collect_device_skips()
         self._check_unchecked()
         if self._num_skips:
-            report = self.report()
-            worst = ", ".join(f"{w['name']} ({plural(w['skips'], 'skip')})" for w in report["worst_offenders"][:5])
-            steps = report["skipped_steps"]
-            shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
-            say(
-                f"`NaNSkipReporter`: {len(steps)} of {report['num_steps']} updates skipped (at step"
-                f" {shown}); worst offenders: {worst or 'unknown'}."
-            )
+            say(summary(self.report()))
         try:
             self._write_report()
         except OSError as error:

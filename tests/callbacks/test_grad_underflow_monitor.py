@@ -448,8 +448,8 @@ def test_a_rank_holding_no_gradient_element_still_joins_the_sums_and_reports_the
     def other_rank(tensor, op):
         if op == torch.distributed.ReduceOp.MAX:
             return torch.full_like(tensor, 2.0)
-        n = (tensor.numel() - 1) // 4  # the loss, then zeros, below, sizes, structural zeros per parameter
-        return torch.cat([torch.ones(1), torch.zeros(n), torch.ones(n), torch.full((n,), 4.0), torch.zeros(n)])
+        n = (tensor.numel() - 1) // 4  # the loss, then per parameter: zeros, below, elements, structural zeros
+        return torch.cat([torch.ones(1), torch.tensor([0.0, 1.0, 4.0, 0.0]).repeat(n)])
 
     monitor = GradUnderflowMonitor(every_n_steps=1, per_parameter=10)
     trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[monitor], max_steps=1)
