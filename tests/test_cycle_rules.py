@@ -1009,3 +1009,21 @@ def test_each_streak_of_skips_is_warned_about(limit, expected):
         warned += [step for w in caught if w.category is AmpPlusWarning]
         opt.zero_grad()
     assert warned == expected
+
+
+def test_an_update_that_closes_without_a_step_keeps_the_last_outcome():
+    """Unscaled (to clip, say) and closed with no step: nothing was decided, so the last update's outcome stands."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = AmpEngine("16-mixed", DynamicLossScaler("cpu", init_scale=8.0))
+    _engine_cycle(engine, model, opt, 0, bad=True)
+    engine.end_cycle()
+    assert engine.closed.skipped is True
+    opt.zero_grad()
+    engine.scale(model(torch.ones(1, 2)).sum()).backward()
+    engine.begin(opt, 1)
+    engine.unscale(opt)
+    engine.end_cycle()  # no step
+    assert engine.closed.skipped is True
+    assert engine.optimizer_step_was_skipped
+    assert engine.history.num_steps == 1  # and nothing was recorded for it

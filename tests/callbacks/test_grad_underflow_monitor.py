@@ -55,6 +55,18 @@ def test_warns_when_underflow_stays_high_at_min_scale():
         make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=3).fit(model)
 
 
+def test_with_min_scale_zero_the_floor_is_float32s_smallest_normal_and_warns_there():
+    """min_scale=0 bounds the scale at 2**-126 (its inverse must stay finite): sitting there is sitting at the floor.
+
+    Every float16 gradient is zero at that scale, so only the float32 reference tells they were lost."""
+    model = TinyGrads()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**-126, min_scale=0.0)
+    monitor = GradUnderflowMonitor(every_n_steps=1, patience=2, exact=True)
+    with pytest.warns(UserWarning, match=r"underflow float16 while the loss scale sits at min_scale=0 "):
+        make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=3).fit(model)
+    assert [m["underflow_fraction"] for m in monitor.measurements] == [1.0, 1.0, 1.0]
+
+
 def test_logged_and_measured_only_every_n_steps(tmp_path):
     logger = CSVLogger(tmp_path)
     monitor = GradUnderflowMonitor(every_n_steps=3)
