@@ -39,7 +39,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "core": (
-        ["scaler", "history", "advice", "_validation", "_repr", "_scope", "_log", "_limits"],
+        ["scaler", "knobs", "history", "advice", "_validation", "_repr", "_scope", "_log", "_limits"],
         [
             "tests/test_scaler.py",
             "tests/test_cycle_rules.py",
@@ -68,11 +68,15 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "callbacks": (
-        ["callbacks", "origins"],
+        ["callbacks", "origins", "sandbox"],
         # the callbacks' messages are pinned in test_bad_input, what the monitor logs in bf16 in test_plot
         [
             "tests/callbacks/",
             "tests/test_origins.py",
+            "tests/test_backward_origins.py",
+            "tests/test_readings.py",
+            "tests/test_watch_never_touches.py",
+            "tests/test_replays_on_real_code.py",
             "tests/test_tree.py",
             "tests/test_compile.py",
             "tests/test_bad_input.py",
