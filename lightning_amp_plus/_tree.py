@@ -46,10 +46,21 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
         return fn(value)
     if isinstance(value, (list, tuple)):
         items = [map_tensors(fn, v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return rebuilt(value, items)
     if isinstance(value, dict):
         return {k: map_tensors(fn, v) for k, v in value.items()}
     return value
+
+
+def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
+    """A list or tuple like ``value`` holding ``items``: its own class where it can be built so, else a plain one.
+
+    A named tuple takes them positionally; a tuple subclass with a ``__new__`` of its own may take neither form.
+    """
+    try:
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    except TypeError:
+        return tuple(items) if isinstance(value, tuple) else list(items)
 
 
 def version(tensor: torch.Tensor) -> int:

@@ -928,7 +928,8 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
         return None
     first, step, fused, train = gains[0]
     names = "; ".join(
-        f"{o['name']} on {o['device']}: its fused step took {f:.2f} ms against {s:.2f} ms (timed on copies),"
+        f"{o['name']}{' over ' + o['params'] if o.get('params') else ''} on {o['device']}: its fused step took"
+        f" {f:.2f} ms against {s:.2f} ms (timed on copies),"
         f" {100 * (s - f) / t:.0f}% of this run's {t:.1f} ms step"
         for o, s, f, t in gains
     )
@@ -937,7 +938,7 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
         f"A fused optimizer kernel runs faster here: {names}. The trade-off: a fused step's skip is decided on the"
         " device, so `NaNSkipReporter` tells it (offenders and origin read when its flag reaches the host) at the"
         " next logging step, not at once (`sync_fused=True` reads each flag at its step: one host sync per step).",
-        first.get("fused_call") or f"torch.optim.{first['name']}(self.parameters(), lr=..., fused=True)",
+        "\n".join(o.get("fused_call") or f"torch.optim.{o['name']}(params, fused=True)" for o, _, _, _ in gains),
         {"optimizers": [o for o, _, _, _ in gains]},
     )
 
@@ -976,6 +977,8 @@ def _literal(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return repr(value)
     if isinstance(value, float):
+        if not math.isfinite(value):
+            return f'float("{value}")'  # inf: no bound (a literal `inf` is no Python)
         exponent = math.log2(value) if value > 0 else 0.5
         return _scale(value) if exponent == int(exponent) else repr(value)
     if isinstance(value, str):
@@ -988,6 +991,8 @@ def _literal(value: Any) -> str:
 
 def _scale(value: float) -> str:
     """``2.0**16`` for powers of two (paste-able, exact), else the number."""
+    if not math.isfinite(value):
+        return f'float("{value}")'
     if value > 0:
         exponent = math.log2(value)
         if exponent == int(exponent):
@@ -1101,6 +1106,16 @@ def _literal_value(node: ast.AST) -> Any:
         return values if isinstance(node, ast.List) else tuple(values)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_number(_literal_value(node.operand))
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "float"
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value in ("inf", "-inf", "nan")
+    ):
+        return float(node.args[0].value)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
         base, exponent = _number(_literal_value(node.left)), _number(_literal_value(node.right))
         if abs(exponent) > 1100:

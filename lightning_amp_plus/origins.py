@@ -651,7 +651,7 @@ def _weakly(output: Any) -> Any:
     if isinstance(output, Tensor):
         return weakref.ref(output)
     if isinstance(output, (list, tuple, dict)):
-        return _Weak(map_tensors(weakref.ref, output))
+        return _Weak(_weak_tree(output))
     if hasattr(type(output), "__weakref__"):
         return weakref.ref(output)
     return output
@@ -668,6 +668,17 @@ def _alive(held: Any) -> Any:
     return held
 
 
+def _weak_tree(value: Any) -> Any:
+    """``value``'s structure in plain tuples and dicts, each tensor a weak reference (no class of the user's built)."""
+    if isinstance(value, Tensor):
+        return weakref.ref(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_weak_tree(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _weak_tree(v) for k, v in value.items()}
+    return value
+
+
 def _strong(tree: Any) -> Any:
     """A :class:`_Weak` tree's output again (:data:`_GONE` if a tensor in it was freed)."""
     if isinstance(tree, weakref.ref):
@@ -677,7 +688,7 @@ def _strong(tree: Any) -> Any:
         items = [_strong(v) for v in tree]
         if any(v is _GONE for v in items):
             return _GONE
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+        return tuple(items)
     if isinstance(tree, dict):
         values = {k: _strong(v) for k, v in tree.items()}
         return _GONE if any(v is _GONE for v in values.values()) else values

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import is_compiled_wrapper
-from lightning_amp_plus._tree import version
+from lightning_amp_plus._tree import rebuilt, version
 
 _replays = [0]  # replays in progress (other callbacks' hooks ignore their calls)
 
@@ -398,7 +398,7 @@ def _swapped(value: Any, copies: dict[int, Tensor]) -> Any:
         items = [_swapped(v, copies) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return rebuilt(value, items)
     return value
 
 
@@ -607,7 +607,7 @@ def copied_inputs(value: Any) -> Any:
         return copy.requires_grad_(value.requires_grad) if value.is_floating_point() else copy
     if isinstance(value, (list, tuple)):
         items = [copied_inputs(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return rebuilt(value, items)
     if isinstance(value, dict) and type(value) is dict:
         return {k: copied_inputs(v) for k, v in value.items()}
     if isinstance(value, _PLAIN):

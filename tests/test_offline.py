@@ -107,6 +107,24 @@ def test_tensorboard_event_files_that_continue_each_other_are_one_run(tmp_path):
     assert read_run(tmp_path).scale == [(0, 1.0), (5, 2.0), (10, 4.0), (15, 8.0), (19, 8.0)]
 
 
+def test_an_unbounded_max_scale_is_logged_and_advised_as_python(tmp_path):
+    """``max_scale=float("inf")`` (torch's GradScaler exactly) once raised out of fit from the logged call."""
+    plugin = AmpPlusPrecision("16-mixed", min_scale=0.0, max_scale=float("inf"))
+    advisor = AmpAdvisor(print_advice=False)
+    logger = CSVLogger(tmp_path, name="run")
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(), advisor], logger=logger, max_steps=8).fit(
+        TinyModel(grad_poison={0: "net.0.weight", 1: "net.0.weight"})
+    )
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
+        logged = yaml.safe_load(f)["amp/plugin"]
+    assert logged == 'AmpPlusPrecision("16-mixed", min_scale=0.0, max_scale=float("inf"))'
+    assert parse_plugin_call(logged) == ("AmpPlusPrecision", {"precision": "16-mixed", **plugin_arguments(plugin)})
+    (told,) = [a for a in advisor.advice if a.code == "init_scale"]  # the first two updates skipped: told
+    assert 'max_scale=float("inf")' in told.fix
+    fixed = eval(told.fix, {"AmpPlusPrecision": AmpPlusPrecision})  # pasted as printed
+    assert fixed.scaler.max_scale == float("inf")
+
+
 @pytest.mark.parametrize("kind", ["csv", "tb"])
 def test_the_monitor_logs_the_plugins_call_beside_the_modules_own_hyperparameters(tmp_path, kind):
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**12, growth_interval=20, fp32_modules=[torch.nn.ReLU])
@@ -137,13 +155,15 @@ def test_the_logged_call_reads_back_as_the_plugins_arguments():
         AmpPlusPrecision(),
         AmpPlusPrecision("bf16-mixed", "cpu", warn_skip_streak=None, fp32_modules=["head", "enc.*.attn"]),
         AmpPlusPrecision(init_scale=2.0**-3, growth_factor=1.5, min_scale=2.0**-20, hysteresis=2),
+        AmpPlusPrecision(min_scale=0.0, max_scale=float("inf")),  # torch's GradScaler exactly: no bound
         AmpPlusFSDPPrecision("16-mixed", param_dtype="float16", growth_interval=100),
     ):
         name = type(plugin).__name__
         call = plugin_call(name, plugin_arguments(plugin))
         assert parse_plugin_call(call) == (name, {"precision": plugin.precision, **plugin_arguments(plugin)}), call
         assert repr(plugin).startswith(name)
-    for text in ("print(1)", 'AmpPlusPrecision("16-mixed", init_scale=__import__("os"))', "AmpPlusPrecision(**x)", 3):
+    refused = ("print(1)", 'AmpPlusPrecision("16-mixed", init_scale=__import__("os"))', "AmpPlusPrecision(**x)", 3)
+    for text in (*refused, "AmpPlusPrecision(max_scale=float(1))"):
         assert parse_plugin_call(text) is None
 
 

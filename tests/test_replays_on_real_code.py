@@ -178,6 +178,43 @@ def test_dataclass_batches_and_outputs(fault, tmp_path):
         assert told == {"phase": "input"}  # the batch's NaN, found inside the dataclass
 
 
+class _Pair(tuple):
+    """(output, aux), built as `_Pair(out, aux)`: a tuple subclass whose `__new__` takes its fields, not an iterable."""
+
+    def __new__(cls, out, aux):
+        return super().__new__(cls, (out, aux))
+
+
+class _PairNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return _Pair(h, h.float().pow(2).mean())
+
+
+class _Pairs(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = _PairNet(), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h, aux = self.enc(x)
+        return nn.functional.mse_loss(self.head(h).float(), y) + 1e-3 * aux
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_tuple_subclass_output_is_held_and_replayed_without_rebuilding_it(tmp_path):
+    watched, callbacks = _assert_untouched(_Pairs, _pairs(), tmp_path)  # once raised TypeError from _Pair.__new__
+    assert watched["skipped"] == [LOUD]
+    assert _origins(callbacks)[LOUD]["module"] == "enc.fc"
+
+
 class _Scripted(LightningModule):
     def __init__(self):
         super().__init__()

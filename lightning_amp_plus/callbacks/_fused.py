@@ -26,10 +26,13 @@ TIMED_STEPS = 5
 TIMED_ELEMENTS = 2**24
 
 
-def candidates(optimizers: list[Any]) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
+def candidates(
+    optimizers: list[Any], module: Optional[torch.nn.Module] = None
+) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
     """The torch optimizers that have a fused kernel for their device and float parameters, and run without it.
 
-    Each with its entry: ``name``, ``device``, ``fused_call`` (the user's call with ``fused=True``).
+    Each with its entry: ``name``, ``device``, ``params`` (what it optimizes, as ``module``'s code names it) and
+    ``fused_call`` (the user's call with ``fused=True``).
     """
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -48,12 +51,32 @@ def candidates(optimizers: list[Any]) -> list[tuple[torch.optim.Optimizer, dict[
         if any(p.grad is not None and p.grad.is_sparse for p in params):
             continue  # fused kernels refuse sparse gradients (an `Embedding(sparse=True)`)
         if devices <= set(FUSED[name] or supported) and all(p.is_floating_point() for p in params):
-            found.append((real, {"name": name, "device": ", ".join(sorted(devices)), "fused_call": fused_call(real)}))
+            given = parameters_named(real, module)
+            entry = {"name": name, "device": ", ".join(sorted(devices)), "params": given}
+            found.append((real, {**entry, "fused_call": fused_call(real, given)}))
     return found
 
 
-def fused_call(optimizer: torch.optim.Optimizer) -> str:
-    """The user's optimizer call with ``fused=True``: every setting that differs from the class's default kept."""
+def parameters_named(optimizer: torch.optim.Optimizer, module: Optional[torch.nn.Module]) -> Optional[str]:
+    """``optimizer``'s parameters as the LightningModule's code names them: ``self.generator.parameters()``.
+
+    The module (or submodule) whose parameters are exactly its one group's; None when no module's are (several
+    groups, a hand-picked list): a fix cannot name them.
+    """
+    if module is None or len(optimizer.param_groups) != 1:
+        return None
+    mine = {id(p) for p in optimizer.param_groups[0]["params"]}
+    for name, sub in module.named_modules():
+        if {id(p) for p in sub.parameters()} == mine:
+            return f"self.{name}.parameters()" if name else "self.parameters()"
+    return None
+
+
+def fused_call(optimizer: torch.optim.Optimizer, params: Optional[str] = None) -> str:
+    """The user's optimizer call with ``fused=True``: every setting that differs from the class's default kept.
+
+    ``params``: what it optimizes (:func:`parameters_named`); None: ``params``, which the user's call names.
+    """
     cls = type(optimizer)
     defaults = {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
     kept = [
@@ -61,8 +84,8 @@ def fused_call(optimizer: torch.optim.Optimizer) -> str:
         for name, value in optimizer.defaults.items()
         if name not in ("fused", "foreach") and name in defaults and not same_value(value, defaults[name])
     ]
-    params, note = ("self.parameters()", "") if len(optimizer.param_groups) == 1 else ("param_groups", "  # as before")
-    return f"torch.optim.{cls.__name__}({', '.join([params, *kept, 'fused=True'])}){note}"
+    note = "" if params is not None else "  # params: the parameters (or groups) your call passes"
+    return f"torch.optim.{cls.__name__}({', '.join([params or 'params', *kept, 'fused=True'])}){note}"
 
 
 def step_times(optimizer: torch.optim.Optimizer) -> Optional[tuple[float, float]]:

@@ -230,7 +230,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         """Torch optimizers that could run fused on their device and do not, with their steps timed both ways."""
         step_ms = self._step_ms()
         found = []
-        for optimizer, entry in _fused.candidates(trainer.optimizers):
+        for optimizer, entry in _fused.candidates(trainer.optimizers, trainer.lightning_module):
             times = _fused.step_times(optimizer)
             if times is not None:
                 entry.update(step_ms=times[0], fused_step_ms=times[1], train_step_ms=step_ms)

@@ -686,7 +686,7 @@ def test_the_printed_and_markdown_text(fused_saves, tmp_path, caplog):
             second.fix,
             "```",
             "",
-            "Evidence: `optimizers`: [{'name': 'AdamW', 'device': 'cpu', 'fused_call': "
+            "Evidence: `optimizers`: [{'name': 'AdamW', 'device': 'cpu', 'params': 'self.parameters()', 'fused_call': "
             "'torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)', 'step_ms': 2.0, 'fused_step_ms': 1.0,"
             " 'train_step_ms': 10.0}]",
             "",
@@ -784,6 +784,30 @@ def test_which_optimizers_are_told_to_fuse_one_rule_per_optimizer():
 
     told = [{"name": "AdamW", "device": "cpu"}, {"name": "Adagrad", "device": "cpu"}, {"name": "SGD", "device": "cpu"}]
     assert named([entry for _, entry in candidates(optimizers)]) == told
+
+
+def test_a_fused_fix_names_the_parameters_each_optimizer_has():
+    """A GAN's optimizers each hold one submodule's parameters: a fix that wrote `self.parameters()` would make the
+    generator's optimizer move the discriminator. A hand-picked list is named `params`, never guessed."""
+    from lightning_amp_plus.callbacks._fused import candidates
+
+    gan = nn.Module()
+    gan.G, gan.D = nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    optimizers = [
+        torch.optim.Adam(gan.G.parameters(), lr=2e-4, betas=(0.5, 0.999)),
+        torch.optim.Adam(gan.D.parameters(), lr=2e-4, betas=(0.5, 0.999)),
+        torch.optim.SGD(gan.parameters(), lr=0.1),
+        torch.optim.SGD([gan.G.weight, gan.D[1].bias], lr=0.1),
+    ]
+    calls = [entry["fused_call"] for _, entry in candidates(optimizers, gan)]
+    assert calls == [
+        "torch.optim.Adam(self.G.parameters(), lr=0.0002, betas=(0.5, 0.999), fused=True)",
+        "torch.optim.Adam(self.D.parameters(), lr=0.0002, betas=(0.5, 0.999), fused=True)",
+        "torch.optim.SGD(self.parameters(), lr=0.1, fused=True)",
+        "torch.optim.SGD(params, lr=0.1, fused=True)  # params: the parameters (or groups) your call passes",
+    ]
+    pasted = eval(calls[0], {"torch": torch, "self": gan})  # as printed: the generator's parameters only
+    assert {id(p) for p in pasted.param_groups[0]["params"]} == {id(p) for p in gan.G.parameters()}
 
 
 def test_bf16_availability_by_device(monkeypatch):
@@ -887,7 +911,10 @@ def test_several_param_groups_keep_their_groups_in_the_fused_fix(fused_saves):
     fused_saves(1.0)
     call = "torch.optim.AdamW([{'params': self.net[0].parameters()}, {'params': self.net[2].parameters()}], lr=0.01)"
     advisor, _ = fit(Calls(call), max_steps=2)
-    assert only(advisor, "fused_optimizer").fix == "torch.optim.AdamW(param_groups, lr=0.01, fused=True)  # as before"
+    assert (
+        only(advisor, "fused_optimizer").fix
+        == "torch.optim.AdamW(params, lr=0.01, fused=True)  # params: the parameters (or groups) your call passes"
+    )
 
 
 def test_skip_rate_is_told_even_when_a_speed_hint_is_given(fused_saves):
