@@ -31,6 +31,7 @@ _EXPORTS = {
     "ShardedDynamicLossScaler": "lightning_amp_plus.scaler",
     "SkipEvent": "lightning_amp_plus.engine",
     "UpdateCycle": "lightning_amp_plus.engine",
+    "UpdateListener": "lightning_amp_plus.engine",
     "plot_history": "lightning_amp_plus.plot",
     "plot_run": "lightning_amp_plus.plot",
 }
@@ -54,6 +55,7 @@ __all__ = [
     "ShardedDynamicLossScaler",
     "SkipEvent",
     "UpdateCycle",
+    "UpdateListener",
     "__version__",
     "plot_history",
     "plot_run",

@@ -100,6 +100,11 @@ def check_device(owner: str, device: Any) -> Optional[str]:
             f"`{owner}(device={device!r})` is invalid: expected a device type string such as 'cuda' or 'cpu',"
             " or None for the trainer's accelerator."
         )
+    if ":" in device:  # a device ('cuda:1'), not its type: autocast and the trainer's accelerator take the type
+        raise ValueError(
+            f"`{owner}(device={device!r})` is invalid: expected a device type such as 'cuda' or 'cpu', not a device"
+            f" with an index. HINT: use device={device.split(':')[0]!r} (the trainer's `devices=` picks the index)."
+        )
     if not _autocast_available(device):
         hint = {"gpu": "use 'cuda'", "auto": "leave `device=None` to follow the trainer's accelerator"}.get(
             device.lower(), f"device types are lower case: {device.lower()!r}" if device != device.lower() else ""

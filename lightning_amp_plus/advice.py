@@ -220,9 +220,15 @@ def _known_origins(figures: RunFigures) -> list[dict[str, Any]]:
 
 
 def _scaling_skips(figures: RunFigures) -> list[int]:
-    """The skipped steps a loss scale could have avoided: all but those born in the batch, the loss or a forward."""
+    """The skipped steps a loss scale could have avoided.
+
+    All but those born in the batch, the loss or a forward, and those whose float32 replay is non-finite too (a
+    backward that makes inf/nan at any scale).
+    """
     not_scaling = {
-        o["step"] for o in _known_origins(figures) if "step" in o and o.get("phase") in ("input", "loss", "forward")
+        o["step"]
+        for o in _known_origins(figures)
+        if "step" in o and (o.get("phase") in ("input", "loss", "forward") or o.get("float32") == "nonfinite")
     }
     return [s for s in figures.skipped or [] if s not in not_scaling]
 

@@ -13,17 +13,19 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._compat import LegacyView
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_choice
 from lightning_amp_plus.engine import SCALER_DEFAULTS, AmpEngine, EngineView, make_engine, refuse_closure_optimizer
+from lightning_amp_plus.knobs import knob_values
 
 
 def _convert(tensor: Tensor, dst_type: torch.dtype) -> Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
 
 
-class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
+class AmpPlusFabricPrecision(KnobsRepr, EngineView, LegacyView, FabricPrecision):
     """Fabric precision plugin sharing :class:`~lightning_amp_plus.engine.AmpEngine` with ``AmpPlusPrecision``.
 
     Same arguments and defaults as ``AmpPlusPrecision`` for the scaler (``init_scale`` ... ``hysteresis``) and
@@ -60,20 +62,20 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
         device: Optional[str] = None,
         *,
-        init_scale: float = SCALER_DEFAULTS["init_scale"],
-        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
-        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
-        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
-        min_scale: float = SCALER_DEFAULTS["min_scale"],
-        max_scale: float = SCALER_DEFAULTS["max_scale"],
-        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
+        init_scale: Optional[float] = SCALER_DEFAULTS["init_scale"],
+        growth_factor: Optional[float] = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: Optional[float] = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: Optional[int] = SCALER_DEFAULTS["growth_interval"],
+        min_scale: Optional[float] = SCALER_DEFAULTS["min_scale"],
+        max_scale: Optional[float] = SCALER_DEFAULTS["max_scale"],
+        hysteresis: Optional[int] = SCALER_DEFAULTS["hysteresis"],
         skip_nonfinite: bool = True,
         warn_skip_streak: Optional[int] = 50,
         update: Literal["step", "manual"] = "step",
     ) -> None:
-        self._given = given_arguments(AmpPlusFabricPrecision.__init__, locals())
+        knobs = knob_values({name: value for name, value in locals().items() if name in SCALER_DEFAULTS})
+        self._given = given_arguments(AmpPlusFabricPrecision.__init__, {**locals(), **knobs})
         owner = type(self).__name__
-        knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
         self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs, warn_skip_streak)
         check_choice(owner, "update", update, ("step", "manual"))
         self.precision = precision  # type: ignore[assignment]

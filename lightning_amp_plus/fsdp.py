@@ -67,7 +67,7 @@ class AmpPlusFSDPPrecision(AmpPlusPrecision, FSDPPrecision):  # type: ignore[mis
     ) -> None:
         given = given_arguments(AmpPlusFSDPPrecision.__init__, locals())
         super().__init__(precision, device, **kwargs)
-        self._given = {**given, **self._given, **kwargs}  # given_arguments leaves **kwargs out
+        self._given = {**given, **self._given}  # the knobs in **kwargs: as AmpPlusPrecision tells them
         owner = type(self).__name__
         check_choice(owner, "param_dtype", param_dtype, tuple(_DTYPES))
         check_choice(owner, "reduce_dtype", reduce_dtype, tuple(_DTYPES))

@@ -10,6 +10,7 @@ signatures (``init_scale: float = DEFAULTS["init_scale"]``: the value shows in `
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +20,13 @@ from lightning_amp_plus._limits import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX
 
 
 def is_real(value: Any) -> TypeGuard[float]:
-    """An int or a float, not a bool: the one test every real-number check uses."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (an int, a float, a NumPy scalar), not a bool: the one test every real-number check uses."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def is_int(value: Any) -> TypeGuard[int]:
-    """An int, not a bool: the one test every integer check uses."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (an int, a NumPy integer), not a bool: the one test every integer check uses."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def as_float32(value: float) -> float:
@@ -57,8 +58,13 @@ class Knob:
     allowed: Callable[[Any], Optional[str]]
 
     def convert(self, value: Any) -> Any:
-        """The value as the scaler keeps it (a float, or an int)."""
-        return int(value) if self.integer else float(value)
+        """The value as the scaler keeps it (a float, or an int; an int beyond float's range: inf)."""
+        if self.integer:
+            return int(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int such as 10**400
+            return math.inf if value > 0 else -math.inf
 
 
 def _scale(value: float) -> Optional[str]:
@@ -127,6 +133,22 @@ DEFAULTS: dict[str, Any] = {knob.name: knob.default for knob in KNOBS}
 NAMES: tuple[str, ...] = tuple(DEFAULTS)
 
 
+def knob_values(values: dict[str, Any]) -> dict[str, Any]:
+    """A constructor's knobs as the scaler keeps them: None is the default, a real number (NumPy's too) a Python one.
+
+    None was every knob's default in 0.2 (LightningCLI configs saved then hold ``growth_factor: null``): it still
+    means the default. A value of the wrong kind is left for :func:`check_knobs` to refuse.
+    """
+    out = dict(values)
+    for knob in KNOBS:
+        value = values.get(knob.name, DEFAULTS[knob.name])
+        if value is None:
+            out[knob.name] = knob.default
+        elif is_int(value) if knob.integer else is_real(value):
+            out[knob.name] = knob.convert(value)
+    return {name: value for name, value in out.items() if name in values}
+
+
 def check_knobs(owner: str, values: dict[str, Any], label: Optional[dict[str, str]] = None) -> None:
     """Check the knobs in ``values`` (a missing ``init_scale`` is not checked), each by its rule, then together.
 
@@ -140,7 +162,7 @@ def check_knobs(owner: str, values: dict[str, Any], label: Optional[dict[str, st
 
     for knob in KNOBS:
         if knob.name not in values or (knob.name == "init_scale" and values[knob.name] is None):
-            continue  # the knobs given only (a setter, a checkpoint's knobs, a scale)
+            continue  # the knobs given only (a setter, a checkpoint's knobs, a scale); a constructor's None: default
         value = values[knob.name]
         if not (is_int(value) if knob.integer else is_real(value)):
             kind = "an int" if knob.integer else "a real number"

@@ -213,7 +213,7 @@ class OriginFinder:
         return unknown(f"telling it raised {error}") if error is not None else told
 
     def _tell(self, record: BatchCalls) -> Optional[Origin]:
-        in_batch = nonfinite_kind(record.batch, masks=True) is not None  # +inf or nan: never a mask
+        in_batch = nonfinite_kinds(record.batch, masks=True)  # an additive mask's -inf is no bad data
         if self._module is None:
             return {"phase": "input"} if in_batch else None  # not recorded (sharded, compiled): only the batch is told
         for index, (name, _, args, kwargs, held, kept, _, _) in enumerate(record.calls):
@@ -221,9 +221,11 @@ class OriginFinder:
             now = versions(args, kwargs, None if output is _GONE else output)
             if now != (kept if output is not _GONE else kept[: kept[0] + 1]):  # a freed output changes no more
                 return unknown(f"the step changed the inputs or the output of {name} in place after the call")
-            kind = nonfinite_kind((args, kwargs), masks=True)  # -inf alone: a mask (the module's output tells)
-            if kind is not None:  # made before this call: by the batch, or the LightningModule's own code
-                return {"phase": "input"} if in_batch else {"phase": "forward", "module": "", "kind": kind}
+            taken = nonfinite_kinds((args, kwargs), masks=True)  # a mask's -inf: by design (the module's output tells)
+            if taken:  # made before this call: by the batch (when it holds that kind), or the module's own code
+                if taken <= in_batch:
+                    return {"phase": "input"}
+                return {"phase": "forward", "module": "", "kind": "inf" if "inf" in taken - in_batch else "nan"}
             if output is _GONE or nonfinite_kind(output) is not None:
                 born = self._inside(record, index)
                 if born is not None:  # else: finite, or only masks (-inf by design) left the call
@@ -292,8 +294,6 @@ class OriginFinder:
             }
         if first.found is None:
             return None
-        if first.found["float32"] == "nonfinite" and _batch_minus_inf(record, args, kwargs):
-            return {"phase": "input"}  # the batch's -inf, which float32 does not absorb either: no mask
         born: Origin = {"phase": "forward", **first.found}
         if born["float32"] == "finite":
             born["islands"] = self._islands(record, index, first.found["module"])
@@ -464,10 +464,10 @@ class _FirstBorn:
         inputs = before  # copies taken before the call, when an argument holds state (a cache the call appends to)
         if inputs is None and versions(args, kwargs) == kept and not holds_state((args, kwargs)):
             inputs = (args, kwargs)  # else it changed its own inputs: they are not what it was called with
-        real = nonfinite_kind(output, masks=True) is not None  # +inf or nan: never a mask
+        real = nonfinite_kind(output, masks=True) is not None  # +inf, nan, or -inf beside other values: no mask
         float32 = "unknown" if inputs is None else self._float32(module, inputs[0], inputs[1], start, masks=real)
         if not real and float32 != "finite":
-            return  # -inf alone, which float32 makes too: a mask by design
+            return  # a mask's -inf, which float32 makes too: by design
         self.found = {"module": self._names[id(module)], "kind": kind, "float32": float32}
 
     def _float32(
@@ -491,11 +491,6 @@ class _FirstBorn:
 def _up(value: Any) -> Any:
     """A call's arguments copied, half floats made float32 (a recompute never writes what the replay goes on with)."""
     return map_tensors(lambda t: t.detach().float() if t.is_floating_point() else t.detach().clone(), value)
-
-
-def _batch_minus_inf(record: BatchCalls, args: Any, kwargs: Any) -> bool:
-    """Whether the batch held ``-inf`` and a call took ``-inf`` in: the batch's, unless float32 absorbs it (a mask)."""
-    return nonfinite_kind(record.batch) is not None and nonfinite_kind((args, kwargs)) is not None
 
 
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite
@@ -559,16 +554,39 @@ def _device_type(module: torch.nn.Module) -> str:
 def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
 
-    With ``masks``, ``-inf`` alone does not count: attention masks between modules hold it by design. A batch and
-    a module's output are checked without.
+    With ``masks``, an additive mask's ``-inf`` does not count: a tensor whose finite values are all one value (0 /
+    ``-inf``, as attention masks between modules hold by design). ``-inf`` beside other values (a float16 sum or
+    product that overflowed) counts. A module's output is checked without.
     """
     for tensor in values(value):
-        if tensor.is_floating_point():
-            if bool(torch.isposinf(tensor).any()) or (not masks and bool(torch.isneginf(tensor).any())):
-                return "inf"
-            if bool(torch.isnan(tensor).any()):
-                return "nan"
+        kinds = _kinds(tensor, masks)
+        if kinds:
+            return "inf" if "inf" in kinds else "nan"
     return None
+
+
+def nonfinite_kinds(value: Any, masks: bool = False) -> set[str]:
+    """Every kind (``"inf"``, ``"nan"``) the floating tensors in ``value`` hold, read as :func:`nonfinite_kind`."""
+    return {kind for tensor in values(value) for kind in _kinds(tensor, masks)}
+
+
+def _kinds(tensor: Tensor, masks: bool) -> set[str]:
+    if not tensor.is_floating_point():
+        return set()
+    kinds = set()
+    if bool(torch.isposinf(tensor).any()) or (
+        bool(torch.isneginf(tensor).any()) and not (masks and _mask_like(tensor))
+    ):
+        kinds.add("inf")
+    if bool(torch.isnan(tensor).any()):
+        kinds.add("nan")
+    return kinds
+
+
+def _mask_like(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s ``-inf`` is an additive mask's: its finite values (if any) all one value, 0 mostly."""
+    finite = tensor[torch.isfinite(tensor)]
+    return not finite.numel() or bool((finite == finite.reshape(-1)[0]).all())
 
 
 def fits_float16(value: Any) -> bool:

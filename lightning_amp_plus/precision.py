@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus._compat import LegacyView
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
@@ -35,11 +36,12 @@ from lightning_amp_plus.engine import (
     warn_unstepped,
 )
 from lightning_amp_plus.islands import Fp32Islands, check_entries
+from lightning_amp_plus.knobs import knob_values
 
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
 
 
-class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
+class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
     """Mixed precision with a bounded dynamic loss scaler, unscale-before-clip and skip bookkeeping.
 
     Args:
@@ -86,21 +88,21 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
         device: Optional[str] = None,
         *,
-        init_scale: float = SCALER_DEFAULTS["init_scale"],
-        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
-        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
-        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
-        min_scale: float = SCALER_DEFAULTS["min_scale"],
-        max_scale: float = SCALER_DEFAULTS["max_scale"],
-        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
+        init_scale: Optional[float] = SCALER_DEFAULTS["init_scale"],
+        growth_factor: Optional[float] = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: Optional[float] = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: Optional[int] = SCALER_DEFAULTS["growth_interval"],
+        min_scale: Optional[float] = SCALER_DEFAULTS["min_scale"],
+        max_scale: Optional[float] = SCALER_DEFAULTS["max_scale"],
+        hysteresis: Optional[int] = SCALER_DEFAULTS["hysteresis"],
         skip_nonfinite: bool = True,
         warn_skip_streak: Optional[int] = 50,
         skip_scheduler_on_overflow: bool = True,
         fp32_modules: Optional[list[Union[str, type[torch.nn.Module]]]] = None,
     ) -> None:
-        self._given = given_arguments(AmpPlusPrecision.__init__, locals())
+        knobs = knob_values({name: value for name, value in locals().items() if name in SCALER_DEFAULTS})
+        self._given = given_arguments(AmpPlusPrecision.__init__, {**locals(), **knobs})
         owner = type(self).__name__
-        knobs = {name: value for name, value in locals().items() if name in SCALER_DEFAULTS}
         self._engine: AmpEngine = make_engine(
             owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, sharded=self._sharded
         )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -20,7 +22,7 @@ from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_bool
-from lightning_amp_plus.knobs import DEFAULTS, KNOBS, NAMES, check_knobs, grows, read_checkpoint
+from lightning_amp_plus.knobs import DEFAULTS, KNOBS, check_knobs, grows, is_real, knob_values, read_checkpoint
 
 
 class StepOutcome:
@@ -195,19 +197,19 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def __init__(
         self,
         device: str = "cuda",
-        init_scale: float = DEFAULTS["init_scale"],
-        growth_factor: float = DEFAULTS["growth_factor"],
-        backoff_factor: float = DEFAULTS["backoff_factor"],
-        growth_interval: int = DEFAULTS["growth_interval"],
+        init_scale: float | None = DEFAULTS["init_scale"],
+        growth_factor: float | None = DEFAULTS["growth_factor"],
+        backoff_factor: float | None = DEFAULTS["backoff_factor"],
+        growth_interval: int | None = DEFAULTS["growth_interval"],
         enabled: bool = True,
         *,
-        min_scale: float = DEFAULTS["min_scale"],
-        max_scale: float = DEFAULTS["max_scale"],
-        hysteresis: int = DEFAULTS["hysteresis"],
+        min_scale: float | None = DEFAULTS["min_scale"],
+        max_scale: float | None = DEFAULTS["max_scale"],
+        hysteresis: int | None = DEFAULTS["hysteresis"],
     ) -> None:
-        self._given = given_arguments(DynamicLossScaler.__init__, locals())
-        given = locals()
-        check_knobs(type(self).__name__, {name: given[name] for name in NAMES})
+        given = knob_values({name: value for name, value in locals().items() if name in DEFAULTS})
+        self._given = given_arguments(DynamicLossScaler.__init__, {**locals(), **given})
+        check_knobs(type(self).__name__, given)
         check_bool(type(self).__name__, "enabled", enabled)
         #: the constructor's knobs, restored by :meth:`reset` (a checkpoint may replace the live ones)
         self._constructed: dict[str, Any] = {knob.name: knob.convert(given[knob.name]) for knob in KNOBS}
@@ -347,6 +349,23 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return False
         return self._per_optimizer_states[key]["stage"] is OptState.UNSCALED
 
+    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` stepped (or skipped) in this cycle, i.e. since the last :meth:`update`."""
+        key = id(resolve_optimizer(optimizer))
+        if not self._enabled or key not in self._per_optimizer_states:
+            return False
+        return self._per_optimizer_states[key]["stage"] is OptState.STEPPED
+
+    def any_step_skipped(self) -> bool:
+        """Deprecated (0.2): whether any optimizer's last step was skipped (reads a fused step's device flag)."""
+        warnings.warn(
+            "`DynamicLossScaler.any_step_skipped()` is deprecated since 0.3 and goes in 0.4: use"
+            " `any_skipped(scaler.outcomes(), sync=True)` (or the plugin's `optimizer_step_was_skipped`).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return bool(any_skipped(self.outcomes(), sync=True))
+
     def reset_cycle(self, optimizers: Iterable[torch.optim.Optimizer] | None = None) -> None:
         """Forget the unscale/step state of ``optimizers`` (default: all) in the open cycle; the scale stays.
 
@@ -438,6 +457,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         if new_scale is not None:  # the caller's scale, inside the bounds at once
+            if not isinstance(new_scale, Tensor) and not (is_real(new_scale) and 0 < new_scale < math.inf):
+                raise ValueError(
+                    f"`{type(self).__name__}.update(new_scale={new_scale!r})` is invalid: expected a finite scale > 0"
+                    " (it is brought inside [min_scale, max_scale])."
+                )
             self._host.kept = False
             super().update(new_scale)
             assert self._scale is not None

@@ -97,6 +97,18 @@ def test_init_scale_ignores_leading_skips_from_bad_batches():
     assert "init_scale" not in codes(figures)
 
 
+@pytest.mark.parametrize(("float32", "fires"), [("nonfinite", False), ("finite", True), ("unknown", True)])
+def test_the_scale_codes_ignore_backward_skips_a_float32_replay_makes_too(float32, fires):
+    """A backward that makes inf/nan in float32 too (sqrt'(0)) is no loss scale's doing: no scale code counts it."""
+    origins = [{"phase": "backward", "module": "norm", "float32": float32, "step": s} for s in (0, 1, 2)]
+    figures = run([(0, 2.0**10), (1, 2.0**9), (2, 2.0**8), (3, 2.0**7)], [0, 1, 2], 20, origins=origins)
+    assert ("init_scale" in codes(figures)) is fires
+    underflow = [{"step": 40, "scale": 512.0, "underflow_fraction": 0.5}]
+    origins = [{"phase": "backward", "module": "norm", "float32": float32, "step": 10}]
+    figures = run([(0, 1024.0), (11, 512.0)], [10], 300, underflow=underflow, origins=origins)
+    assert ("growth_interval" in codes(figures)) is fires
+
+
 def test_growth_interval_is_silent_when_the_scale_grew_back():
     figures = run([(0, 1024.0), (11, 512.0), (40, 1024.0)], [10], 100)
     assert "growth_interval" not in codes(figures)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning_amp_plus import (
     AmpPlusFabricPrecision,
     AmpPlusPrecision,
     AmpPlusWarning,
+    DynamicLossScaler,
     GradUnderflowMonitor,
     LossScaleCollapseError,
     LossScaleMonitor,
@@ -22,6 +24,7 @@ from lightning_amp_plus import (
     PrecisionReport,
 )
 from lightning_amp_plus.__main__ import main as cli
+from lightning_amp_plus.knobs import DEFAULTS
 from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
@@ -175,6 +178,7 @@ def test_plot_command_prints_the_path_it_wrote(tmp_path, capsys):
         ("gpu", r"`AmpPlusPrecision\(device='gpu'\)` is invalid: expected a device type .* HINT: use 'cuda'"),
         ("CPU", r"device='CPU'\)` is invalid: .* HINT: device types are lower case: 'cpu'"),
         ("nosuch", r"device='nosuch'\)` is invalid: expected a device type that autocast supports"),
+        ("cpu:0", r"device='cpu:0'\)` is invalid: expected a device type .*, not a device .* HINT: use device='cpu'"),
     ],
 )
 def test_device_is_checked_at_construction(device, match):
@@ -430,6 +434,41 @@ def test_the_scale_bounds_are_refused_together_with_their_whole_message():
 def test_every_boundary_value_is_taken(knobs):
     knobs_in_force = AmpPlusPrecision("16-mixed", **knobs).scaler.knobs()
     assert {k: knobs_in_force[k] for k in knobs} == knobs
+
+
+def test_a_knob_given_as_none_is_its_default_as_in_0_2():
+    """0.2's signatures defaulted every knob to None: its saved LightningCLI configs hold `growth_factor: null`."""
+    for make in (AmpPlusPrecision, AmpPlusFabricPrecision):
+        plugin = make("16-mixed", **{**dict.fromkeys(DEFAULTS), "growth_interval": 20})
+        assert plugin.scaler.knobs() == {**DEFAULTS, "growth_interval": 20}
+        assert repr(plugin) == f"{make.__name__}(growth_interval=20)"  # None is no argument given
+    assert DynamicLossScaler("cpu", init_scale=None, max_scale=None).knobs() == DEFAULTS
+
+
+def test_numpy_scalars_are_numbers_and_kept_as_python_ones():
+    np = pytest.importorskip("numpy")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=np.float32(1024.0), growth_interval=np.int64(100))
+    knobs = plugin.scaler.knobs()
+    assert (knobs["init_scale"], knobs["growth_interval"]) == (1024.0, 100)
+    assert (type(knobs["init_scale"]), type(knobs["growth_interval"])) == (float, int)
+    assert repr(plugin) == "AmpPlusPrecision(init_scale=1024.0, growth_interval=100)"  # a call that pastes
+    with pytest.raises(TypeError, match=r"growth_interval=(np.float64\(1.5\)|1.5)\)` is invalid: expected an int"):
+        AmpPlusPrecision("16-mixed", growth_interval=np.float64(1.5))
+
+
+def test_an_int_beyond_floats_range_is_told_not_an_overflow_error():
+    with pytest.raises(ValueError, match=r"`AmpPlusPrecision\(init_scale=inf\)` is invalid: expected a finite"):
+        AmpPlusPrecision("16-mixed", init_scale=10**400)
+    assert AmpPlusPrecision("16-mixed", max_scale=2**1024).scaler.max_scale == math.inf  # beyond any bound: none
+
+
+@pytest.mark.parametrize("new_scale", [math.nan, math.inf, 0.0, -1.0, "2"])
+def test_update_refuses_a_new_scale_that_is_no_scale(new_scale):
+    scaler = DynamicLossScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(1, requires_grad=True))
+    with pytest.raises(ValueError, match=rf"`DynamicLossScaler.update\(new_scale={re.escape(repr(new_scale))}\)`"):
+        scaler.update(new_scale)
+    assert scaler.get_scale() == 4.0
 
 
 @pytest.mark.parametrize(

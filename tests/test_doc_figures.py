@@ -94,7 +94,7 @@ def test_the_pictures_show_what_their_pages_say(runs):
     assert calibration["scale"][8][1] == first / 2**8
     assert collapse["scale"][-1][1] == 1.0  # down to min_scale, where the reporter stopped the run
     assert collapse["scale"][-1][0] < 299  # stopped before its max_steps=300
-    assert max(v for _, v in collapse["loss"]) > 100 * collapse["loss"][0][1]  # the loss explodes
+    assert max(v for _, v in collapse["loss"]) > 10 * collapse["loss"][0][1]  # the loss explodes (20x-100x by stack)
     assert underflow["underflow"][0][1] > 0.5 > underflow["underflow"][-1][1]  # lost until the scale grew
     assert underflow["skipped"] == []
     assert underflow["headroom"][0][1] > 20

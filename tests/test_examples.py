@@ -98,6 +98,24 @@ def test_cli_builds_everything_from_yaml(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "runs" / "cli" / "skips.json").exists()
 
 
+def test_a_config_saved_by_0_2_with_null_knobs_still_builds_the_plugin(tmp_path, monkeypatch):
+    """0.2's LightningCLI wrote every knob it defaulted to None as `null` into each run's config.yaml."""
+    import yaml
+
+    from examples.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with open(os.path.join(EXAMPLES, "config.yaml")) as f:
+        config = yaml.safe_load(f)
+    knobs = config["trainer"]["plugins"][0]["init_args"]
+    knobs.update(growth_factor=None, backoff_factor=None, max_scale=None)  # as 0.2's `--print_config` saved them
+    (tmp_path / "saved.yaml").write_text(yaml.safe_dump(config))
+    cli = main(["fit", "--config", str(tmp_path / "saved.yaml"), "--trainer.max_steps", "2"])
+    scaler = cli.trainer.precision_plugin.scaler
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.max_scale) == (2.0, 0.5, 2.0**24)
+    assert scaler.get_growth_interval() == 20  # the values the config gives are kept
+
+
 @pytest.mark.slow
 def test_fsdp_example_runs_on_two_cpu_processes(tmp_path):
     import subprocess

@@ -116,6 +116,83 @@ def test_a_minus_inf_overflow_is_no_mask_and_its_island_fixes_it():
     assert bf16.history.num_skipped == 0
 
 
+class SetPooled(TinyModel):
+    """Sum pooling over a large set in the LightningModule's own code: the float16 sum overflows to -inf (beside
+    other, finite sums), between two modules. The targets hold NaN for missing labels, masked in the loss."""
+
+    def __init__(self):
+        super().__init__(lr=1e-4)
+        self.embed = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.embed.bias[:4] = -16.0  # the first four pooled features overflow, the others stay finite
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pooled = self.embed(x).sum(1)  # float16: below -65504 in some rows, -inf there
+        known = ~torch.isnan(y)
+        return nn.functional.mse_loss(self.net(pooled / x.shape[1]).float()[known], y[known])
+
+
+def _sets(nan_labels):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 10000, 8, generator=g).abs()
+    y = torch.randn(32, 1, generator=g)
+    if nan_labels:
+        y[::2] = float("nan")  # missing labels, never reaching a module
+    return DataLoader(TensorDataset(x, y), batch_size=4)
+
+
+def test_a_minus_inf_overflow_in_the_modules_own_code_is_its_own_whatever_the_batch_holds():
+    for nan_labels in (False, True):
+        advisor, plugin = _fit(SetPooled(), _sets(nan_labels), steps=4)
+        assert plugin.history.num_skipped == 4
+        origins = [r["origin"] for r in advisor._reporter.skips]
+        assert origins == [{"phase": "forward", "module": "", "kind": "inf"}] * 4, nan_labels
+        assert not {"nonfinite_loss", "model_nonfinite"} & set(_codes(advisor))  # neither the batch nor any precision
+    _, bf16 = _fit(SetPooled(), _sets(True), plugin=AmpPlusPrecision("bf16-mixed"), steps=4)
+    assert bf16.history.num_skipped == 0  # an overflow: float32's range holds it
+
+
+class Attend(nn.Module):
+    """Attention that takes an additive key mask (0 keep, -inf padding), as `nn.Transformer`'s float masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x, key_mask):
+        q, k = self.qk(x).chunk(2, -1)
+        weights = torch.softmax((q @ k.transpose(1, 2)).float() + key_mask[:, None, :], -1)
+        return (weights @ x.float()).mean(1)
+
+
+class KeyMasked(TinyModel):
+    """The mask comes with the batch; some samples have every key masked: their attention row is NaN in any
+    precision."""
+
+    def __init__(self):
+        super().__init__(lr=1e-3)
+        self.attend = Attend()
+
+    def training_step(self, batch, batch_idx):
+        x, mask, y = batch
+        return nn.functional.mse_loss(self.net(self.attend(x, mask)).float(), y)
+
+
+def test_an_additive_mask_in_the_batch_is_no_bad_data():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 6, 8, generator=g), torch.randn(16, 1, generator=g)
+    lengths = torch.randint(1, 7, (16,), generator=g)
+    lengths[::4] = 0  # an empty sample in every batch: its row is all -inf
+    mask = torch.zeros(16, 6).masked_fill(torch.arange(6)[None] >= lengths[:, None], float("-inf"))
+    advisor, plugin = _fit(KeyMasked(), DataLoader(TensorDataset(x, mask, y), batch_size=4), steps=4)
+    assert plugin.history.num_skipped == 4
+    origins = [r["origin"] for r in advisor._reporter.skips]
+    assert origins == [{"phase": "forward", "module": "attend", "kind": "nan", "float32": "nonfinite"}] * 4
+    assert "nonfinite_loss" not in _codes(advisor)  # no `assert` on the batch, which holds -inf by design
+    assert _codes(advisor)[0] == "model_nonfinite"  # "give every attention row one unmasked key"
+
+
 class MaskMaker(nn.Module):
     """The look-alike: a module whose -inf is by design (an additive attention mask), in float32 too."""
 

@@ -20,6 +20,7 @@ import torch
 import torchmetrics
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import CSVLogger
+from packaging.version import Version
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -262,8 +263,8 @@ def test_the_origins_of_the_busy_run_are_named_right_or_told_unknown(tmp_path):
         assert origin["float32"] == "finite"
         (islanded if origin["islands"] else unfixable).append(step)
         islands.update(origin["islands"] or [])
-    assert islanded  # both readings occur in this run
-    assert unfixable
+    assert islanded  # both readings occur in this run (on torch 2.4 the loud batch's overflow is islanded too,
+    assert unfixable or Version(torch.__version__).release < (2, 5)  # its islands measured to fix it below)
 
     def rerun(plugin):
         torch.manual_seed(0)
