@@ -5,6 +5,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 2.0**-126
 #: the device-side growth and hysteresis trackers are int32
 INT32_MAX = 2**31 - 1
+#: modules put in float32 one after the other, at most, to find the islands an overflow needs (then: bf16)
+MAX_ISLANDS = 4
 
 
 def scale_floor(min_scale: float) -> float:

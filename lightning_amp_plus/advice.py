@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_amp_plus import knobs
-from lightning_amp_plus._limits import scale_floor
+from lightning_amp_plus._limits import MAX_ISLANDS, scale_floor
 from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
 
 #: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
@@ -198,9 +198,19 @@ def docs_table() -> str:
     return "\n".join(lines)
 
 
+def nothing_applied(figures: RunFigures) -> bool:
+    """Whether every update of the run was skipped (then it is never called healthy, advice or not)."""
+    return bool(figures.num_updates) and len(figures.skipped or []) >= figures.num_updates
+
+
 def healthy_line(figures: RunFigures) -> str:
-    """One line with the run's figures, for a run that got no advice."""
+    """One line with the run's figures, for a run that got no advice (never "healthy" when nothing was applied)."""
     skipped = len(figures.skipped or [])
+    if nothing_applied(figures):
+        return (
+            f"no finding, and no update applied: {skipped} of {figures.num_updates} skipped, too few to tell why (a"
+            " first skip is the scale's calibration); a longer run tells."
+        )
     rate = skipped / figures.num_updates if figures.num_updates else 0.0
     parts = [
         f"{figures.num_updates} update{'' if figures.num_updates == 1 else 's'}",
@@ -467,8 +477,10 @@ def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]
     module = Counter(o["module"] for o in loose).most_common(1)[0][0]
     return (
         f"Non-finite values were born in the forward of {module} (and others) in {len(loose)} of {len(origins)}"
-        " skipped updates: float16 overflows there, and a replay shows that keeping it in float32 only moves the"
-        " overflow on (its float32 output does not fit float16 where it flows next).",
+        " skipped updates: float16 overflows there (finite in float32), and no fp32 islands a replay could check"
+        " contain it (its float32 output does not fit float16 where it flows next, or more than"
+        f" {MAX_ISLANDS} modules would have to, or the LightningModule's own code carries it on where a replay"
+        " cannot follow). bfloat16 holds float32's range.",
         {"uncontained": len(loose), "told": len(origins), "module": module},
     )
 
@@ -619,8 +631,8 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
 def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:
     """From a float32 reference: the largest scale that fits, and what float16 would still lose there.
 
-    ``GradUnderflowMonitor`` measures both: the largest power of two that keeps the largest true gradient of the
-    backward (weights' and activations') a doubling below float16's overflow, and the fraction of the non-zero true
+    ``GradUnderflowMonitor`` measures both: the largest power of two that keeps the largest true gradient (at the
+    weights and at each module's output) a doubling below float16's overflow, and the fraction of the non-zero true
     weight gradient elements still below float16's smallest normal at it. None without a reference.
 
     Example:
@@ -645,7 +657,7 @@ def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, 
 @rule(
     "max_scale",
     evidence="underflow >= 0.5 in most measurements and the float32 reference shows a higher scale that fits (the"
-    " largest gradient of the backward, weights' and activations', a doubling below overflow) and keeps them;"
+    " largest gradient at the weights and at each module's output, a doubling below overflow) and keeps them;"
     " without a reference: the scale pinned at `max_scale` with 2+ bits of the weights' headroom",
     fix="with the reference: `max_scale=`, `init_scale=` that scale (a dead run, `loss * 1e-14`, trains again);"
     " without: a higher `max_scale` the scaler grows into until the backward overflows",
@@ -668,7 +680,9 @@ def _max_scale(figures: RunFigures) -> Optional[Advice]:
             f"In {len(fits)} of {len(measured)} measurements up to {100 * worst:.0f}% of the gradient elements whose"
             f" float32 gradient is non-zero were zero or subnormal in float16 at loss scale"
             f" {_scale(fits[-1][0]['scale'])}; their float32 reference shows that {_scale(new)} fits (the largest"
-            " gradient of the backward, weights' and activations', a doubling below overflow) and keeps them.",
+            " gradient at the weights and at each module's output, a doubling below overflow) and keeps them. A"
+            " gradient in your own code between module calls is not measured: if one overflows there, the scaler"
+            " backs off below it.",
             plugin_fix(figures, **change),
             {"measurements": len(measured), "lost": len(fits), "worst_underflow": worst, "fitting_scale": new},
         )

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolve_module
+from lightning_amp_plus._limits import MAX_ISLANDS
 from lightning_amp_plus._tree import map_tensors, tensors, values, version
 from lightning_amp_plus.islands import fp32_forward
 from lightning_amp_plus.sandbox import (
@@ -45,9 +46,6 @@ from lightning_amp_plus.sandbox import (
 
 #: an origin: ``{"phase": "input" | "forward" | "loss" | "backward" | "unknown", ...}`` (:meth:`OriginFinder.origin`)
 Origin = dict[str, Any]
-
-#: modules put in float32 one after the other, at most, to find the islands an overflow needs (then: bf16)
-MAX_ISLANDS = 4
 
 
 @dataclass

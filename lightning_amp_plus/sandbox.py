@@ -595,6 +595,11 @@ def holds_state(value: Any) -> bool:
     return True
 
 
+def _detached_copy(tensor: Tensor) -> Tensor:
+    copy = tensor.detach().clone()
+    return copy.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else copy
+
+
 def copied_inputs(value: Any) -> Any:
     """A call's arguments for a replay: tensors copied (the user's own tensors never written), stateful objects too.
 
@@ -603,8 +608,7 @@ def copied_inputs(value: Any) -> Any:
     ``TypeError`` (the replay is then told, not run).
     """
     if isinstance(value, Tensor):
-        copy = value.detach().clone()
-        return copy.requires_grad_(value.requires_grad) if value.is_floating_point() else copy
+        return _detached_copy(value)
     if isinstance(value, (list, tuple)):
         items = [copied_inputs(v) for v in value]
         return rebuilt(value, items)
@@ -612,7 +616,8 @@ def copied_inputs(value: Any) -> Any:
         return {k: copied_inputs(v) for k, v in value.items()}
     if isinstance(value, _PLAIN):
         return value
-    try:
-        return copy_module.deepcopy(value)
+    try:  # the tensors it holds copied detached (a cache's keys are no leaves: deepcopy refuses those)
+        memo: dict[int, Any] = {id(t): _detached_copy(t) for t in reach(value).tensors}
+        return copy_module.deepcopy(value, memo)
     except Exception as error:
         raise TypeError(f"an argument of type {type(value).__name__} cannot be copied ({raised(error)})") from None

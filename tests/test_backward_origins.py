@@ -167,6 +167,37 @@ def test_a_nan_a_custom_backward_makes_inside_a_transformer_block_is_named_with_
     assert "bf16" not in [a.code for a in advisor.advice]
 
 
+class CosineAttention(nn.Module):
+    """q normalised by `q / (sqrt(sum q^2) + eps)` (eps outside the sqrt); its output is its child's (`self.o(...)`),
+    as every attention with an output projection returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.q(x)
+        return self.o(q / (q.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6))
+
+
+class WithCosine(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=1e-3)
+        self.attn = CosineAttention()
+
+    def forward(self, x):
+        return self.net(self.attn(x * (torch.arange(x.shape[0], device=x.device) % 2)[:, None]))  # even rows: 0
+
+
+def test_a_module_that_returns_its_childs_output_owns_the_code_between():
+    reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0)
+    _, plugin = _fit(WithCosine(), callbacks=[reporter], plugin=plugin, steps=2)
+    assert plugin.history.num_skipped == 2
+    origin = reporter.skips[0]["origin"]
+    assert (origin["module"], origin["op"], origin["float32"]) == ("attn", "SqrtBackward0", "nonfinite")  # not ""
+
+
 def test_the_rerun_leaves_the_run_bit_identical():
     def run(backward_origin):
         torch.manual_seed(0)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 class GPT2(LightningModule):
-    def __init__(self):
+    def __init__(self, loud="mlp"):
         super().__init__()
         config = transformers.GPT2Config(
             n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0
@@ -28,7 +28,10 @@ class GPT2(LightningModule):
         config._attn_implementation = "eager"
         self.model = transformers.GPT2LMHeadModel(config)  # dropout 0.1 everywhere, use_cache by default
         with torch.no_grad():
-            self.model.transformer.h[0].mlp.c_fc.weight.mul_(3e5)  # its float16 output overflows
+            if loud == "mlp":
+                self.model.transformer.h[0].mlp.c_fc.weight.mul_(3e5)  # its float16 output overflows
+            else:  # layer 1's q.k^T overflows float16 inside its attention, which takes the cache layer 0 filled
+                self.model.transformer.h[1].attn.c_attn.weight.mul_(2000.0)
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
@@ -38,10 +41,10 @@ class GPT2(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def _fit(callbacks, fp32_modules=None):
+def _fit(callbacks, fp32_modules=None, loud="mlp"):
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (16, 32))
-    model = GPT2()
+    model = GPT2(loud)
     plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0, fp32_modules=fp32_modules)
     make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=6).fit(
         model, DataLoader(TensorDataset(ids), batch_size=2)
@@ -68,3 +71,16 @@ def test_gpt2_origin_named_through_dropout_without_crash_and_its_islands_end_the
     assert fixed.history.num_skipped == 0
     _, half = _fit([], fp32_modules=["model.transformer.h.0.mlp.c_fc"])
     assert half.history.num_skipped == 6  # the first island alone, measured: it does not help
+
+
+def test_gpt2_attention_overflow_is_recomputed_in_float32_with_its_key_value_cache_copied():
+    """The attention's `cache` argument (a DynamicCache of non-leaf tensors, which deepcopy refuses) is copied for the
+    float32 recompute: the verdict is `finite` with its island, not `unknown`, and the island ends the skips."""
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    _, plugin = _fit([reporter], loud="attn")
+    assert plugin.history.num_skipped == 6
+    origins = [r["origin"] for r in reporter.skips]
+    attn = "model.transformer.h.1.attn"
+    assert all((o["module"], o["float32"], o["islands"]) == (attn, "finite", [attn]) for o in origins), origins
+    _, fixed = _fit([], fp32_modules=[attn], loud="attn")
+    assert fixed.history.num_skipped == 0

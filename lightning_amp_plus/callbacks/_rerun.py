@@ -280,11 +280,13 @@ def _node_owners(module: torch.nn.Module) -> Iterator[dict[Any, str]]:
             return
         stops = {t.grad_fn for t in tensors(args) if t.grad_fn is not None}
         stack: list[Any] = [t.grad_fn for t in tensors(output) if t.grad_fn is not None]
-        while stack:
+        seen: set[Any] = set()
+        while stack:  # through a child's nodes too (`return self.o(h)`): the nodes between are this module's own
             node = stack.pop()
-            if node is None or node in owners or node in stops or hasattr(node, "variable"):
+            if node is None or node in seen or node in stops or hasattr(node, "variable"):
                 continue
-            owners[node] = name
+            seen.add(node)
+            owners.setdefault(node, name)  # an inner module's forward ran first: it keeps its own nodes
             stack.extend(following for following, _ in node.next_functions)
 
     handles = [m.register_forward_hook(own) for m in module.modules()]

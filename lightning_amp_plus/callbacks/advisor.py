@@ -17,7 +17,7 @@ from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._series import held
 from lightning_amp_plus._validation import check_bool, check_path
 from lightning_amp_plus._warnings import warn_at_user
-from lightning_amp_plus.advice import Advice, RunFigures, advise, healthy_line
+from lightning_amp_plus.advice import Advice, RunFigures, advise, healthy_line, nothing_applied
 from lightning_amp_plus.callbacks import _fused
 from lightning_amp_plus.callbacks._common import (
     check_writable,
@@ -272,7 +272,7 @@ class AmpAdvisor(KnobsRepr, Callback):
                 write_json_atomically(
                     path,
                     {
-                        "healthy": not self.advice,
+                        "healthy": not self.advice and not nothing_applied(self.figures),
                         "summary": healthy_line(self.figures) if not self.advice else None,
                         "advice": [a.to_dict() for a in self.advice],
                     },
