@@ -418,10 +418,49 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     )
 
 
+def _own_code_origins(figures: RunFigures, float32: Optional[str]) -> list[dict[str, Any]]:
+    """Forward origins in the LightningModule's own code (``"module": ""``) with that float32 verdict (None: none)."""
+    return [
+        o
+        for o in _known_origins(figures)
+        if o.get("phase") == "forward" and o.get("module") == "" and o.get("float32") == float32
+    ]
+
+
+@rule(
+    "own_code",
+    evidence="most told skips (2+) were born in the LightningModule's own code between its module calls, which no"
+    " replay reads: nothing measured tells a float16 overflow there (bf16 fixes it) from inf/nan the code makes in"
+    " any precision (only a code fix does)",
+    fix="`NaNSkipReporter(backward_origin=True)`: a sandboxed rerun of the step in float32 tells which (then `bf16`"
+    " or `model_nonfinite`)",
+    look_alike="a module's fp16 overflow (`fp32_module`)",
+    blind="offline",
+    measured=_origins_measured,
+    reads_origins=True,
+)
+def _own_code(figures: RunFigures) -> Optional[Advice]:
+    origins = _known_origins(figures)
+    own = _own_code_origins(figures, None)
+    if len(own) < 2 or 2 * len(own) <= len(origins):
+        return None
+    kinds = Counter(o.get("kind") for o in own)
+    return Advice(
+        "own_code",
+        f"Non-finite values were born in the LightningModule's own code, between its module calls, in {len(own)} of"
+        f" {len(origins)} skipped updates ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}). No replay reads"
+        " that code, so nothing this run measured tells a float16 overflow there (bf16 fixes that) from inf/nan"
+        " the code makes in any precision (a log, sqrt or division of 0: only a code fix does).",
+        "NaNSkipReporter(backward_origin=True)  # reruns a skipped step in float32, sandboxed: which of the two",
+        {"own_code": len(own), "told": len(origins), "kinds": dict(kinds)},
+    )
+
+
 @rule(
     "bf16",
     evidence="float16's range is what fails: the float32 reference finds no scale that fits; or underflow >= 0.5"
-    " with < 1 bit of headroom; or a forward overflow no island contains; or 2+ overflows in backward at"
+    " with < 1 bit of headroom; or a forward overflow no island contains (in a module, or in the LightningModule's"
+    " own code, found finite in float32 by a rerun); or 2+ overflows in backward at"
     " `min_scale` while clean updates there left under a bit of headroom (or a rerun found them finite in"
     " float32); bf16 autocast exists there",
     fix='`AmpPlusPrecision("bf16-mixed", ...)` (the scaler\'s knobs dropped)',
@@ -431,7 +470,7 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
 def _bf16(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or figures.bf16_available is False:
         return None
-    for reading in (_bf16_squeezed, _bf16_unfit, _bf16_uncontained, _bf16_at_floor):
+    for reading in (_bf16_squeezed, _bf16_unfit, _bf16_uncontained, _bf16_own_code, _bf16_at_floor):
         found = reading(figures)
         if found is not None:
             message, evidence = found
@@ -482,6 +521,20 @@ def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]
         f" {MAX_ISLANDS} modules would have to, or the LightningModule's own code carries it on where a replay"
         " cannot follow). bfloat16 holds float32's range.",
         {"uncontained": len(loose), "told": len(origins), "module": module},
+    )
+
+
+def _bf16_own_code(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
+    """Most told skips an fp16 overflow in the LightningModule's own code, which a rerun found finite in float32."""
+    origins = _known_origins(figures)
+    own = _own_code_origins(figures, "finite")
+    if len(own) < 2 or 2 * len(own) <= len(origins):
+        return None
+    return (
+        f"Non-finite values were born in the LightningModule's own code, between its module calls, in {len(own)} of"
+        f" {len(origins)} skipped updates, and a rerun of the step in float32 found it finite: float16 overflows"
+        " there, where no fp32 island reaches (islands are modules). bfloat16 holds float32's range.",
+        {"own_code": len(own), "told": len(origins)},
     )
 
 

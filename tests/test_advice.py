@@ -228,6 +228,7 @@ def test_offline_figures_and_what_they_cannot_tell():
         "nonfinite_loss",
         "model_nonfinite",
         "fp32_module",
+        "own_code",
         "zero_gradients",
         "max_scale",
         "silent_fp32",

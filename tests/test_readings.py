@@ -148,9 +148,36 @@ def test_a_minus_inf_overflow_in_the_modules_own_code_is_its_own_whatever_the_ba
         assert plugin.history.num_skipped == 4
         origins = [r["origin"] for r in advisor._reporter.skips]
         assert origins == [{"phase": "forward", "module": "", "kind": "inf"}] * 4, nan_labels
-        assert not {"nonfinite_loss", "model_nonfinite"} & set(_codes(advisor))  # neither the batch nor any precision
-    _, bf16 = _fit(SetPooled(), _sets(True), plugin=AmpPlusPrecision("bf16-mixed"), steps=4)
+        assert _codes(advisor) == ["own_code"]  # neither the batch's nor, unmeasured, any precision's
+    (advice,) = advisor.advice
+    reporter = eval(advice.fix.split("  #")[0], {"NaNSkipReporter": NaNSkipReporter})  # pasted as printed
+    told, _ = _fit(SetPooled(), _sets(True), callbacks=[reporter], steps=4)
+    assert [r["origin"]["float32"] for r in reporter.skips] == ["finite"] * 4  # the step rerun in float32
+    assert _codes(told) == ["bf16"]
+    (bf16_advice,) = told.advice
+    assert "found it finite: float16 overflows there, where no fp32 island reaches" in bf16_advice.message
+    _, bf16 = _fit(SetPooled(), _sets(True), plugin=_applied(bf16_advice.fix), steps=4)
     assert bf16.history.num_skipped == 0  # an overflow: float32's range holds it
+
+
+class OwnSqrt(TinyModel):
+    """The look-alike: the LightningModule's own code takes the square root of a negative value (NaN in float32
+    too)."""
+
+    def forward(self, x):
+        return self.net(torch.sqrt(x - 0.5))
+
+
+def test_a_nan_the_modules_own_code_makes_in_any_precision_is_no_bf16_case():
+    reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
+    advisor, plugin = _fit(OwnSqrt(), callbacks=[reporter], steps=4)
+    assert plugin.history.num_skipped == 4
+    assert [r["origin"] for r in reporter.skips] == [
+        {"phase": "forward", "module": "", "kind": "nan", "float32": "nonfinite"}
+    ] * 4
+    assert _codes(advisor) == ["model_nonfinite"]  # not bf16, not own_code's "which of the two"
+    _, bf16 = _fit(OwnSqrt(), plugin=AmpPlusPrecision("bf16-mixed"), steps=4)
+    assert bf16.history.num_skipped == 4  # bf16 would not have helped
 
 
 class Attend(nn.Module):

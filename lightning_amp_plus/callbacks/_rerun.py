@@ -5,7 +5,8 @@
 use); one whose true gradient is not zero while the float16 one is zero or subnormal was lost to float16.
 ``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch whose forward and loss were finite at the skip's scale
 and watches its backward node by node (:func:`backward_origin`): the first op whose gradient came out non-finite from
-a finite one, the module it ran in, and whether float32 makes it too.
+a finite one, the module it ran in, and whether float32 makes it too; and a batch whose inf/nan were born in the
+LightningModule's own code between module calls (which no replay reads) in float32 (:func:`in_own_code`).
 
 Both run the user's ``training_step`` a second time, which is why they are off unless asked for by name: inside
 :func:`~lightning_amp_plus.sandbox.sandboxed` every parameter and buffer is a stand-in and every random stream is given
@@ -168,9 +169,7 @@ def backward_origin(
         return {"phase": "backward", "reason": f"the rerun of the step raised {error}"}
     if found is None:
         return {"phase": "backward", "reason": "the rerun's backward was finite: it did not make them again"}
-    finite, error = attempt(_finite_in_float32, module, batch, batch_idx, start, device_type)
-    verdict = "unknown" if error is not None or finite is None else ("finite" if finite else "nonfinite")
-    return {"phase": "backward", **found, "float32": verdict}
+    return {"phase": "backward", **found, "float32": _float32_verdict(module, batch, batch_idx, start, device_type)}
 
 
 def in_backward(
@@ -185,6 +184,28 @@ def in_backward(
         return origin
     context = trainer.precision_plugin.forward_context
     return backward_origin(trainer.lightning_module, record.batch, record.index, start, device_type, context, scale)
+
+
+def in_own_code(
+    origin: dict[str, Any], record: Optional[BatchCalls], trainer: pl.Trainer, device_type: str
+) -> dict[str, Any]:
+    """A forward origin in the LightningModule's own code (``"module": ""``) with its ``float32`` verdict.
+
+    No replay reads the code between module calls: the batch's step is rerun in float32, sandboxed, and its
+    gradients checked (``"finite"``: float16 overflowed there; ``"nonfinite"``: the code makes them in any precision;
+    ``"unknown"``: the rerun raised or made no loss). The origin as it was when the batch's start is not known.
+    """
+    start = record.step_start() if record is not None else None
+    if record is None or start is None:
+        return origin
+    verdict = _float32_verdict(trainer.lightning_module, record.batch, record.index, start, device_type)
+    return {**origin, "float32": verdict}
+
+
+def _float32_verdict(module: pl.LightningModule, batch: Any, batch_idx: int, start: StepStart, device_type: str) -> str:
+    """The step rerun in float32: ``"finite"`` gradients, ``"nonfinite"``, or ``"unknown"`` (raised, or no loss)."""
+    finite, error = attempt(_finite_in_float32, module, batch, batch_idx, start, device_type)
+    return "unknown" if error is not None or finite is None else ("finite" if finite else "nonfinite")
 
 
 def _rerun_loss(module: pl.LightningModule, batch: Any, batch_idx: int) -> Optional[Tensor]:

@@ -36,7 +36,7 @@ from lightning_amp_plus.callbacks._common import (
 )
 from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
 from lightning_amp_plus.callbacks._offenders import OffenderCounter
-from lightning_amp_plus.callbacks._rerun import announce, in_backward
+from lightning_amp_plus.callbacks._rerun import announce, in_backward, in_own_code
 from lightning_amp_plus.callbacks._skip_text import collapse_message, describe, enough, skip_record, summary
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
@@ -86,8 +86,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         find_origin: tell where each skip's non-finite values were born (default True; see above).
         backward_origin: on a skipped update whose forward and loss were finite, run the batch's ``training_step``
             again, sandboxed, to tell where in backward the inf/nan were born: the op, the module, and whether
-            float32 makes them too (default False: it runs your step a second time; automatic optimization only;
-            the fit says so when it starts).
+            float32 makes them too; on one whose inf/nan were born in the LightningModule's own code between module
+            calls (which no replay reads), whether float32 makes them too (default False: it runs your step a second
+            time; automatic optimization only; the fit says so when it starts).
         quiet: records only: no metric, line, error or file (for a callback that holds this one, as ``AmpAdvisor``).
 
     Example:
@@ -225,7 +226,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             self._rerun = self.backward_origin and pl_module.automatic_optimization and not accumulating
             if self._rerun and trainer.is_global_zero and not self.quiet:
                 announce(
-                    "NaNSkipReporter(backward_origin=True)", "on a skipped update whose forward and loss were finite,"
+                    "NaNSkipReporter(backward_origin=True)",
+                    "on a skipped update born in backward or in the LightningModule's own code,",
                 )
 
     # ------------------------------------------------------------------ where non-finite values are born
@@ -253,12 +255,16 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         if not self.find_origin or self._trainer is None:
             return None
         origin = self.origins.origin(calls)
-        if origin != {"phase": "backward"} or not self._rerun or self._plugin is None:
+        if not self._rerun or self._plugin is None or origin is None:
+            return origin
+        record = calls if calls is not None else self.origins.current
+        device = getattr(self._plugin, "device", None) or "cpu"
+        if origin.get("phase") == "forward" and origin.get("module") == "" and "float32" not in origin:
+            return in_own_code(origin, record, self._trainer, device)
+        if origin != {"phase": "backward"}:
             return origin
         if scale is None and step is not None:
             scale = self._plugin.history.scale_at(step)
-        record = calls if calls is not None else self.origins.current
-        device = getattr(self._plugin, "device", None) or "cpu"
         return in_backward(origin, record, self._trainer, device, scale)
 
     @override
