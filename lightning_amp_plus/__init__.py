@@ -29,9 +29,9 @@ _EXPORTS = {
     "PrecisionReport": "lightning_amp_plus.callbacks",
     "ScaleHistory": "lightning_amp_plus.history",
     "ShardedDynamicLossScaler": "lightning_amp_plus.scaler",
-    "SkipEvent": "lightning_amp_plus.engine",
+    "SkipEvent": "lightning_amp_plus.listener",
     "UpdateCycle": "lightning_amp_plus.engine",
-    "UpdateListener": "lightning_amp_plus.engine",
+    "UpdateListener": "lightning_amp_plus.listener",
     "plot_history": "lightning_amp_plus.plot",
     "plot_run": "lightning_amp_plus.plot",
 }

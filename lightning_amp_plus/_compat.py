@@ -6,23 +6,50 @@ Each warns (``DeprecationWarning``) with its replacement, and works as it did:
   :class:`~lightning_amp_plus.UpdateListener` given to ``plugin.listen(...)``;
 * ``plugin.sync_skips = True``: a listener whose ``needs_host_skips`` is True;
 * ``DynamicLossScaler.any_step_skipped()``: ``any_skipped(scaler.outcomes(), sync=True)`` (or the plugin's
-  ``optimizer_step_was_skipped``).
+  ``optimizer_step_was_skipped``); ``has_stepped()`` stays, not deprecated.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
-from lightning_amp_plus.engine import AmpEngine, SkipEvent, UpdateListener
+from lightning_amp_plus._identity import resolve_optimizer
+from lightning_amp_plus.listener import SkipEvent, UpdateListener
+
+if TYPE_CHECKING:
+    from lightning_amp_plus.engine import AmpEngine
 
 
 def deprecated(old: str, new: str) -> None:
     """Warn that ``old`` (0.2's) is deprecated, at the user's line, naming ``new``."""
     warnings.warn(f"`{old}` is deprecated since 0.3 and goes in 0.4: use {new}.", DeprecationWarning, stacklevel=3)
+
+
+class LegacyScaler:
+    """Mixin for :class:`~lightning_amp_plus.DynamicLossScaler`: 0.2's cycle queries."""
+
+    def has_stepped(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` stepped (or skipped) in this cycle, i.e. since the last ``update``."""
+        scaler = cast(Any, self)
+        key = id(resolve_optimizer(optimizer))
+        if not scaler._enabled or key not in scaler._per_optimizer_states:
+            return False
+        return bool(scaler._per_optimizer_states[key]["stage"] is OptState.STEPPED)
+
+    def any_step_skipped(self) -> bool:
+        """Deprecated (0.2): whether any optimizer's last step was skipped (reads a fused step's device flag)."""
+        from lightning_amp_plus.scaler import any_skipped  # the scaler module imports this one
+
+        deprecated(
+            "DynamicLossScaler.any_step_skipped()",
+            "`any_skipped(scaler.outcomes(), sync=True)` (or the plugin's `optimizer_step_was_skipped`)",
+        )
+        return bool(any_skipped(cast(Any, self).outcomes(), sync=True))
 
 
 class LegacyListeners(UpdateListener):

@@ -16,7 +16,6 @@ optimizer) where it enters (:func:`~lightning_amp_plus._identity.resolve_optimiz
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
@@ -30,6 +29,7 @@ from lightning_amp_plus._validation import check_bool, check_choice, check_devic
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.knobs import DEFAULTS, check_knobs
+from lightning_amp_plus.listener import SkipEvent, UpdateListener
 from lightning_amp_plus.scaler import (
     DynamicLossScaler,
     NonFiniteChecker,
@@ -37,41 +37,6 @@ from lightning_amp_plus.scaler import (
     any_skipped,
     steps_on_device,
 )
-
-
-@dataclass
-class SkipEvent:
-    """A skipped update, as handed to :meth:`UpdateListener.update_skipped`.
-
-    Gradients are still in place (unscaled) when listeners run, so they can be inspected. ``consecutive`` is the
-    number of updates skipped in a row ending with this one (:meth:`ScaleHistory.streak_at`).
-    """
-
-    step: int
-    scale: float
-    new_scale: float
-    optimizers: list[Optimizer] = field(default_factory=list)
-    consecutive: int = 1
-
-
-class UpdateListener:
-    """A part that listens to the engine's updates (``engine.listen(part)``): it overrides what it needs.
-
-    The engine calls only what a listener overrides, so a hook it does not need costs nothing on any step. Whether a
-    fused optimizer's skip must be read on the host at its step (one sync per step) follows from who listens.
-    """
-
-    #: each skip must be known on the host at its step: a fused optimizer's flag is read then (one host sync a step)
-    needs_host_skips = False
-
-    def before_unscale(self, optimizer: Optimizer, step: int) -> None:
-        """Just before ``optimizer``'s gradients are unscaled at update ``step`` (16-mixed): they are still scaled."""
-
-    def skipped_step(self, optimizer: Optimizer) -> None:
-        """Right after a step the host knows was skipped, its gradients still the ones the step refused."""
-
-    def update_skipped(self, event: SkipEvent) -> None:
-        """An update closed skipped, and the host knows it (see :class:`SkipEvent`)."""
 
 
 def _overrides(listener: UpdateListener, name: str) -> bool:

@@ -188,6 +188,16 @@ def check_knobs(owner: str, values: dict[str, Any], label: Optional[dict[str, st
         )
 
 
+def check_new_scale(owner: str, value: Any) -> None:
+    """A scale set by hand (``update(new_scale=...)``): a tensor (not read here) or a finite number > 0."""
+    if hasattr(value, "device") or (is_real(value) and 0 < value < math.inf):
+        return
+    raise ValueError(
+        f"`{owner}(new_scale={value!r})` is invalid: expected a finite scale > 0 (it is brought inside [min_scale,"
+        " max_scale])."
+    )
+
+
 def grows(tracker: Any, interval: Any, exact: bool) -> Any:
     """Whether a clean update with the growth tracker at ``tracker`` grows the scale (host ints or device tensors).
 

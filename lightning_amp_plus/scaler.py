@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,12 +15,13 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from lightning_amp_plus._compat import LegacyScaler
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_bool
-from lightning_amp_plus.knobs import DEFAULTS, KNOBS, check_knobs, grows, is_real, knob_values, read_checkpoint
+from lightning_amp_plus.knobs import DEFAULTS, KNOBS, check_knobs, check_new_scale, grows, knob_values, read_checkpoint
 
 
 class StepOutcome:
@@ -136,7 +135,7 @@ def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-class DynamicLossScaler(torch.amp.GradScaler):
+class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
     """Dynamic loss scaler with scale bounds and hysteresis (Megatron's rule, bounded).
 
     Per optimizer-step cycle (one :meth:`update`):
@@ -349,23 +348,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return False
         return self._per_optimizer_states[key]["stage"] is OptState.UNSCALED
 
-    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` stepped (or skipped) in this cycle, i.e. since the last :meth:`update`."""
-        key = id(resolve_optimizer(optimizer))
-        if not self._enabled or key not in self._per_optimizer_states:
-            return False
-        return self._per_optimizer_states[key]["stage"] is OptState.STEPPED
-
-    def any_step_skipped(self) -> bool:
-        """Deprecated (0.2): whether any optimizer's last step was skipped (reads a fused step's device flag)."""
-        warnings.warn(
-            "`DynamicLossScaler.any_step_skipped()` is deprecated since 0.3 and goes in 0.4: use"
-            " `any_skipped(scaler.outcomes(), sync=True)` (or the plugin's `optimizer_step_was_skipped`).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return bool(any_skipped(self.outcomes(), sync=True))
-
     def reset_cycle(self, optimizers: Iterable[torch.optim.Optimizer] | None = None) -> None:
         """Forget the unscale/step state of ``optimizers`` (default: all) in the open cycle; the scale stays.
 
@@ -457,11 +439,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         if new_scale is not None:  # the caller's scale, inside the bounds at once
-            if not isinstance(new_scale, Tensor) and not (is_real(new_scale) and 0 < new_scale < math.inf):
-                raise ValueError(
-                    f"`{type(self).__name__}.update(new_scale={new_scale!r})` is invalid: expected a finite scale > 0"
-                    " (it is brought inside [min_scale, max_scale])."
-                )
+            check_new_scale(f"{type(self).__name__}.update", new_scale)
             self._host.kept = False
             super().update(new_scale)
             assert self._scale is not None

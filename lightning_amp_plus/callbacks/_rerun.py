@@ -6,7 +6,7 @@ use); one whose true gradient is not zero while the float16 one is zero or subno
 ``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch whose forward and loss were finite at the skip's scale
 and watches its backward node by node (:func:`backward_origin`): the first op whose gradient came out non-finite from
 a finite one, the module it ran in, and whether float32 makes it too; and a batch whose inf/nan were born in the
-LightningModule's own code between module calls (which no replay reads) in float32 (:func:`in_own_code`).
+LightningModule's own code between module calls (which no replay reads) in float32 (:func:`told_by_rerun`).
 
 Both run the user's ``training_step`` a second time, which is why they are off unless asked for by name: inside
 :func:`~lightning_amp_plus.sandbox.sandboxed` every parameter and buffer is a stand-in and every random stream is given
@@ -172,34 +172,26 @@ def backward_origin(
     return {"phase": "backward", **found, "float32": _float32_verdict(module, batch, batch_idx, start, device_type)}
 
 
-def in_backward(
+def told_by_rerun(
     origin: dict[str, Any], record: Optional[BatchCalls], trainer: pl.Trainer, device_type: str, scale: Optional[float]
 ) -> dict[str, Any]:
-    """A ``{"phase": "backward"}`` origin told where in backward (:func:`backward_origin`).
+    """An origin a replay could not read, told by rerunning the batch's step, sandboxed; else the origin as it was.
 
-    When the batch's record and the scale its update used are known; else the origin as it was.
-    """
-    start = record.step_start() if record is not None else None
-    if record is None or start is None or scale is None:
-        return origin
-    context = trainer.precision_plugin.forward_context
-    return backward_origin(trainer.lightning_module, record.batch, record.index, start, device_type, context, scale)
-
-
-def in_own_code(
-    origin: dict[str, Any], record: Optional[BatchCalls], trainer: pl.Trainer, device_type: str
-) -> dict[str, Any]:
-    """A forward origin in the LightningModule's own code (``"module": ""``) with its ``float32`` verdict.
-
-    No replay reads the code between module calls: the batch's step is rerun in float32, sandboxed, and its
-    gradients checked (``"finite"``: float16 overflowed there; ``"nonfinite"``: the code makes them in any precision;
-    ``"unknown"``: the rerun raised or made no loss). The origin as it was when the batch's start is not known.
+    ``{"phase": "backward"}``: where in backward (:func:`backward_origin`, at the update's ``scale``). A forward origin
+    in the LightningModule's own code (``"module": ""``, code between module calls no replay reads): its ``float32``
+    verdict, the step rerun in float32 (``"finite"``: float16 overflowed there; ``"nonfinite"``: the code makes them
+    in any precision). Only when the batch's record (and, for backward, the scale) is known.
     """
     start = record.step_start() if record is not None else None
     if record is None or start is None:
         return origin
-    verdict = _float32_verdict(trainer.lightning_module, record.batch, record.index, start, device_type)
-    return {**origin, "float32": verdict}
+    module = trainer.lightning_module
+    if origin.get("phase") == "forward" and origin.get("module") == "" and "float32" not in origin:
+        return {**origin, "float32": _float32_verdict(module, record.batch, record.index, start, device_type)}
+    if origin != {"phase": "backward"} or scale is None:
+        return origin
+    context = trainer.precision_plugin.forward_context
+    return backward_origin(module, record.batch, record.index, start, device_type, context, scale)
 
 
 def _float32_verdict(module: pl.LightningModule, batch: Any, batch_idx: int, start: StepStart, device_type: str) -> str:

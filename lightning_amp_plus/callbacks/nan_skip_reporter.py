@@ -36,7 +36,7 @@ from lightning_amp_plus.callbacks._common import (
 )
 from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
 from lightning_amp_plus.callbacks._offenders import OffenderCounter
-from lightning_amp_plus.callbacks._rerun import announce, in_backward, in_own_code
+from lightning_amp_plus.callbacks._rerun import announce, told_by_rerun
 from lightning_amp_plus.callbacks._skip_text import collapse_message, describe, enough, skip_record, summary
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
@@ -84,11 +84,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         prefix: key prefix of the logged metrics (default ``"amp/"``).
         max_records: skip records kept in full (the first and the last half; default 100; ``None`` keeps all).
         find_origin: tell where each skip's non-finite values were born (default True; see above).
-        backward_origin: on a skipped update whose forward and loss were finite, run the batch's ``training_step``
-            again, sandboxed, to tell where in backward the inf/nan were born: the op, the module, and whether
-            float32 makes them too; on one whose inf/nan were born in the LightningModule's own code between module
-            calls (which no replay reads), whether float32 makes them too (default False: it runs your step a second
-            time; automatic optimization only; the fit says so when it starts).
+        backward_origin: run a skipped batch's ``training_step`` again, sandboxed, to tell what no replay reads:
+            where in backward (op, module) inf/nan were born, or whether float32 makes them too in backward or in
+            the LightningModule's own code (default False: it runs your step twice; automatic optimization only).
         quiet: records only: no metric, line, error or file (for a callback that holds this one, as ``AmpAdvisor``).
 
     Example:
@@ -249,23 +247,19 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     ) -> Optional[dict[str, Any]]:
         """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told.
 
-        With ``backward_origin``, a backward origin is told where in backward by a sandboxed rerun of the step at
-        the update's ``scale`` (or the scale the update at ``step`` used).
+        With ``backward_origin``, what no replay reads (where in backward, an own-code origin's float32 verdict) is
+        told by a sandboxed rerun of the step at the update's ``scale`` (or the scale the update at ``step`` used).
         """
         if not self.find_origin or self._trainer is None:
             return None
         origin = self.origins.origin(calls)
         if not self._rerun or self._plugin is None or origin is None:
             return origin
-        record = calls if calls is not None else self.origins.current
-        device = getattr(self._plugin, "device", None) or "cpu"
-        if origin.get("phase") == "forward" and origin.get("module") == "" and "float32" not in origin:
-            return in_own_code(origin, record, self._trainer, device)
-        if origin != {"phase": "backward"}:
-            return origin
         if scale is None and step is not None:
             scale = self._plugin.history.scale_at(step)
-        return in_backward(origin, record, self._trainer, device, scale)
+        record = calls if calls is not None else self.origins.current
+        device = getattr(self._plugin, "device", None) or "cpu"
+        return told_by_rerun(origin, record, self._trainer, device, scale)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
