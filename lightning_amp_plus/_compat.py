@@ -53,7 +53,7 @@ class LegacyScaler:
 
 
 class LegacyListeners(UpdateListener):
-    """0.2's callables lists, told as one listener the plugin keeps across fits (as it kept the lists)."""
+    """0.2's callables lists, told as one listener; the plugin forgets it at its teardown, as 0.2 cleared the lists."""
 
     def __init__(self) -> None:
         self.skip: list[Callable[[SkipEvent], None]] = []
@@ -70,12 +70,12 @@ class LegacyListeners(UpdateListener):
 
 
 def legacy_listeners(engine: AmpEngine) -> LegacyListeners:
-    """The engine's one :class:`LegacyListeners`, made and kept on first use."""
-    for listener in engine.kept:
+    """The engine's one :class:`LegacyListeners` of this fit, made on first use."""
+    for listener in engine.listeners:
         if isinstance(listener, LegacyListeners):
             return listener
     made = LegacyListeners()
-    engine.listen(made, keep=True)
+    engine.listen(made)
     return made
 
 
@@ -109,4 +109,4 @@ class LegacyView:
     def sync_skips(self, value: Any) -> None:
         deprecated("plugin.sync_skips", "a listener with `needs_host_skips = True` (the read follows who listens)")
         legacy_listeners(self._engine).needs_host_skips = bool(value)
-        self._engine.listen(legacy_listeners(self._engine), keep=True)  # routed again: the read follows
+        self._engine.listen(legacy_listeners(self._engine))  # routed again: the read follows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 from typing import Any
 
 
@@ -16,10 +17,17 @@ def given_arguments(function: Any, arguments: dict[str, Any]) -> dict[str, Any]:
             or parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
         ):
             continue
-        value = arguments[name]
+        value = _python(arguments[name])
         if parameter.default is inspect.Parameter.empty or not same_value(value, parameter.default):
             given[name] = value
     return given
+
+
+def _python(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (a repr, a logged call, a fix line then read as Python)."""
+    if isinstance(value, numbers.Number) and type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def same_value(a: Any, b: Any) -> bool:

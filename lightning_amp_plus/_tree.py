@@ -53,14 +53,33 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
 
 
 def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
-    """A list or tuple like ``value`` holding ``items``: its own class where it can be built so, else a plain one.
+    """A list or tuple of ``value``'s class holding ``items``, made without calling the user's constructor.
 
-    A named tuple takes them positionally; a tuple subclass with a ``__new__`` of its own may take neither form.
+    A plain list or tuple, or a named tuple (its fields positionally), is built as usual; another subclass (its own
+    ``__new__`` may take its fields, ``Pair(out, aux)``, or take an iterable and mean something else) is made by
+    ``tuple.__new__`` / ``list.__new__`` with ``value``'s attributes copied.
+
+    Example:
+        >>> class Pair(tuple):
+        ...     def __new__(cls, a, b=None):
+        ...         return super().__new__(cls, (a, b))
+        >>> made = rebuilt(Pair(1, 2), [3, 4])
+        >>> type(made).__name__, tuple(made)
+        ('Pair', (3, 4))
     """
-    try:
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    except TypeError:
-        return tuple(items) if isinstance(value, tuple) else list(items)
+    cls: Any = type(value)
+    if cls is tuple or cls is list:
+        return cls(items)
+    if hasattr(value, "_fields"):
+        return cls(*items)
+    if isinstance(value, tuple):
+        made = tuple.__new__(cls, items)
+    else:
+        made = list.__new__(cls)
+        list.extend(made, items)
+    if hasattr(value, "__dict__"):
+        made.__dict__.update(vars(value))
+    return made
 
 
 def version(tensor: torch.Tensor) -> int:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_amp_plus.knobs import is_int, is_real
+from lightning_amp_plus.knobs import is_int, is_real, type_name
 
 __all__ = ["is_int", "is_real"]  # the one test of each kind, shared with the knob checks
 
@@ -20,14 +20,14 @@ __all__ = ["is_int", "is_real"]  # the one test of each kind, shared with the kn
 def check_real(owner: str, name: str, value: Any) -> float:
     """Return ``value`` as a float, or raise ``TypeError`` if it is not a real number (bools are refused)."""
     if not is_real(value):
-        raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected a real number, got {type(value).__name__}.")
+        raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected a real number, got {type_name(value)}.")
     return float(value)
 
 
 def check_int(owner: str, name: str, value: Any, *, minimum: int) -> int:
     """Return ``value`` if it is an int >= ``minimum``; raise ``TypeError``/``ValueError`` otherwise."""
     if not is_int(value):
-        raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected an int, got {type(value).__name__}.")
+        raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected an int, got {type_name(value)}.")
     if value < minimum:
         raise ValueError(f"`{owner}({name}={value!r})` is invalid: expected an int >= {minimum}.")
     return value
@@ -36,7 +36,7 @@ def check_int(owner: str, name: str, value: Any, *, minimum: int) -> int:
 def check_bool(owner: str, name: str, value: Any) -> bool:
     """Return ``value`` if it is a bool; raise ``TypeError`` otherwise."""
     if not isinstance(value, bool):
-        raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected a bool, got {type(value).__name__}.")
+        raise TypeError(f"`{owner}({name}={value!r})` is invalid: expected a bool, got {type_name(value)}.")
     return value
 
 
@@ -57,7 +57,7 @@ def check_prefix(owner: str, prefix: Any) -> str:
     if not isinstance(prefix, str):
         raise TypeError(
             f"`{owner}(prefix={prefix!r})` is invalid: expected a str such as 'amp/' (or '' for none),"
-            f" got {type(prefix).__name__}."
+            f" got {type_name(prefix)}."
         )
     return prefix
 
@@ -69,7 +69,7 @@ def check_path(owner: str, name: str, value: Any) -> Any:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(
             f"`{owner}({name}={value!r})` is invalid: expected a file path (str or os.PathLike) or None,"
-            f" got {type(value).__name__}."
+            f" got {type_name(value)}."
         )
     if not os.fspath(value):
         raise ValueError(f"`{owner}({name}={value!r})` is invalid: expected a non-empty file path, or None.")

@@ -105,34 +105,31 @@ class AmpEngine:
         #: warn once a run of this many skipped updates in a row is seen (None: never)
         self.warn_skip_streak = warn_skip_streak
         self._listeners: list[UpdateListener] = []
-        #: listeners kept across fits (0.2's lists of callables, which the plugin kept)
-        self.kept: list[UpdateListener] = []
         self._route()
         self._new_run()  # the scaler given is as its constructor made it
 
     # ------------------------------------------------------------------ listeners
-    def listen(self, listener: UpdateListener, keep: bool = False) -> None:
-        """Tell ``listener`` of the updates from now on (once, however often it is given); ``keep``: across fits."""
-        if listener not in self._listeners and listener not in self.kept:
-            (self.kept if keep else self._listeners).append(listener)
+    def listen(self, listener: UpdateListener) -> None:
+        """Tell ``listener`` of the updates from now on (once, however often it is given; what it needs read again)."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
         self._route()
 
     def unlisten(self, listener: UpdateListener) -> None:
         """Stop telling ``listener``."""
-        for listening in (self._listeners, self.kept):
-            if listener in listening:
-                listening.remove(listener)
-        self._route()
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+            self._route()
 
     def clear_listeners(self) -> None:
-        """Stop telling the fit's listeners (a fit's end: the next fit's parts listen afresh); kept ones stay."""
+        """Stop telling anyone (a fit's end: the next fit's parts listen afresh)."""
         self._listeners = []
         self._route()
 
     @property
     def listeners(self) -> tuple[UpdateListener, ...]:
         """Who listens."""
-        return (*self._listeners, *self.kept)
+        return tuple(self._listeners)
 
     def _route(self) -> None:
         """Each hook's callers, from who listens and what each overrides (no call for a hook nobody needs)."""

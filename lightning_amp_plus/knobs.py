@@ -29,6 +29,12 @@ def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def type_name(value: Any) -> str:
+    """The type an error message names: ``bool``, or ``numpy.bool`` (a NumPy bool is no ``bool``: said so)."""
+    cls = type(value)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__.partition('.')[0]}.{cls.__qualname__}"
+
+
 def as_float32(value: float) -> float:
     """``value`` rounded to the nearest float32, as the device-side scale and its update see it."""
     return float(struct.unpack("f", struct.pack("f", value))[0])
@@ -166,7 +172,7 @@ def check_knobs(owner: str, values: dict[str, Any], label: Optional[dict[str, st
         value = values[knob.name]
         if not (is_int(value) if knob.integer else is_real(value)):
             kind = "an int" if knob.integer else "a real number"
-            raise TypeError(f"{invalid(knob.name, value)}: expected {kind}, got {type(value).__name__}.")
+            raise TypeError(f"{invalid(knob.name, value)}: expected {kind}, got {type_name(value)}.")
         value = knob.convert(value)  # a real number is told as the float it becomes
         expected = knob.allowed(value)
         if expected is not None:
@@ -235,7 +241,7 @@ def read_checkpoint(where: str, state: Any, current: dict[str, Any]) -> Checkpoi
     An invalid value raises ``ValueError``/``TypeError`` naming the checkpoint key and the value.
     """
     if not isinstance(state, dict):
-        raise TypeError(f"`{where}` expected a dict (a scaler's `state_dict()`), got {type(state).__name__}.")
+        raise TypeError(f"`{where}` expected a dict (a scaler's `state_dict()`), got {type_name(state)}.")
     missing = [key for key in TORCH_KEYS if key not in state]
     if missing:
         raise ValueError(
@@ -247,7 +253,7 @@ def read_checkpoint(where: str, state: Any, current: dict[str, Any]) -> Checkpoi
     if hasattr(scale, "numel") and scale.numel() == 1:  # a tensor (torch is not imported here)
         scale = scale.item()
     if not is_real(scale):
-        raise TypeError(f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type(scale).__name__}.")
+        raise TypeError(f"`{where}(scale={scale!r})` is invalid: expected a real number, got {type_name(scale)}.")
     check_knobs(where, knobs)
     # a scale float32 can hold, then brought inside the bounds
     check_knobs(where, {"init_scale": scale, "min_scale": 0.0, "max_scale": math.inf}, label={"init_scale": "scale"})

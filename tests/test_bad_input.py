@@ -456,6 +456,12 @@ def test_numpy_scalars_are_numbers_and_kept_as_python_ones():
         AmpPlusPrecision("16-mixed", growth_interval=np.float64(1.5))
 
 
+def test_a_numpy_bool_is_named_as_what_it_is():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"skip_nonfinite=(np.True_|True)\)` is invalid: expected a bool, got numpy.bool_?\.$"):
+        AmpPlusPrecision("16-mixed", skip_nonfinite=np.True_)  # not "expected a bool, got bool"
+
+
 def test_an_int_beyond_floats_range_is_told_not_an_overflow_error():
     with pytest.raises(ValueError, match=r"`AmpPlusPrecision\(init_scale=inf\)` is invalid: expected a finite"):
         AmpPlusPrecision("16-mixed", init_scale=10**400)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 import lightning_amp_plus
 from lightning_amp_plus import AmpPlusFabricPrecision, AmpPlusPrecision, DynamicLossScaler, SkipEvent
@@ -9,18 +10,30 @@ from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
 
-def test_the_listener_lists_of_0_2_are_told_and_kept_across_fits():
+class _OldStyle(Callback):
+    """A 0.2-style callback: it appends to the plugin's lists in `setup`, every fit."""
+
+    def __init__(self):
+        self.skips, self.unscales = [], []
+
+    def setup(self, trainer, pl_module, stage):
+        plugin = trainer.precision_plugin
+        with pytest.deprecated_call(match=r"plugin.skip_listeners.*use plugin.listen\(listener\)"):
+            plugin.skip_listeners.append(self.skips.append)
+        with pytest.deprecated_call(match="plugin.before_unscale_listeners"):
+            plugin.before_unscale_listeners.append(lambda optimizer, step: self.unscales.append(step))
+
+
+def test_the_listener_lists_of_0_2_are_told_once_a_skip_and_cleared_at_teardown():
     plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
-    skips, unscales = [], []
-    with pytest.deprecated_call(match=r"plugin.skip_listeners.*use plugin.listen\(listener\)"):
-        plugin.skip_listeners.append(skips.append)
-    with pytest.deprecated_call(match="plugin.before_unscale_listeners"):
-        plugin.before_unscale_listeners.append(lambda optimizer, step: unscales.append(step))
-    for fit in range(2):  # the plugin kept 0.2's lists across fits: the second fit tells them too
-        make_trainer(plugins=[plugin], max_steps=4).fit(TinyModel(poison={2: "inf"}))
-        assert [type(e) for e in skips] == [SkipEvent] * (fit + 1)
-        assert (skips[-1].step, skips[-1].new_scale) == (2, skips[-1].scale / 2)
-        assert unscales[-4:] == [0, 1, 2, 3]  # before each update's unscale
+    old = _OldStyle()
+    for fit in range(3):  # as in 0.2: the lists are the fit's, cleared at teardown, filled again in `setup`
+        make_trainer(plugins=[plugin], callbacks=[old], max_steps=4).fit(TinyModel(poison={2: "inf"}))
+        assert [type(e) for e in old.skips] == [SkipEvent] * (fit + 1)  # one event a skip, never piled up
+        assert (old.skips[-1].step, old.skips[-1].new_scale) == (2, old.skips[-1].scale / 2)
+        assert old.unscales == [0, 1, 2, 3] * (fit + 1)  # before each update's unscale
+        with pytest.deprecated_call():
+            assert plugin.skip_listeners == []
 
 
 @pytest.mark.parametrize("make", [AmpPlusPrecision, AmpPlusFabricPrecision])
@@ -34,6 +47,11 @@ def test_sync_skips_of_0_2_sets_whether_a_fused_skip_is_read_at_its_step(make):
     with pytest.deprecated_call():
         plugin.sync_skips = False
     assert plugin.engine.sync_skips is False
+    with pytest.deprecated_call():
+        plugin.sync_skips = True
+    if make is AmpPlusPrecision:  # as in 0.2, the Trainer plugin's teardown sets it back
+        make_trainer(plugins=[plugin], max_steps=1).fit(TinyModel())
+        assert plugin.engine.sync_skips is False
 
 
 def test_the_scalers_step_queries_of_0_2():

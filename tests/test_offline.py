@@ -7,6 +7,7 @@ the path it is about.
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -156,11 +157,13 @@ def test_the_logged_call_reads_back_as_the_plugins_arguments():
         AmpPlusPrecision("bf16-mixed", "cpu", warn_skip_streak=None, fp32_modules=["head", "enc.*.attn"]),
         AmpPlusPrecision(init_scale=2.0**-3, growth_factor=1.5, min_scale=2.0**-20, hysteresis=2),
         AmpPlusPrecision(min_scale=0.0, max_scale=float("inf")),  # torch's GradScaler exactly: no bound
+        AmpPlusPrecision(init_scale=np.float32(1024.0), warn_skip_streak=np.int64(20)),  # a sweep's NumPy scalars
         AmpPlusFSDPPrecision("16-mixed", param_dtype="float16", growth_interval=100),
     ):
         name = type(plugin).__name__
         call = plugin_call(name, plugin_arguments(plugin))
         assert parse_plugin_call(call) == (name, {"precision": plugin.precision, **plugin_arguments(plugin)}), call
+        assert "np." not in call + repr(plugin)  # Python numbers, as a pasted fix reads them
         assert repr(plugin).startswith(name)
     refused = ("print(1)", 'AmpPlusPrecision("16-mixed", init_scale=__import__("os"))', "AmpPlusPrecision(**x)", 3)
     for text in (*refused, "AmpPlusPrecision(max_scale=float(1))"):

@@ -215,6 +215,45 @@ def test_a_tuple_subclass_output_is_held_and_replayed_without_rebuilding_it(tmp_
     assert _origins(callbacks)[LOUD]["module"] == "enc.fc"
 
 
+class _Args(tuple):
+    """An argument pair whose `__new__` takes its fields, the second optional: `_Args(x)` is `(x, None)`, so
+    `_Args([x, gain])` builds a wrong pair instead of raising."""
+
+    def __new__(cls, x, gain=None):
+        return super().__new__(cls, (x, gain))
+
+
+class _Gained(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, pair):
+        assert isinstance(pair, _Args)  # the forward relies on its argument's type
+        x, gain = pair
+        return self.fc(x * gain)
+
+
+class _ArgsModel(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.big, self.head = _Gained(), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.big(_Args(x, torch.ones(8)))).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_tuple_subclass_argument_is_replayed_as_the_step_passed_it(tmp_path):
+    watched, callbacks = _assert_untouched(_ArgsModel, _pairs(), tmp_path)
+    assert watched["skipped"] == [LOUD]
+    told = _origins(callbacks)[LOUD]
+    assert (told["module"], told["float32"], told["islands"][0]) == ("big.fc", "finite", "big.fc")  # not unknown
+
+
 class _Scripted(LightningModule):
     def __init__(self):
         super().__init__()

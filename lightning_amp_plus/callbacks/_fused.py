@@ -8,6 +8,7 @@ the run's own step time.
 from __future__ import annotations
 
 import inspect
+import keyword
 import time
 from typing import Any, Optional
 
@@ -68,8 +69,32 @@ def parameters_named(optimizer: torch.optim.Optimizer, module: Optional[torch.nn
     mine = {id(p) for p in optimizer.param_groups[0]["params"]}
     for name, sub in module.named_modules():
         if {id(p) for p in sub.parameters()} == mine:
-            return f"self.{name}.parameters()" if name else "self.parameters()"
+            return f"{attribute_path(module, name)}.parameters()"
     return None
+
+
+def attribute_path(module: torch.nn.Module, name: str) -> str:
+    """Python that reaches ``module``'s submodule ``name`` from ``self``: ``self.net[2]``, ``self.heads["a-b"]``.
+
+    Example:
+        >>> from torch import nn
+        >>> m = nn.Module()
+        >>> m.net, m.heads = nn.Sequential(nn.ReLU(), nn.Linear(1, 1)), nn.ModuleDict({"a-b": nn.ReLU()})
+        >>> attribute_path(m, "net.1"), attribute_path(m, "heads.a-b"), attribute_path(m, "")
+        ('self.net[1]', 'self.heads["a-b"]', 'self')
+    """
+    path, current = "self", module
+    for part in name.split(".") if name else []:
+        if isinstance(current, (torch.nn.Sequential, torch.nn.ModuleList)) and part.isdigit():
+            path += f"[{part}]"
+        elif isinstance(current, torch.nn.ModuleDict):
+            path += f"[{part!r}]".replace("'", '"')
+        elif part.isidentifier() and not keyword.iskeyword(part):
+            path += f".{part}"
+        else:
+            path = f"getattr({path}, {part!r})".replace("'", '"')
+        current = getattr(current, part)
+    return path
 
 
 def fused_call(optimizer: torch.optim.Optimizer, params: Optional[str] = None) -> str:

@@ -808,6 +808,14 @@ def test_a_fused_fix_names_the_parameters_each_optimizer_has():
     ]
     pasted = eval(calls[0], {"torch": torch, "self": gan})  # as printed: the generator's parameters only
     assert {id(p) for p in pasted.param_groups[0]["params"]} == {id(p) for p in gan.G.parameters()}
+    gan.heads = nn.ModuleDict({"a-b": nn.Linear(2, 2), "class": nn.Linear(2, 2)})
+    indexed = [gan.D[1], gan.heads["a-b"], gan.heads["class"]]
+    calls = [entry["fused_call"] for _, entry in candidates([torch.optim.SGD(m.parameters()) for m in indexed], gan)]
+    assert calls[0] == "torch.optim.SGD(self.D[1].parameters(), fused=True)"  # not `self.D.1`, no Python
+    assert calls[1] == 'torch.optim.SGD(self.heads["a-b"].parameters(), fused=True)'
+    for call, module in zip(calls, indexed, strict=True):  # each pastes, and optimizes that submodule's own
+        pasted = eval(call, {"torch": torch, "self": gan})
+        assert {id(p) for p in pasted.param_groups[0]["params"]} == {id(p) for p in module.parameters()}
 
 
 def test_bf16_availability_by_device(monkeypatch):
