@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 
 def tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``, in order, through lists, tuples (named ones too), dicts and dataclasses."""
+    """Every tensor in ``value``, in order, through lists, tuples (named ones too), dicts, dataclasses.
+
+    Also other mappings (transformers' ``BatchEncoding``) and ``SimpleNamespace`` objects.
+    """
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
@@ -22,6 +26,9 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
     elif hasattr(type(value), "__dataclass_fields__") and not isinstance(value, type):  # a dataclass instance
         for f in dataclasses.fields(value):
             yield from tensors(getattr(value, f.name, None))
+    elif isinstance(value, (Mapping, SimpleNamespace)):
+        for v in value.values() if isinstance(value, Mapping) else vars(value).values():
+            yield from tensors(v)
 
 
 def values(value: Any) -> Iterator[torch.Tensor]:

@@ -458,7 +458,9 @@ def test_numpy_scalars_are_numbers_and_kept_as_python_ones():
 
 def test_a_numpy_bool_is_named_as_what_it_is():
     np = pytest.importorskip("numpy")
-    with pytest.raises(TypeError, match=r"skip_nonfinite=(np.True_|True)\)` is invalid: expected a bool, got numpy.bool_?\.$"):
+    with pytest.raises(
+        TypeError, match=r"skip_nonfinite=(np.True_|True)\)` is invalid: expected a bool, got numpy.bool_?\.$"
+    ):
         AmpPlusPrecision("16-mixed", skip_nonfinite=np.True_)  # not "expected a bool, got bool"
 
 

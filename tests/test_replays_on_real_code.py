@@ -13,6 +13,8 @@ import dataclasses
 import gc
 import random
 import weakref
+from collections import UserDict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -252,6 +254,47 @@ def test_a_tuple_subclass_argument_is_replayed_as_the_step_passed_it(tmp_path):
     assert watched["skipped"] == [LOUD]
     told = _origins(callbacks)[LOUD]
     assert (told["module"], told["float32"], told["islands"][0]) == ("big.fc", "finite", "big.fc")  # not unknown
+
+
+class _Encoding(UserDict):
+    """A mapping that is no dict, as transformers' `BatchEncoding` (what tokenizers and collators return)."""
+
+
+class _Namespaced(nn.Module):
+    """A module that returns a plain result object."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return SimpleNamespace(hidden=self.fc(x))
+
+
+class _Encoded(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.big, self.head = _Namespaced(), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.head(self.big(batch["x"]).hidden).float(), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("fault", ["overflow", "inf in the batch"])
+def test_a_mapping_batch_and_a_namespace_output_are_read(fault, tmp_path):
+    batches = [_Encoding(x=x, y=y) for x, y in _pairs(loud=fault == "overflow")]
+    if fault == "inf in the batch":
+        batches[LOUD]["x"][0, 0] = float("inf")  # a corrupt sample inside the mapping
+    watched, callbacks = _assert_untouched(_Encoded, batches, tmp_path)
+    assert watched["skipped"] == [LOUD]
+    told = _origins(callbacks)[LOUD]
+    if fault == "overflow":  # inside the namespace the module returned: its output is read
+        assert (told["module"], told["float32"]) == ("big.fc", "finite")
+    else:  # inside the mapping: the batch's
+        assert told == {"phase": "input"}
 
 
 class _Scripted(LightningModule):
