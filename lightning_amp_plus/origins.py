@@ -21,7 +21,7 @@ import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -46,6 +46,8 @@ from lightning_amp_plus.sandbox import (
 
 #: an origin: ``{"phase": "input" | "forward" | "loss" | "backward" | "unknown", ...}`` (:meth:`OriginFinder.origin`)
 Origin = dict[str, Any]
+#: which ``-inf`` counts as non-finite: every one (False), all but an additive mask's (True), none ("all")
+Masks = Union[bool, Literal["all"]]
 
 
 @dataclass
@@ -214,12 +216,13 @@ class OriginFinder:
         in_batch = nonfinite_kinds(record.batch, masks=True)  # an additive mask's -inf is no bad data
         if self._module is None:
             return {"phase": "input"} if in_batch else None  # not recorded (sharded, compiled): only the batch is told
+        by_design: set[int] = set()  # outputs of calls whose -inf float32 makes too (a mask, a bias): no origin
         for index, (name, _, args, kwargs, held, kept, _, _) in enumerate(record.calls):
             output = _alive(held)
             now = versions(args, kwargs, None if output is _GONE else output)
             if now != (kept if output is not _GONE else kept[: kept[0] + 1]):  # a freed output changes no more
                 return unknown(f"the step changed the inputs or the output of {name} in place after the call")
-            taken = nonfinite_kinds((args, kwargs), masks=True)  # a mask's -inf: by design (the module's output tells)
+            taken = nonfinite_kinds([t for t in tensors((args, kwargs)) if id(t) not in by_design], masks=True)
             if taken:  # made before this call: by the batch (when it holds that kind), or the module's own code
                 if taken <= in_batch:
                     return {"phase": "input"}
@@ -228,6 +231,8 @@ class OriginFinder:
                 born = self._inside(record, index)
                 if born is not None:  # else: finite, or only masks (-inf by design) left the call
                     return self._with_later_births(record, index, born)
+                if output is not _GONE:
+                    by_design.update(id(t) for t in tensors(output))
         if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
             told: Origin = {"phase": "loss"}
             if nonfinite_kind(record.batch) is not None:
@@ -462,14 +467,15 @@ class _FirstBorn:
         inputs = before  # copies taken before the call, when an argument holds state (a cache the call appends to)
         if inputs is None and versions(args, kwargs) == kept and not holds_state((args, kwargs)):
             inputs = (args, kwargs)  # else it changed its own inputs: they are not what it was called with
-        real = nonfinite_kind(output, masks=True) is not None  # +inf, nan, or -inf beside other values: no mask
-        float32 = "unknown" if inputs is None else self._float32(module, inputs[0], inputs[1], start, masks=real)
+        real = nonfinite_kind(output, masks="all") is not None  # +inf or nan: never by design
+        masks: Masks = "all" if real else False
+        float32 = "unknown" if inputs is None else self._float32(module, inputs[0], inputs[1], start, masks=masks)
         if not real and float32 != "finite":
-            return  # a mask's -inf, which float32 makes too: by design
+            return  # -inf alone, which float32 makes too: by design (a mask, a position bias)
         self.found = {"module": self._names[id(module)], "kind": kind, "float32": float32}
 
     def _float32(
-        self, module: torch.nn.Module, args: Any, kwargs: Any, start: list[tuple[Any, Any]], masks: bool
+        self, module: torch.nn.Module, args: Any, kwargs: Any, start: list[tuple[Any, Any]], masks: Masks
     ) -> str:
         """``module`` on the same inputs in float32: ``"finite"``, ``"nonfinite"``, or ``"unknown"`` (it raised)."""
         now = capture(self._streams)
@@ -549,12 +555,13 @@ def _device_type(module: torch.nn.Module) -> str:
     return first.device.type if first is not None else "cpu"
 
 
-def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
+def nonfinite_kind(value: Any, masks: Masks = False) -> Optional[str]:
     """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
 
     With ``masks``, an additive mask's ``-inf`` does not count: a tensor whose finite values are all one value (0 /
     ``-inf``, as attention masks between modules hold by design). ``-inf`` beside other values (a float16 sum or
-    product that overflowed) counts. A module's output is checked without.
+    product that overflowed) counts. ``masks="all"``: no ``-inf`` counts (a module's output, whose float32 recompute
+    tells an overflow from a mask or a bias by design).
     """
     for tensor in values(value):
         kinds = _kinds(tensor, masks)
@@ -563,17 +570,17 @@ def nonfinite_kind(value: Any, masks: bool = False) -> Optional[str]:
     return None
 
 
-def nonfinite_kinds(value: Any, masks: bool = False) -> set[str]:
+def nonfinite_kinds(value: Any, masks: Masks = False) -> set[str]:
     """Every kind (``"inf"``, ``"nan"``) the floating tensors in ``value`` hold, read as :func:`nonfinite_kind`."""
     return {kind for tensor in values(value) for kind in _kinds(tensor, masks)}
 
 
-def _kinds(tensor: Tensor, masks: bool) -> set[str]:
+def _kinds(tensor: Tensor, masks: Masks) -> set[str]:
     if not tensor.is_floating_point():
         return set()
     kinds = set()
     if bool(torch.isposinf(tensor).any()) or (
-        bool(torch.isneginf(tensor).any()) and not (masks and _mask_like(tensor))
+        masks != "all" and bool(torch.isneginf(tensor).any()) and not (masks and _mask_like(tensor))
     ):
         kinds.add("inf")
     if bool(torch.isnan(tensor).any()):

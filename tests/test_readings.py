@@ -220,6 +220,34 @@ def test_an_additive_mask_in_the_batch_is_no_bad_data():
     assert _codes(advisor)[0] == "model_nonfinite"  # "give every attention row one unmasked key"
 
 
+class AlibiBias(nn.Module):
+    """A causal position bias (ALiBi, T5 relative positions): slope times distance, -inf above the diagonal. Its
+    -inf sits beside other finite values, and float32 makes it too: by design, no origin."""
+
+    def forward(self, x):
+        i = torch.arange(x.shape[-1], device=x.device)
+        distance = (i[None] - i[:, None]).to(x.dtype)
+        return (-0.5 * distance.abs()).masked_fill(distance > 0, float("-inf"))
+
+
+class Alibi(TinyModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bias = AlibiBias()
+
+    def forward(self, x):
+        scores = x[:, :, None] * x[:, None, :] + self.bias(x)
+        return self.net((torch.softmax(scores.float(), -1) @ x[:, :, None].float()).squeeze(-1))
+
+
+def test_a_position_bias_whose_minus_inf_is_by_design_is_no_origin():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    advisor, plugin = _fit(Alibi(grad_poison={2: "net.0.weight", 5: "net.0.weight"}), callbacks=[reporter], steps=8)
+    assert plugin.history.skipped_steps == [2, 5]
+    assert [r["origin"] for r in reporter.skips] == [{"phase": "backward"}] * 2  # not the bias, not the attention
+    assert "model_nonfinite" not in _codes(advisor)
+
+
 class MaskMaker(nn.Module):
     """The look-alike: a module whose -inf is by design (an additive attention mask), in float32 too."""
 
