@@ -222,11 +222,12 @@ class OriginFinder:
             now = versions(args, kwargs, None if output is _GONE else output)
             if now != (kept if output is not _GONE else kept[: kept[0] + 1]):  # a freed output changes no more
                 return unknown(f"the step changed the inputs or the output of {name} in place after the call")
-            taken = nonfinite_kinds([t for t in tensors((args, kwargs)) if id(t) not in by_design], masks=True)
+            took = [t for t in tensors((args, kwargs)) if id(t) not in by_design]
+            taken = nonfinite_kinds(took, masks=True)
             if taken:  # made before this call: by the batch (when it holds that kind), or the module's own code
-                if taken <= in_batch:
+                if taken <= in_batch and _from_batch(record.batch, took):
                     return {"phase": "input"}
-                return {"phase": "forward", "module": "", "kind": "inf" if "inf" in taken - in_batch else "nan"}
+                return {"phase": "forward", "module": "", "kind": "inf" if "inf" in taken else "nan"}
             if output is _GONE or nonfinite_kind(output) is not None:
                 born = self._inside(record, index)
                 if born is not None:  # else: finite, or only masks (-inf by design) left the call
@@ -495,6 +496,37 @@ class _FirstBorn:
 def _up(value: Any) -> Any:
     """A call's arguments copied, half floats made float32 (a recompute never writes what the replay goes on with)."""
     return map_tensors(lambda t: t.detach().float() if t.is_floating_point() else t.detach().clone(), value)
+
+
+def _from_batch(batch: Any, took: list[Tensor]) -> bool:
+    """Whether the non-finite values a call took in can be the batch's (its kinds checked before).
+
+    Yes when one is a batch tensor holding them, or a view of one. Else, per sample: every sample (first dimension)
+    where the call's tensors hold them must be one where the batch does, as the batch's values carried on by the
+    step's own code keep to their samples; NaN-coded labels at some samples do not make the own code's overflow, at
+    every sample, the batch's. A tensor of another first dimension cannot be told: the batch's.
+    """
+    bad = [t for t in values(batch) if t.is_floating_point() and _kinds(t, True)]
+    shared = {t.untyped_storage().data_ptr() for t in bad}
+    if any(t.untyped_storage().data_ptr() in shared for t in values(took)):
+        return True
+    rows: dict[int, set[int]] = {}
+    for t in bad:
+        if t.dim():
+            rows.setdefault(t.shape[0], set()).update(_bad_rows(t))
+    return not any(
+        t.is_floating_point() and t.dim() and t.shape[0] in rows and not _bad_rows(t) <= rows[t.shape[0]]
+        for t in values(took)
+    )
+
+
+def _bad_rows(tensor: Tensor) -> set[int]:
+    """The samples (first dimension) where ``tensor`` holds a non-finite value an additive mask does not explain."""
+    flat = tensor.detach().reshape(tensor.shape[0], -1)
+    bad = torch.isnan(flat) | torch.isposinf(flat)
+    if not _mask_like(tensor):
+        bad |= torch.isneginf(flat)
+    return {int(i) for i in bad.any(1).nonzero().flatten().tolist()}
 
 
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite

@@ -160,6 +160,26 @@ def test_a_minus_inf_overflow_in_the_modules_own_code_is_its_own_whatever_the_ba
     assert bf16.history.num_skipped == 0  # an overflow: float32's range holds it
 
 
+class SetCentred(SetPooled):
+    """The pooled features centred over the batch in the step's own code: the overflow's -inf minus -inf is NaN at
+    every sample, the same kind as the NaN-coded labels the batch holds at some."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pooled = self.embed(x).sum(1)
+        pooled = pooled - pooled.mean(0)
+        known = ~torch.isnan(y)
+        return nn.functional.mse_loss(self.net(pooled / x.shape[1]).float()[known], y[known])
+
+
+def test_nan_labels_do_not_make_the_own_codes_nan_the_batchs():
+    for nan_labels in (False, True):
+        advisor, plugin = _fit(SetCentred(), _sets(nan_labels), steps=3)
+        assert plugin.history.num_skipped == 3
+        assert [r["origin"] for r in advisor._reporter.skips] == [{"phase": "forward", "module": "", "kind": "nan"}] * 3
+        assert "nonfinite_loss" not in _codes(advisor)  # its `assert` on the batch would stop training at batch 0
+
+
 class OwnSqrt(TinyModel):
     """The look-alike: the LightningModule's own code takes the square root of a negative value (NaN in float32
     too)."""
