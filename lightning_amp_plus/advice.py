@@ -431,9 +431,11 @@ def _own_code_origins(figures: RunFigures, float32: Optional[str]) -> list[dict[
     "own_code",
     evidence="most told skips (2+) were born in the LightningModule's own code between its module calls, which no"
     " replay reads: nothing measured tells a float16 overflow there (bf16 fixes it) from inf/nan the code makes in"
-    " any precision (only a code fix does)",
-    fix="`NaNSkipReporter(backward_origin=True)`: a sandboxed rerun of the step in float32 tells which (then `bf16`"
-    " or `model_nonfinite`)",
+    " any precision (only a code fix does); or the step's rerun found them finite in float32 but not under bfloat16"
+    " (float16's precision, not its range)",
+    fix="`NaNSkipReporter(backward_origin=True)`: a sandboxed rerun of the step tells which (then `bf16`,"
+    " `model_nonfinite` or the precision reading); for precision: `fp32_modules=` the modules whose outputs that code"
+    " takes in, as a rerun with them measured",
     look_alike="a module's fp16 overflow (`fp32_module`)",
     blind="offline",
     measured=_origins_measured,
@@ -441,18 +443,39 @@ def _own_code_origins(figures: RunFigures, float32: Optional[str]) -> list[dict[
 )
 def _own_code(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
-    own = _own_code_origins(figures, None)
-    if len(own) < 2 or 2 * len(own) <= len(origins):
+    unread = _own_code_origins(figures, None)
+    precision = [o for o in _own_code_origins(figures, "finite") if o.get("bf16") != "finite"]
+    where = "Non-finite values were born in the LightningModule's own code, between its module calls, in"
+    if len(precision) >= 2 and 2 * len(precision) > len(origins):
+        measured = Counter(tuple(o["islands"]) for o in precision if o.get("islands"))
+        islands = list(measured.most_common(1)[0][0]) if measured else []
+        said = (
+            f" A rerun with {', '.join(islands)} in float32 (the modules whose outputs it takes in) is finite."
+            if islands
+            else " No rerun with the modules it takes in as fp32 islands was finite: that code needs float32 inputs."
+        )
+        return Advice(
+            "own_code",
+            f"{where} {len(precision)} of {len(origins)} skipped updates, and the step rerun in float32 is finite"
+            " while under bfloat16 it is not (or that could not be run): float16 loses the precision there (a"
+            " difference of close values, a division by it), not its range, so neither bf16 nor a loss scale"
+            f" fixes it.{said}",
+            plugin_fix(figures, fp32_modules=[*_given_islands(figures), *islands])
+            if islands
+            else "# compute that code, and the module outputs it takes in, in float32 (`fp32_modules=[...]`)",
+            {"own_code": len(precision), "told": len(origins), "islands": islands or None},
+        )
+    if len(unread) < 2 or 2 * len(unread) <= len(origins):
         return None
-    kinds = Counter(o.get("kind") for o in own)
+    kinds = Counter(o.get("kind") for o in unread)
     return Advice(
         "own_code",
-        f"Non-finite values were born in the LightningModule's own code, between its module calls, in {len(own)} of"
-        f" {len(origins)} skipped updates ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}). No replay reads"
-        " that code, so nothing this run measured tells a float16 overflow there (bf16 fixes that) from inf/nan"
-        " the code makes in any precision (a log, sqrt or division of 0: only a code fix does).",
+        f"{where} {len(unread)} of {len(origins)} skipped updates"
+        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}). No replay reads that code, so nothing this"
+        " run measured tells a float16 overflow there (bf16 fixes that) from inf/nan the code makes in any"
+        " precision (a log, sqrt or division of 0: only a code fix does).",
         "NaNSkipReporter(backward_origin=True)  # reruns a skipped step in float32, sandboxed: which of the two",
-        {"own_code": len(own), "told": len(origins), "kinds": dict(kinds)},
+        {"own_code": len(unread), "told": len(origins), "kinds": dict(kinds)},
     )
 
 
@@ -460,7 +483,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
     "bf16",
     evidence="float16's range is what fails: the float32 reference finds no scale that fits; or underflow >= 0.5"
     " with < 1 bit of headroom; or a forward overflow no island contains (in a module, or in the LightningModule's"
-    " own code, found finite in float32 by a rerun); or 2+ overflows in backward at"
+    " own code, whose rerun is finite in float32 and under bfloat16); or 2+ overflows in backward at"
     " `min_scale` while clean updates there left under a bit of headroom (or a rerun found them finite in"
     " float32); bf16 autocast exists there",
     fix='`AmpPlusPrecision("bf16-mixed", ...)` (the scaler\'s knobs dropped)',
@@ -527,13 +550,13 @@ def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]
 def _bf16_own_code(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     """Most told skips an fp16 overflow in the LightningModule's own code, which a rerun found finite in float32."""
     origins = _known_origins(figures)
-    own = _own_code_origins(figures, "finite")
+    own = [o for o in _own_code_origins(figures, "finite") if o.get("bf16") == "finite"]
     if len(own) < 2 or 2 * len(own) <= len(origins):
         return None
     return (
         f"Non-finite values were born in the LightningModule's own code, between its module calls, in {len(own)} of"
-        f" {len(origins)} skipped updates, and a rerun of the step in float32 found it finite: float16 overflows"
-        " there, where no fp32 island reaches (islands are modules). bfloat16 holds float32's range.",
+        f" {len(origins)} skipped updates, and the step rerun in float32 and under bfloat16 is finite: float16's"
+        " range fails there, where no fp32 island reaches (islands are modules). bfloat16 holds float32's range.",
         {"own_code": len(own), "told": len(origins)},
     )
 

@@ -155,7 +155,7 @@ def test_a_minus_inf_overflow_in_the_modules_own_code_is_its_own_whatever_the_ba
     assert [r["origin"]["float32"] for r in reporter.skips] == ["finite"] * 4  # the step rerun in float32
     assert _codes(told) == ["bf16"]
     (bf16_advice,) = told.advice
-    assert "found it finite: float16 overflows there, where no fp32 island reaches" in bf16_advice.message
+    assert "rerun in float32 and under bfloat16 is finite: float16's range fails there" in bf16_advice.message
     _, bf16 = _fit(SetPooled(), _sets(True), plugin=_applied(bf16_advice.fix), steps=4)
     assert bf16.history.num_skipped == 0  # an overflow: float32's range holds it
 
@@ -178,6 +178,39 @@ def test_nan_labels_do_not_make_the_own_codes_nan_the_batchs():
         assert plugin.history.num_skipped == 3
         assert [r["origin"] for r in advisor._reporter.skips] == [{"phase": "forward", "module": "", "kind": "nan"}] * 3
         assert "nonfinite_loss" not in _codes(advisor)  # its `assert` on the batch would stop training at batch 0
+
+
+class MinMax(TinyModel):
+    """Min-max normalisation in the step's own code of features near 1000 spread by about 0.05: float16 (and
+    bfloat16) round the module's output to steps of 0.5, so the spread is 0 and 0/0; float32 keeps it. Precision,
+    not range."""
+
+    def __init__(self):
+        super().__init__(lr=1e-4)
+        self.embed = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.embed.weight.mul_(0.05)
+            self.embed.bias.fill_(1000.0)
+
+    def forward(self, x):
+        h = self.embed(x).float()
+        return self.net((h - h.amin(0)) / (h.amax(0) - h.amin(0)))
+
+
+def test_an_own_code_precision_loss_is_no_bf16_case_and_the_measured_island_fixes_it():
+    reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
+    advisor, plugin = _fit(MinMax(), callbacks=[reporter], steps=4)
+    assert plugin.history.num_skipped == 4
+    told = {(r["origin"]["float32"], r["origin"]["bf16"], tuple(r["origin"]["islands"])) for r in reporter.skips}
+    assert told == {("finite", "nonfinite", ("embed",))}  # the module whose output the code takes in
+    assert _codes(advisor) == ["own_code"]  # not bf16: bfloat16 has less precision still
+    (advice,) = advisor.advice
+    assert "loses the precision there" in advice.message
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["embed"])'
+    _, bf16 = _fit(MinMax(), plugin=AmpPlusPrecision("bf16-mixed"), steps=4)
+    assert bf16.history.num_skipped == 4  # bf16, measured: no help
+    _, fixed = _fit(MinMax(), plugin=_applied(advice.fix), steps=4)
+    assert fixed.history.num_skipped == 0  # the fix as printed: it trains
 
 
 class OwnSqrt(TinyModel):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -27,10 +27,12 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name
+from lightning_amp_plus._limits import MAX_ISLANDS
 from lightning_amp_plus._log import say
 from lightning_amp_plus._tree import tensors
 from lightning_amp_plus.callbacks._common import all_reduce_, distributed
-from lightning_amp_plus.origins import BatchCalls
+from lightning_amp_plus.islands import fp32_forward
+from lightning_amp_plus.origins import BatchCalls, nonfinite_kinds
 from lightning_amp_plus.sandbox import StepStart, attempt, capture, copied_inputs, no_logging, sandboxed
 
 
@@ -180,23 +182,71 @@ def told_by_rerun(
     ``{"phase": "backward"}``: where in backward (:func:`backward_origin`, at the update's ``scale``). A forward origin
     in the LightningModule's own code (``"module": ""``, code between module calls no replay reads): its ``float32``
     verdict, the step rerun in float32 (``"finite"``: float16 overflowed there; ``"nonfinite"``: the code makes them
-    in any precision). Only when the batch's record (and, for backward, the scale) is known.
+    in any precision), and then ``bf16``: the step rerun under bfloat16 autocast (``"finite"``: float16's range;
+    ``"nonfinite"``: its precision, which bfloat16 has less of; then ``islands``: the modules whose outputs the code
+    took in that, run in float32, make the step finite under float16, measured by rerunning it so; None when none
+    do). Only when the batch's record (and, for backward, the scale) is known.
     """
     start = record.step_start() if record is not None else None
     if record is None or start is None:
         return origin
     module = trainer.lightning_module
     if origin.get("phase") == "forward" and origin.get("module") == "" and "float32" not in origin:
-        return {**origin, "float32": _float32_verdict(module, record.batch, record.index, start, device_type)}
+        told = {**origin, "float32": _float32_verdict(module, record.batch, record.index, start, device_type)}
+        if told["float32"] == "finite":  # float16 fails there: its range (bf16 holds it) or its precision (not)
+            told["bf16"] = _float32_verdict(module, record.batch, record.index, start, device_type, torch.bfloat16)
+        if told["float32"] == "finite" and told["bf16"] != "finite":
+            told["islands"] = _feeding_islands(module, record, start, device_type)
+        return told
     if origin != {"phase": "backward"} or scale is None:
         return origin
     context = trainer.precision_plugin.forward_context
     return backward_origin(module, record.batch, record.index, start, device_type, context, scale)
 
 
-def _float32_verdict(module: pl.LightningModule, batch: Any, batch_idx: int, start: StepStart, device_type: str) -> str:
-    """The step rerun in float32: ``"finite"`` gradients, ``"nonfinite"``, or ``"unknown"`` (raised, or no loss)."""
-    finite, error = attempt(_finite_in_float32, module, batch, batch_idx, start, device_type)
+def _feeding_islands(
+    module: pl.LightningModule, record: BatchCalls, start: StepStart, device_type: str
+) -> Optional[list[str]]:
+    """The islands that make the step finite under float16 autocast, measured by rerunning it with them; or None.
+
+    Tried: the last module called before the own code took in inf/nan, then all of those (at most ``MAX_ISLANDS``).
+    """
+    first = next((i for i, c in enumerate(record.calls) if nonfinite_kinds((c[2], c[3]), masks=True)), None)
+    feeding: dict[str, torch.nn.Module] = {}
+    for name, called, *_ in record.calls[:first]:
+        feeding.setdefault(name, called)
+    names = list(feeding)
+    for islands in ([names[-1]], names[-MAX_ISLANDS:]) if names else ():
+        chosen = [feeding[n] for n in islands]
+        fits, error = attempt(_finite_as, module, record.batch, record.index, start, device_type, torch.float16, chosen)
+        if fits and error is None:
+            return islands
+    return None
+
+
+@contextlib.contextmanager
+def _as_islands(modules: Sequence[torch.nn.Module], device_type: str) -> Iterator[None]:
+    """``modules`` run in float32 inside the block (their own ``forward`` back after it)."""
+    wrapped = [m for m in modules if "forward" not in vars(m)]
+    for m in wrapped:
+        m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for m in wrapped:
+            vars(m).pop("forward", None)
+
+
+def _float32_verdict(
+    module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    start: StepStart,
+    device_type: str,
+    dtype: Optional[torch.dtype] = None,
+) -> str:
+    """The step rerun in float32 (or under ``dtype`` autocast): its gradients ``"finite"``, or not, or ``"unknown"``."""
+    finite, error = attempt(_finite_as, module, batch, batch_idx, start, device_type, dtype)
     return "unknown" if error is not None or finite is None else ("finite" if finite else "nonfinite")
 
 
@@ -237,14 +287,25 @@ def _watched_backward(
         return born[0] if born else None
 
 
-def _finite_in_float32(
-    module: pl.LightningModule, batch: Any, batch_idx: int, start: StepStart, device_type: str
+def _finite_as(
+    module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    start: StepStart,
+    device_type: str,
+    dtype: Optional[torch.dtype] = None,
+    islands: Sequence[torch.nn.Module] = (),
 ) -> Optional[bool]:
+    """Whether the step's gradients are finite rerun in float32 (``dtype`` None) or under ``dtype`` autocast.
+
+    ``islands`` run in float32 meanwhile (as ``fp32_modules`` would).
+    """
     with (
         sandboxed(module, device_type, start=start, grad=True),
         no_logging(module),
-        torch.autocast(device_type, enabled=False),
+        torch.autocast(device_type, dtype=dtype, enabled=dtype is not None),
         torch.enable_grad(),
+        _as_islands(islands, device_type),
     ):
         loss = _rerun_loss(module, batch, batch_idx)
         if loss is None:
