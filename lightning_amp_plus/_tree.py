@@ -3,32 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections import UserDict
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+#: a container this large inside a result object is data (a table), not the tensors a call computes: not walked
+_WIDE = 1024
 
-def tensors(value: Any) -> Iterator[torch.Tensor]:
+
+def tensors(value: Any, _inside: int = 0) -> Iterator[torch.Tensor]:
     """Every tensor in ``value``, in order, through lists, tuples (named ones too), dicts, dataclasses.
 
-    Also other mappings (transformers' ``BatchEncoding``) and ``SimpleNamespace`` objects.
+    Also a ``UserDict`` (transformers' ``BatchEncoding``: its ``data``, read without calling the class's code) and a
+    ``SimpleNamespace`` result object, two levels deep at most (a namespace that holds itself ends there), leaving
+    out containers of more than ``_WIDE`` items inside them (a table it carries).
     """
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from tensors(v)
+            yield from tensors(v, _inside)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from tensors(v)
+            yield from tensors(v, _inside)
     elif hasattr(type(value), "__dataclass_fields__") and not isinstance(value, type):  # a dataclass instance
         for f in dataclasses.fields(value):
-            yield from tensors(getattr(value, f.name, None))
-    elif isinstance(value, (Mapping, SimpleNamespace)):
-        for v in value.values() if isinstance(value, Mapping) else vars(value).values():
-            yield from tensors(v)
+            yield from tensors(getattr(value, f.name, None), _inside)
+    elif _inside < 2 and isinstance(value, (UserDict, SimpleNamespace)):
+        for v in (value.data if isinstance(value, UserDict) else vars(value)).values():
+            if not (isinstance(v, (list, tuple, dict)) and len(v) > _WIDE):
+                yield from tensors(v, _inside + 1)
 
 
 def values(value: Any) -> Iterator[torch.Tensor]:

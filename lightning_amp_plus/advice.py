@@ -355,7 +355,8 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     places = Counter((o.get("phase"), o.get("module") or "", o.get("op")) for o in _model_made(figures))
     if not places:
         return None
-    (phase, module, op), count = places.most_common(1)[0]
+    top, count = places.most_common(1)[0]
+    phase, module, op = top
     if 2 * count <= len(origins):
         return None
     where = module or "the LightningModule's own code"
@@ -371,11 +372,12 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
             " out = torch.nan_to_num(out)"
         )
         kind = "an all-masked attention row, a log or division of 0"
+    made = [o for o in _model_made(figures) if (o.get("phase"), o.get("module") or "", o.get("op")) == top]
     return Advice(
         "model_nonfinite",
         f"Non-finite values were born {what} in {count} of {len(origins)} skipped updates, and recomputed in"
         f" float32 it makes them too: the model makes them in any precision ({kind}), so no loss scale, fp32"
-        " island or bf16 fixes it.",
+        f" island or bf16 fixes it.{_batch_too(made)}",
         fix,
         {"phase": phase, "module": module, "op": op, "skips": count, "told": len(origins)},
     )
@@ -415,6 +417,16 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
         " A replay with these islands computed finite values.",
         plugin_fix(figures, fp32_modules=islands),
         {"module": module, "skips": count, "told": len(origins), "kinds": dict(kinds), "islands": islands},
+    )
+
+
+def _batch_too(origins: list[dict[str, Any]]) -> str:
+    """What to add when the batch held inf/nan of the kind the step's own code passed on (it may have spread them)."""
+    if not any(o.get("batch") == "nonfinite" for o in origins):
+        return ""
+    return (
+        " The batch held inf/nan of that kind too: where that code mixes samples (batch statistics, mixup), they"
+        " may be the batch's."
     )
 
 
@@ -473,7 +485,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
         f"{where} {len(unread)} of {len(origins)} skipped updates"
         f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}). No replay reads that code, so nothing this"
         " run measured tells a float16 overflow there (bf16 fixes that) from inf/nan the code makes in any"
-        " precision (a log, sqrt or division of 0: only a code fix does).",
+        f" precision (a log, sqrt or division of 0: only a code fix does).{_batch_too(unread)}",
         "NaNSkipReporter(backward_origin=True)  # reruns a skipped step in float32, sandboxed: which of the two",
         {"own_code": len(unread), "told": len(origins), "kinds": dict(kinds)},
     )

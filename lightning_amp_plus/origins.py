@@ -40,14 +40,16 @@ from lightning_amp_plus.sandbox import (
     global_streams,
     holds_state,
     no_logging,
+    raised,
     reach,
     sandboxed,
 )
 
 #: an origin: ``{"phase": "input" | "forward" | "loss" | "backward" | "unknown", ...}`` (:meth:`OriginFinder.origin`)
 Origin = dict[str, Any]
-#: which ``-inf`` counts as non-finite: every one (False), all but an additive mask's (True), none ("all")
-Masks = Union[bool, Literal["all"]]
+#: which ``-inf`` counts as non-finite: every one (False); all but an additive mask's (True: the batch); only a
+#: half-precision tensor's that is no mask ("inputs": what a call takes in); none ("all": a module's output)
+Masks = Union[bool, Literal["inputs", "all"]]
 
 
 @dataclass
@@ -65,6 +67,7 @@ class BatchCalls:
     index: int = -1
     host: Optional[list[tuple[Any, Any]]] = None  # Python's and numpy's random state, when a rerun may need them
     weak: int = 0  # the calls whose outputs are held weakly (those recorded before a backward)
+    failed: Optional[str] = None  # why a call could not be recorded (then the origin is told unknown, with it)
 
     def step_start(self) -> Optional[StepStart]:
         """The random state the whole step started from (for a rerun of ``training_step``)."""
@@ -126,9 +129,14 @@ class OriginFinder:
 
             def keep(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
                 current = self._current
-                if current is None or _replays[0]:  # training batches only, not replays (read inline: no call)
+                if current is None or _replays[0] or current.failed:  # training batches only, not replays
                     return
                 cuda_state = self._cuda_state
+                try:
+                    kept = versions(args, kwargs, output)
+                except Exception as error:  # noqa: BLE001 - what the call holds cannot be read: told, never raised
+                    current.failed = f"reading the call of {name} raised {raised(error)}"
+                    return
                 current.calls.append(
                     (
                         name,
@@ -136,7 +144,7 @@ class OriginFinder:
                         args,
                         kwargs,
                         output,
-                        versions(args, kwargs, output),
+                        kept,
                         cpu_state(),
                         cuda_state() if cuda_state is not None else None,
                     )
@@ -209,6 +217,8 @@ class OriginFinder:
         record = record if record is not None else self._current
         if record is None or record.batch is None:
             return None
+        if record.failed:
+            return unknown(record.failed)
         told, error = attempt(self._tell, record)
         return unknown(f"telling it raised {error}") if error is not None else told
 
@@ -223,11 +233,15 @@ class OriginFinder:
             if now != (kept if output is not _GONE else kept[: kept[0] + 1]):  # a freed output changes no more
                 return unknown(f"the step changed the inputs or the output of {name} in place after the call")
             took = [t for t in tensors((args, kwargs)) if id(t) not in by_design]
-            taken = nonfinite_kinds(took, masks=True)
-            if taken:  # made before this call: by the batch (when it holds that kind), or the module's own code
-                if taken <= in_batch and _from_batch(record.batch, took):
-                    return {"phase": "input"}
-                return {"phase": "forward", "module": "", "kind": "inf" if "inf" in taken else "nan"}
+            from_batch = nonfinite_kinds(took, masks=True)
+            if from_batch and from_batch <= in_batch and _from_batch(record.batch, took):
+                return {"phase": "input"}
+            taken = nonfinite_kinds(took, masks="inputs")
+            if taken:  # made before this call by the LightningModule's own code
+                own: Origin = {"phase": "forward", "module": "", "kind": "inf" if "inf" in taken else "nan"}
+                if taken & in_batch:
+                    own["batch"] = "nonfinite"  # the batch held that kind too: the step may have spread it
+                return own
             if output is _GONE or nonfinite_kind(output) is not None:
                 born = self._inside(record, index)
                 if born is not None:  # else: finite, or only masks (-inf by design) left the call
@@ -314,7 +328,7 @@ class OriginFinder:
         """
         chain = self._chain(record, index)
         unseen = any(
-            nonfinite_kind((c[2], c[3]), masks=True) is not None
+            nonfinite_kind((c[2], c[3]), masks="inputs") is not None
             for later, c in enumerate(record.calls)
             if later > index and later not in chain
         )
@@ -463,7 +477,7 @@ class _FirstBorn:
         if self.found is not None or start is None:
             return
         kind = nonfinite_kind(output)
-        if kind is None or nonfinite_kind((args, kwargs), masks=True) is not None:
+        if kind is None or nonfinite_kind((args, kwargs), masks="inputs") is not None:
             return
         inputs = before  # copies taken before the call, when an argument holds state (a cache the call appends to)
         if inputs is None and versions(args, kwargs) == kept and not holds_state((args, kwargs)):
@@ -504,7 +518,8 @@ def _from_batch(batch: Any, took: list[Tensor]) -> bool:
     Yes when one is a batch tensor holding them, or a view of one. Else, per sample: every sample (first dimension)
     where the call's tensors hold them must be one where the batch does, as the batch's values carried on by the
     step's own code keep to their samples; NaN-coded labels at some samples do not make the own code's overflow, at
-    every sample, the batch's. A tensor of another first dimension cannot be told: the batch's.
+    every sample, the batch's. A tensor of another first dimension cannot be compared: not shown the batch's (the
+    origin is then the step's own code, told with ``"batch": "nonfinite"``).
     """
     bad = [t for t in values(batch) if t.is_floating_point() and _kinds(t, True)]
     shared = {t.untyped_storage().data_ptr() for t in bad}
@@ -514,10 +529,10 @@ def _from_batch(batch: Any, took: list[Tensor]) -> bool:
     for t in bad:
         if t.dim():
             rows.setdefault(t.shape[0], set()).update(_bad_rows(t))
-    return not any(
-        t.is_floating_point() and t.dim() and t.shape[0] in rows and not _bad_rows(t) <= rows[t.shape[0]]
-        for t in values(took)
-    )
+    told = [t for t in values(took) if t.is_floating_point() and t.dim() and _kinds(t, True)]
+    if not told or any(t.shape[0] not in rows for t in told):
+        return False  # no sample to compare (flattened, another first dimension): not shown to be the batch's
+    return all(_bad_rows(t) <= rows[t.shape[0]] for t in told)
 
 
 def _bad_rows(tensor: Tensor) -> set[int]:
@@ -590,10 +605,11 @@ def _device_type(module: torch.nn.Module) -> str:
 def nonfinite_kind(value: Any, masks: Masks = False) -> Optional[str]:
     """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
 
-    With ``masks``, an additive mask's ``-inf`` does not count: a tensor whose finite values are all one value (0 /
-    ``-inf``, as attention masks between modules hold by design). ``-inf`` beside other values (a float16 sum or
-    product that overflowed) counts. ``masks="all"``: no ``-inf`` counts (a module's output, whose float32 recompute
-    tells an overflow from a mask or a bias by design).
+    With ``masks``, an additive mask's ``-inf`` does not count: a tensor whose finite values take two values at most
+    (0 / ``-inf``; 0 / -1e4 / ``-inf``), as attention masks hold by design. ``masks="inputs"`` (what a call takes in):
+    besides, ``-inf`` counts only in a half-precision tensor (a float16 sum or product that overflowed; float32 does
+    not overflow there, its ``-inf`` is a mask or a bias by design). ``masks="all"``: no ``-inf`` counts (a module's
+    output, whose float32 recompute tells an overflow from a mask or a bias by design).
     """
     for tensor in values(value):
         kinds = _kinds(tensor, masks)
@@ -611,8 +627,9 @@ def _kinds(tensor: Tensor, masks: Masks) -> set[str]:
     if not tensor.is_floating_point():
         return set()
     kinds = set()
+    minus_inf = masks != "all" and (masks != "inputs" or tensor.dtype in (torch.float16, torch.bfloat16))
     if bool(torch.isposinf(tensor).any()) or (
-        masks != "all" and bool(torch.isneginf(tensor).any()) and not (masks and _mask_like(tensor))
+        minus_inf and bool(torch.isneginf(tensor).any()) and not (masks and _mask_like(tensor))
     ):
         kinds.add("inf")
     if bool(torch.isnan(tensor).any()):
@@ -621,9 +638,9 @@ def _kinds(tensor: Tensor, masks: Masks) -> set[str]:
 
 
 def _mask_like(tensor: Tensor) -> bool:
-    """Whether ``tensor``'s ``-inf`` is an additive mask's: its finite values (if any) all one value, 0 mostly."""
+    """Whether ``tensor``'s ``-inf`` is an additive mask's: its finite values (if any) two values at most (0, -1e4)."""
     finite = tensor[torch.isfinite(tensor)]
-    return not finite.numel() or bool((finite == finite.reshape(-1)[0]).all())
+    return not finite.numel() or bool(((finite == finite.min()) | (finite == finite.max())).all())
 
 
 def fits_float16(value: Any) -> bool:

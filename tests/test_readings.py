@@ -176,8 +176,11 @@ def test_nan_labels_do_not_make_the_own_codes_nan_the_batchs():
     for nan_labels in (False, True):
         advisor, plugin = _fit(SetCentred(), _sets(nan_labels), steps=3)
         assert plugin.history.num_skipped == 3
-        assert [r["origin"] for r in advisor._reporter.skips] == [{"phase": "forward", "module": "", "kind": "nan"}] * 3
+        told = {"phase": "forward", "module": "", "kind": "nan"} | ({"batch": "nonfinite"} if nan_labels else {})
+        assert [r["origin"] for r in advisor._reporter.skips] == [told] * 3
         assert "nonfinite_loss" not in _codes(advisor)  # its `assert` on the batch would stop training at batch 0
+    (advice,) = advisor.advice
+    assert "The batch held inf/nan of that kind too" in advice.message  # said, not blamed
 
 
 class MinMax(TinyModel):
@@ -211,6 +214,88 @@ def test_an_own_code_precision_loss_is_no_bf16_case_and_the_measured_island_fixe
     assert bf16.history.num_skipped == 4  # bf16, measured: no help
     _, fixed = _fit(MinMax(), plugin=_applied(advice.fix), steps=4)
     assert fixed.history.num_skipped == 0  # the fix as printed: it trains
+
+
+class AuxHeads(MinMax):
+    """MinMax with four auxiliary heads called after `embed`, before the own code: the island it needs is not the
+    module called last."""
+
+    def __init__(self):
+        super().__init__()
+        self.aux = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        h = self.embed(x)
+        for head in self.aux:
+            head(x)  # called, its output unused by the code below
+        h = h.float()
+        return self.net((h - h.amin(0)) / (h.amax(0) - h.amin(0)))
+
+
+def test_the_measured_island_is_the_module_the_code_reads_not_the_one_called_last():
+    reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
+    advisor, _ = _fit(AuxHeads(), callbacks=[reporter], steps=3)
+    assert {tuple(r["origin"]["islands"]) for r in reporter.skips} == {("embed",)}
+    (advice,) = advisor.advice
+    _, fixed = _fit(AuxHeads(), plugin=_applied(advice.fix), steps=3)
+    assert fixed.history.num_skipped == 0
+
+
+class BiasedAttention(nn.Module):
+    """Attention scores over the 8 features of each sample, with an additive bias or mask taken as an argument."""
+
+    def forward(self, x, bias):
+        scores = x[:, :, None] * x[:, None, :] + bias
+        return (torch.softmax(scores.float(), -1) @ x[:, :, None].float()).squeeze(-1)
+
+
+class Biased(TinyModel):
+    """A healthy model whose only fault is a too-high `init_scale`: the step's own code (or a module, through a view)
+    builds a float32 causal position bias, several finite values beside -inf, for an attention child."""
+
+    def __init__(self, made_by):
+        super().__init__()
+        self.made_by, self.position, self.attend = made_by, AlibiBias(), BiasedAttention()
+
+    def forward(self, x):
+        if self.made_by == "module":
+            bias = self.position(x.float()).unsqueeze(0)  # a view of the module's output: a new tensor
+        else:
+            i = torch.arange(8, device=x.device)
+            distance = (i[None] - i[:, None]).float()
+            bias = (-0.5 * distance.abs()).masked_fill(distance > 0, float("-inf"))[None]
+        return self.net(self.attend(x, bias))
+
+
+def test_a_float32_position_bias_made_by_the_step_is_no_origin_and_the_scale_is_told():
+    for made_by in ("own code", "module"):
+        advisor, plugin = _fit(Biased(made_by), plugin=AmpPlusPrecision("16-mixed", init_scale=2.0**24), steps=12)
+        assert plugin.history.num_skipped >= 2
+        assert {r["origin"]["phase"] for r in advisor._reporter.skips} == {"backward"}, made_by
+        assert "init_scale" in _codes(advisor)
+        assert not {"own_code", "bf16", "model_nonfinite"} & set(_codes(advisor))
+
+
+def test_a_batch_mask_of_zeros_large_negatives_and_minus_inf_is_no_bad_data():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    mask = torch.zeros(32, 8)
+    mask[:, 5:] = -1e4  # soft-masked (as a `finfo.min`-style mask)
+    mask[::4, 7] = float("-inf")  # hard-masked
+
+    class Masked(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.attend = BiasedAttention()
+
+        def training_step(self, batch, batch_idx):
+            x, mask, y = batch
+            return nn.functional.mse_loss(self(self.attend(x, mask[:, None, :])).float(), y) * 1e4
+
+    advisor, plugin = _fit(Masked(), DataLoader(TensorDataset(x, mask, y), batch_size=4), steps=6)
+    assert plugin.history.num_skipped >= 1
+    assert "input" not in {r["origin"]["phase"] for r in advisor._reporter.skips}
+    assert "nonfinite_loss" not in _codes(advisor)
 
 
 class OwnSqrt(TinyModel):

@@ -14,6 +14,7 @@ import gc
 import random
 import weakref
 from collections import UserDict
+from collections.abc import Mapping
 from types import SimpleNamespace
 
 import numpy as np
@@ -295,6 +296,51 @@ def test_a_mapping_batch_and_a_namespace_output_are_read(fault, tmp_path):
         assert (told["module"], told["float32"]) == ("big.fc", "finite")
     else:  # inside the mapping: the batch's
         assert told == {"phase": "input"}
+
+
+class _Store(Mapping):
+    """A lazily loading store passed to a module: reading a value would load it (here it raises, as a closed file)."""
+
+    def __len__(self):
+        return 3
+
+    def __iter__(self):
+        return iter(range(3))
+
+    def __getitem__(self, key):
+        raise OSError("store closed")
+
+
+class _Cyclic(nn.Module):
+    """Returns a result object that refers to itself, and takes the store as an argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x, store):
+        out = SimpleNamespace(hidden=self.fc(x))
+        out.parent = out
+        return out
+
+
+class _Odd(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.big, self.head, self.store = _Cyclic(), nn.Linear(16, 1), _Store()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.big(x, self.store).hidden).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_self_referring_result_and_a_store_that_cannot_be_read_change_nothing(tmp_path):
+    watched, callbacks = _assert_untouched(_Odd, _pairs(), tmp_path)  # once RecursionError / OSError out of fit
+    assert watched["skipped"] == [LOUD]
+    assert _origins(callbacks)[LOUD]["module"] == "big.fc"  # the namespace read two levels deep, not forever
 
 
 class _Scripted(LightningModule):

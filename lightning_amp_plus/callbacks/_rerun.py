@@ -204,19 +204,25 @@ def told_by_rerun(
     return backward_origin(module, record.batch, record.index, start, device_type, context, scale)
 
 
+#: modules tried one at a time as the island that makes an own-code precision loss finite (each a rerun)
+_ISLAND_TRIES = 6
+
+
 def _feeding_islands(
     module: pl.LightningModule, record: BatchCalls, start: StepStart, device_type: str
 ) -> Optional[list[str]]:
     """The islands that make the step finite under float16 autocast, measured by rerunning it with them; or None.
 
-    Tried: the last module called before the own code took in inf/nan, then all of those (at most ``MAX_ISLANDS``).
+    Tried: each module called before the own code took in inf/nan, the latest first (at most ``_ISLAND_TRIES``), then
+    the latest ``MAX_ISLANDS`` together: each try is a rerun of the step, on skipped updates only.
     """
-    first = next((i for i, c in enumerate(record.calls) if nonfinite_kinds((c[2], c[3]), masks=True)), None)
+    first = next((i for i, c in enumerate(record.calls) if nonfinite_kinds((c[2], c[3]), masks="inputs")), None)
     feeding: dict[str, torch.nn.Module] = {}
     for name, called, *_ in record.calls[:first]:
         feeding.setdefault(name, called)
     names = list(feeding)
-    for islands in ([names[-1]], names[-MAX_ISLANDS:]) if names else ():
+    tries = [[n] for n in reversed(names[-_ISLAND_TRIES:])] + ([names[-MAX_ISLANDS:]] if len(names) > 1 else [])
+    for islands in tries:
         chosen = [feeding[n] for n in islands]
         fits, error = attempt(_finite_as, module, record.batch, record.index, start, device_type, torch.float16, chosen)
         if fits and error is None:
