@@ -537,11 +537,9 @@ def _from_batch(batch: Any, took: list[Tensor]) -> bool:
 
 def _bad_rows(tensor: Tensor) -> set[int]:
     """The samples (first dimension) where ``tensor`` holds a non-finite value an additive mask does not explain."""
-    flat = tensor.detach().reshape(tensor.shape[0], -1)
-    bad = torch.isnan(flat) | torch.isposinf(flat)
-    if not _mask_like(tensor):
-        bad |= torch.isneginf(flat)
-    return {int(i) for i in bad.any(1).nonzero().flatten().tolist()}
+    inf, nan = _counted(tensor.detach(), True)
+    bad = (inf | nan).reshape(tensor.shape[0], -1).any(1)
+    return {int(i) for i in bad.nonzero().flatten().tolist()}
 
 
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite
@@ -626,15 +624,18 @@ def nonfinite_kinds(value: Any, masks: Masks = False) -> set[str]:
 def _kinds(tensor: Tensor, masks: Masks) -> set[str]:
     if not tensor.is_floating_point():
         return set()
-    kinds = set()
-    minus_inf = masks != "all" and (masks != "inputs" or tensor.dtype in (torch.float16, torch.bfloat16))
-    if bool(torch.isposinf(tensor).any()) or (
-        minus_inf and bool(torch.isneginf(tensor).any()) and not (masks and _mask_like(tensor))
-    ):
-        kinds.add("inf")
-    if bool(torch.isnan(tensor).any()):
-        kinds.add("nan")
-    return kinds
+    inf, nan = _counted(tensor, masks)
+    return {kind for kind, found in (("inf", inf), ("nan", nan)) if bool(found.any())}
+
+
+def _counted(tensor: Tensor, masks: Masks) -> tuple[Tensor, Tensor]:
+    """The one ``-inf`` rule (see :func:`nonfinite_kind`): ``tensor``'s inf elements that count, and its NaN ones."""
+    inf = torch.isposinf(tensor)
+    if masks != "all" and (masks != "inputs" or tensor.dtype in (torch.float16, torch.bfloat16)):
+        minus = torch.isneginf(tensor)
+        if bool(minus.any()) and not (masks and _mask_like(tensor)):
+            inf = inf | minus
+    return inf, torch.isnan(tensor)
 
 
 def _mask_like(tensor: Tensor) -> bool:
