@@ -38,3 +38,8 @@ def warn_at_user(message: str) -> None:
         frame = frame.f_back
         level += 1
     warnings.warn(message, AmpPlusWarning, stacklevel=level)
+
+
+def deprecated(old: str, new: str) -> None:
+    """Warn that ``old`` (0.2's) is deprecated, at the user's line (the caller's caller), naming ``new``."""
+    warnings.warn(f"`{old}` is deprecated since 0.3 and goes in 0.4: use {new}.", DeprecationWarning, stacklevel=3)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
+from lightning_amp_plus._compat import Deprecated
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import global_rank, say
 from lightning_amp_plus._repr import same_value
@@ -104,9 +105,14 @@ class AmpEngine:
             self.checker = NonFiniteChecker(sharded=sharded)
         #: warn once a run of this many skipped updates in a row is seen (None: never)
         self.warn_skip_streak = warn_skip_streak
+        self.sharded = sharded
         self._listeners: list[UpdateListener] = []
         self._route()
         self._new_run()  # the scaler given is as its constructor made it
+
+    def use_scaler(self, scaler: DynamicLossScaler) -> None:
+        """Use ``scaler`` from now on (16-mixed; checked by :func:`take_scaler`): its public methods are called."""
+        self.scaler = self.checker = scaler
 
     # ------------------------------------------------------------------ listeners
     def listen(self, listener: UpdateListener) -> None:
@@ -161,6 +167,7 @@ class AmpEngine:
         self._stepped_at: dict[int, int] = {}  # per optimizer: `_backwards` when it last stepped
         self._unscaled_at: dict[int, int] = {}  # per optimizer: `_backwards` when its gradients were last unscaled
         self._recorded_since_load = False  # the history's last scale is this scaler's (not a checkpoint's)
+        self._last_record: Any = None  # the scaler's record of the last update this engine closed
 
     def register(self, optimizers: list[Any]) -> None:
         """Make ``optimizers`` known, so their pending gradients follow a change of scale (see :meth:`end_cycle`)."""
@@ -241,7 +248,7 @@ class AmpEngine:
         if self.scaler is not None:
             for before_unscale in self._before_unscale:
                 before_unscale(optimizer, cycle.step)
-        self.checker.unscale_resolved(optimizer)
+        self.checker.unscale_(optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/nan (parameters and state then stay bit-identical).
@@ -255,7 +262,7 @@ class AmpEngine:
         try:
             if self.checker is None:
                 return optimizer.step(**kwargs)
-            result = self.checker.step_resolved(optimizer, **kwargs)
+            result = self.checker.step(optimizer, **kwargs)
         except BaseException:
             cycle.stepped.remove(optimizer)
             for leftover in ("grad_scale", "found_inf"):  # torch's GradScaler.step removes them only on success
@@ -270,7 +277,11 @@ class AmpEngine:
             raise
         finally:
             self._stepped_at[id(optimizer)] = self._backwards  # a closure's backward is part of this step
-        if self._skipped_step and self.step_was_skipped(optimizer, sync=self.sync_skips):
+        if (
+            self._skipped_step
+            and self.checker is not None
+            and self.checker.step_was_skipped(optimizer, sync=self.sync_skips)
+        ):
             for skipped_step in self._skipped_step:
                 skipped_step(optimizer)
         return result
@@ -336,14 +347,31 @@ class AmpEngine:
             self.history.record(cycle.step, 1.0, 0.0)
             skipped: Optional[bool] = False
         else:
+            # gradients still scaled by the scale this update used, which no step consumed
             pending = self._pending_gradients() if self.scaler is not None else []
-            # the history's last scale is this scaler's unless a checkpoint was loaded since: then it needs the scale
-            outcome = checker.close(sync=self.sync_skips, pending=pending, used=not self._recorded_since_load)
-            self.history.record(cycle.step, outcome.scale, outcome.flag)  # None: the scale is the last one recorded
+            # the history's last scale is this scaler's unless a checkpoint was loaded since: then it needs the scale,
+            # which the update copies unless it is known to be the last one's (read here: `is True` for a mock too)
+            unrecorded = not self._recorded_since_load and checker.scale_kept is True
+            live = checker.scale_tensor() if pending or unrecorded else None
+            before = live.clone() if live is not None else None
+            if self.sync_skips:
+                any_skipped(checker.outcomes(), sync=True)  # a fused step's flag read now: the update knows it
+            checker.update()
+            outcome = checker.last_update()
+            if outcome is None or outcome is self._last_record:
+                raise RuntimeError(
+                    f"`{type(checker).__name__}.update()` kept no record of the update: an override of `update` must"
+                    " call `super().update()`."
+                )
+            self._last_record = outcome
+            scale = before if unrecorded else outcome.scale
+            self.history.record(cycle.step, scale, outcome.flag)  # None: the scale is the last one recorded
             self._recorded_since_load = True
             skipped = outcome.skipped
             if outcome.scale_before is not None and self.scaler is not None:
                 scale_before = outcome.scale_before
+            if pending and live is not None and before is not None:
+                _multiply(pending, live / before)  # brought to the new scale: their next unscale is exact
         cycle.skipped = skipped
         if skipped is True:
             self.history.flush()  # the host knows already: the streak below is exact
@@ -493,6 +521,15 @@ def warn_unstepped(count: int, when: str, consequence: str) -> None:
     )
 
 
+def _multiply(tensors: list[Tensor], factor: Tensor) -> None:
+    """``t *= factor`` for every tensor, one foreach kernel per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device))
+
+
 def _has_gradients(optimizer: Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
@@ -519,11 +556,12 @@ def make_engine(
     knobs: dict[str, Any],
     warn_skip_streak: Any,
     sharded: bool = False,
+    scaler: Any = None,
 ) -> AmpEngine:
     """Validate a plugin's arguments (messages name ``owner``) and build its engine.
 
     ``sharded``: each rank holds a shard of the gradients (FSDP): the skip flag is reduced over the ranks, in both
-    precisions.
+    precisions. ``scaler``: the user's own (see :func:`take_scaler`); the knobs then are its own.
     """
     check_choice(
         owner,
@@ -543,14 +581,16 @@ def make_engine(
             f"`{owner}(precision='bf16-mixed', {names})` is invalid: bf16-mixed uses no loss scaler."
             " HINT: remove the scaler arguments, or use precision='16-mixed'."
         )
-    scaler = None
-    if precision == "16-mixed":
-        check_knobs(owner, {**SCALER_DEFAULTS, **given})
-        if not skip_nonfinite:
+    if scaler is not None:
+        if given:
+            names = ", ".join(f"{k}={v!r}" for k, v in given.items())
             raise ValueError(
-                f"`{owner}(precision='16-mixed', skip_nonfinite=False)` is invalid: with loss scaling an overflowing"
-                " step must be skipped. `skip_nonfinite` applies to bf16-mixed only."
+                f"`{owner}(scaler=..., {names})` is invalid: the scaler given holds its own knobs. HINT: set them on"
+                " the scaler, or leave `scaler=` out."
             )
+        scaler = take_scaler(owner, scaler, precision, sharded)
+    elif precision == "16-mixed":
+        check_knobs(owner, {**SCALER_DEFAULTS, **given})
         # the device type may only be known later (`device=None`); "cpu" never disables the scaler meanwhile
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -559,13 +599,83 @@ def make_engine(
             )
         scaler_class = ShardedDynamicLossScaler if sharded else DynamicLossScaler
         scaler = scaler_class(device or "cpu", **{**SCALER_DEFAULTS, **given})
+    if precision == "16-mixed" and not skip_nonfinite:
+        raise ValueError(
+            f"`{owner}(precision='16-mixed', skip_nonfinite=False)` is invalid: with loss scaling an overflowing"
+            " step must be skipped. `skip_nonfinite` applies to bf16-mixed only."
+        )
     return AmpEngine(precision, scaler, skip_nonfinite, warn_skip_streak, sharded=sharded)
+
+
+def take_scaler(owner: str, scaler: Any, precision: str, sharded: bool) -> Any:
+    """The loss scaler a plugin uses when given one (``scaler=``, or ``plugin.scaler = ...``), checked.
+
+    A :class:`DynamicLossScaler` (a subclass included) is used as it is, and so is a ``unittest.mock`` object that
+    wraps one (``Mock(wraps=plugin.scaler)``, as Lightning's tests do); a ``torch.amp.GradScaler`` (torch's
+    ``ShardedGradScaler`` too) is taken as a :class:`DynamicLossScaler` with its knobs and state
+    (:meth:`DynamicLossScaler.from_grad_scaler`). Anything else, a disabled scaler, a scaler under bf16-mixed, or an
+    unsharded one under FSDP is an error naming the value.
+    """
+    if precision == "bf16-mixed":
+        raise ValueError(
+            f"`{owner}(precision='bf16-mixed', scaler={type(scaler).__name__}(...))` is invalid: bf16-mixed uses no"
+            " loss scaler. HINT: leave `scaler=` out, or use precision='16-mixed'."
+        )
+    mocked = any(cls.__module__ == "unittest.mock" for cls in type(scaler).__mro__)  # by type: no import
+    inner = getattr(scaler, "_mock_wraps", None) if mocked and not isinstance(scaler, DynamicLossScaler) else scaler
+    wanted = ShardedDynamicLossScaler if sharded else DynamicLossScaler
+    if isinstance(inner, torch.amp.GradScaler) and not inner.is_enabled():
+        raise ValueError(
+            f"`{owner}(scaler={type(inner).__name__}(enabled=False))` is invalid: a disabled scaler scales nothing"
+            " (float16 gradients underflow, overflowing steps are not skipped). HINT: pass an enabled scaler, or use"
+            " bf16-mixed."
+        )
+    if isinstance(inner, DynamicLossScaler) and not isinstance(inner, NonFiniteChecker):
+        if not isinstance(inner, wanted):
+            raise TypeError(
+                f"`{owner}(scaler={inner!r})` is invalid: each rank holds a shard of the gradients, so the overflow"
+                " flag must be reduced over the ranks. HINT: use `ShardedDynamicLossScaler` with the same knobs."
+            )
+        return scaler
+    if isinstance(inner, NonFiniteChecker):
+        why = "a `NonFiniteChecker` never scales: it is bf16-mixed's check. HINT: use precision='bf16-mixed'"
+    elif mocked:
+        why = "a mock stands in for a scaler only when it wraps one. HINT: `Mock(wraps=plugin.scaler)`"
+    elif isinstance(scaler, torch.amp.GradScaler) and type(scaler).__module__.partition(".")[0] == "torch":
+        extra = {"process_group": scaler.process_group} if sharded and hasattr(scaler, "process_group") else {}
+        return wanted.from_grad_scaler(scaler, **extra)
+    elif isinstance(scaler, torch.amp.GradScaler):
+        why = (
+            "its own methods would not run (a torch GradScaler is taken by its knobs and state)."
+            " HINT: subclass `DynamicLossScaler` instead"
+        )
+    else:
+        why = "expected a `DynamicLossScaler` (a subclass included) or a `torch.amp.GradScaler`"
+    raise TypeError(f"`{owner}(scaler={type(scaler).__name__}(...))` is invalid: {why}.")
 
 
 class EngineView:
     """The public state of a plugin's :class:`AmpEngine` (``self._engine``): shared by both plugins."""
 
     _engine: AmpEngine
+    _given: dict[str, Any]
+
+    # 0.2's names, deprecated (lightning_amp_plus._compat)
+    skip_listeners = Deprecated(
+        "skip",
+        "plugin.listen(listener), a listener overriding `update_skipped(event)`",
+        "Deprecated: callables ``(event)`` run on each skipped update the host knows (0.2).",
+    )
+    before_unscale_listeners = Deprecated(
+        "unscale",
+        "plugin.listen(listener), a listener overriding `before_unscale(optimizer, step)`",
+        "Deprecated: callables ``(optimizer, step)`` run just before an optimizer's gradients are unscaled (0.2).",
+    )
+    sync_skips = Deprecated(
+        "needs_host_skips",
+        "a listener with `needs_host_skips = True` (the read follows who listens)",
+        "Deprecated: whether a fused optimizer's skip is read on the host at each step (one sync a step).",
+    )
 
     @property
     def engine(self) -> AmpEngine:
@@ -574,8 +684,27 @@ class EngineView:
 
     @property
     def scaler(self) -> Optional[DynamicLossScaler]:
-        """The loss scaler (16-mixed), or ``None`` (bf16-mixed)."""
+        """The loss scaler (16-mixed), or ``None`` (bf16-mixed).
+
+        Settable, as stock ``MixedPrecision.scaler`` is (checked as ``scaler=`` is): the plugin calls its public
+        ``scale``, ``unscale_``, ``step`` and ``update``, so a subclass or a mock wrapping it sees every call.
+        """
         return self._engine.scaler
+
+    @scaler.setter
+    def scaler(self, value: Any) -> None:
+        engine = self._engine
+        if value is None and engine.precision == "bf16-mixed":
+            return
+        if value is None:
+            raise ValueError(
+                f"`{type(self).__name__}.scaler = None` is invalid: 16-mixed needs a loss scaler. HINT: use"
+                " precision='bf16-mixed' for mixed precision without one."
+            )
+        engine.use_scaler(take_scaler(type(self).__name__, value, engine.precision, engine.sharded))
+        # the plugin's call, as repr, the logged call and fix lines tell it: this scaler in place of the knobs
+        given = {k: v for k, v in getattr(self, "_given", {}).items() if k not in SCALER_DEFAULTS}
+        self._given = {**given, "scaler": value}
 
     @property
     def history(self) -> ScaleHistory:

@@ -13,7 +13,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus._compat import LegacyView
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_choice
@@ -25,13 +24,14 @@ def _convert(tensor: Tensor, dst_type: torch.dtype) -> Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
 
 
-class AmpPlusFabricPrecision(KnobsRepr, EngineView, LegacyView, FabricPrecision):
+class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
     """Fabric precision plugin sharing :class:`~lightning_amp_plus.engine.AmpEngine` with ``AmpPlusPrecision``.
 
     Same arguments and defaults as ``AmpPlusPrecision`` for the scaler (``init_scale`` ... ``hysteresis``) and
-    ``skip_nonfinite``; the same ``.scaler``, ``.history``, ``.listen()``, ``.optimizer_step_was_skipped``
-    and ``.applied_steps``. ``fabric.clip_gradients`` unscales first, fused optimizers included. A step index is
-    the count of optimizer-step cycles so far.
+    ``skip_nonfinite``, and ``scaler=`` (a scaler of your own, as stock Fabric ``MixedPrecision`` takes one; its
+    ``scale``, ``unscale_``, ``step`` and ``update`` are called); the same ``.scaler``, ``.history``, ``.listen()``,
+    ``.optimizer_step_was_skipped`` and ``.applied_steps``. ``fabric.clip_gradients`` unscales first, fused
+    optimizers included. A step index is the count of optimizer-step cycles so far.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
@@ -69,6 +69,7 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, LegacyView, FabricPrecision)
         min_scale: Optional[float] = SCALER_DEFAULTS["min_scale"],
         max_scale: Optional[float] = SCALER_DEFAULTS["max_scale"],
         hysteresis: Optional[int] = SCALER_DEFAULTS["hysteresis"],
+        scaler: Optional[torch.amp.GradScaler] = None,
         skip_nonfinite: bool = True,
         warn_skip_streak: Optional[int] = 50,
         update: Literal["step", "manual"] = "step",
@@ -76,7 +77,9 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, LegacyView, FabricPrecision)
         knobs = knob_values({name: value for name, value in locals().items() if name in SCALER_DEFAULTS})
         self._given = given_arguments(AmpPlusFabricPrecision.__init__, {**locals(), **knobs})
         owner = type(self).__name__
-        self._engine: AmpEngine = make_engine(owner, precision, device, skip_nonfinite, knobs, warn_skip_streak)
+        self._engine: AmpEngine = make_engine(
+            owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, scaler=scaler
+        )
         check_choice(owner, "update", update, ("step", "manual"))
         self.precision = precision  # type: ignore[assignment]
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,7 +124,7 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, LegacyView, FabricPrecision)
         is checked after it ran: a step that met inf/nan is undone. 16-mixed refuses closures (loss scaling breaks
         them).
         """
-        optimizer = resolve_optimizer(optimizer)
+        # Fabric hands the optimizer itself (its wrapper's `step` passes `.optimizer`); the scaler resolves what else
         if self.scaler is not None:
             refuse_closure_optimizer(type(self).__name__, optimizer)
         if self.scaler is not None and self.scaler.scale_tensor() is None:

@@ -21,7 +21,6 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus._compat import LegacyView
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
@@ -41,7 +40,7 @@ from lightning_amp_plus.knobs import knob_values
 __all__ = ["AmpPlusPrecision", "SkipEvent"]
 
 
-class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
+class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     """Mixed precision with a bounded dynamic loss scaler, unscale-before-clip and skip bookkeeping.
 
     Args:
@@ -54,6 +53,10 @@ class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
         min_scale: lower bound of the scale.
         max_scale: upper bound of the scale.
         hysteresis: overflows tolerated before the scale backs off (1: back off on every overflow).
+        scaler: a loss scaler of your own instead of the knobs, as stock ``MixedPrecision(scaler=...)`` takes one: a
+            :class:`~lightning_amp_plus.DynamicLossScaler` (a subclass included: its overrides of ``scale``,
+            ``unscale_``, ``step`` and ``update`` are called), or a ``torch.amp.GradScaler``, whose knobs and state
+            are taken (:meth:`~lightning_amp_plus.DynamicLossScaler.from_grad_scaler`: torch's rule exactly).
         skip_nonfinite: bf16-mixed only: skip optimizer steps whose gradients hold inf/nan (default ``True``).
             Costs one host sync per step with a non-fused optimizer. 16-mixed always skips.
         warn_skip_streak: warn (``AmpPlusWarning``) once this many optimizer updates in a row were skipped, so a run
@@ -95,6 +98,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
         min_scale: Optional[float] = SCALER_DEFAULTS["min_scale"],
         max_scale: Optional[float] = SCALER_DEFAULTS["max_scale"],
         hysteresis: Optional[int] = SCALER_DEFAULTS["hysteresis"],
+        scaler: Optional[torch.amp.GradScaler] = None,
         skip_nonfinite: bool = True,
         warn_skip_streak: Optional[int] = 50,
         skip_scheduler_on_overflow: bool = True,
@@ -104,7 +108,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
         self._given = given_arguments(AmpPlusPrecision.__init__, {**locals(), **knobs})
         owner = type(self).__name__
         self._engine: AmpEngine = make_engine(
-            owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, sharded=self._sharded
+            owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, sharded=self._sharded, scaler=scaler
         )
         check_bool(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
@@ -238,9 +242,9 @@ class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        real = resolve_optimizer(optimizer)
+        # Lightning hands the optimizer itself (LightningOptimizer.step passes its `_optimizer`): nothing to resolve.
         # LBFGS (bf16 only) evaluates the closure itself, so the step, hooks and clipping run inside its step
-        evaluates_closure = isinstance(real, LBFGS)
+        evaluates_closure = isinstance(optimizer, LBFGS)
         if not evaluates_closure:
             closure_result = closure()
             if closure_result is None and model.automatic_optimization:
@@ -258,15 +262,15 @@ class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
             return result
 
         engine = self._engine
-        engine.begin(real, logger_step(model))
+        engine.begin(optimizer, logger_step(model))
         self._in_closure_step = evaluates_closure
         try:
             if evaluates_closure:
-                step_output = engine.step(real, closure=closure_and_hooks, **kwargs)
+                step_output = engine.step(optimizer, closure=closure_and_hooks, **kwargs)
             else:
-                engine.unscale(real)
+                engine.unscale(optimizer)
                 self._after_closure(model, optimizer)  # on_before_optimizer_step hooks and clipping: true gradients
-                step_output = engine.step(real, **kwargs)
+                step_output = engine.step(optimizer, **kwargs)
         except BaseException:
             engine.abort_cycle()  # never a stale unscale: the next step starts a clean cycle
             raise
@@ -291,13 +295,14 @@ class AmpPlusPrecision(KnobsRepr, EngineView, LegacyView, Precision):
         """
         if self._no_step:
             return
-        real = resolve_optimizer(optimizer)
         engine = self._engine
         cycle = engine.cycle
-        already = cycle is not None and real in cycle.unscaled  # the automatic step unscaled before its hooks
-        if clip_val > 0 and not already and not self._in_closure_step and engine.has_new_gradients(real):
-            engine.begin(real, logger_step(self._module))
-            engine.unscale(real)
+        # the automatic step unscaled the optimizer itself before its hooks: nothing to resolve then
+        if clip_val > 0 and not self._in_closure_step and (cycle is None or optimizer not in cycle.unscaled):
+            real = resolve_optimizer(optimizer)  # manual optimization hands the LightningOptimizer
+            if (cycle is None or real not in cycle.unscaled) and engine.has_new_gradients(real):
+                engine.begin(real, logger_step(self._module))
+                engine.unscale(real)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ schedulers

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -15,12 +16,12 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from lightning_amp_plus._compat import LegacyScaler
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._validation import check_bool
+from lightning_amp_plus._warnings import deprecated
 from lightning_amp_plus.knobs import DEFAULTS, KNOBS, check_knobs, check_new_scale, grows, knob_values, read_checkpoint
 
 
@@ -74,14 +75,17 @@ def any_skipped(outcomes: Iterable[StepOutcome], *, sync: bool) -> bool | None:
     return None if unknown else False
 
 
-class Closed:
-    """What one update did, as :meth:`DynamicLossScaler.close` tells it (the engine records and reports it).
+class UpdateRecord:
+    """What one :meth:`DynamicLossScaler.update` did, as :meth:`~DynamicLossScaler.last_update` tells it.
+
+    The engine records it in the history and reports it; a subclass that overrides ``update`` calls
+    ``super().update()``, which writes it.
 
     Attributes:
         skipped: whether it was skipped (``None``: a fused optimizer decided on the device, and nobody read it).
         flag: its overflow flag as the history records it (a device tensor when the host does not know it).
-        scale: a copy of the scale its backward used (a device tensor; None when ``kept`` and not asked for), and
-            ``kept``: whether that scale is known to be the one the update before used (nothing to record).
+        scale: a copy of the scale its backward used (a device tensor; None when ``kept``), and ``kept``: whether
+            that scale is known to be the one the update before used (nothing to record).
         scale_before: that scale read on the host, on a known skip only (the skip's report says it).
     """
 
@@ -91,6 +95,9 @@ class Closed:
         self, skipped: bool | None, flag: Tensor | float, scale: Tensor | None, kept: bool, scale_before: float | None
     ) -> None:
         self.skipped, self.flag, self.scale, self.kept, self.scale_before = skipped, flag, scale, kept, scale_before
+
+    def __repr__(self) -> str:
+        return f"UpdateRecord(skipped={self.skipped}, kept={self.kept})"
 
 
 class HostMirror:
@@ -127,7 +134,7 @@ class HostMirror:
             outcome = self.outcomes.get(id(resolve_optimizer(optimizer)))
         if outcome is None:
             return None
-        return outcome.read() if sync else outcome.known
+        return outcome.read() if sync else outcome._skipped
 
 
 def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -135,7 +142,7 @@ def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
+class DynamicLossScaler(torch.amp.GradScaler):
     """Dynamic loss scaler with scale bounds and hysteresis (Megatron's rule, bounded).
 
     Per optimizer-step cycle (one :meth:`update`):
@@ -152,6 +159,11 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
     A drop-in for ``torch.amp.GradScaler``: the same positional arguments (``device, init_scale, growth_factor,
     backoff_factor, growth_interval, enabled``), ours after them as keywords. Every method that takes an optimizer
     accepts a wrapper of it too (Lightning's ``LightningOptimizer``, Fabric's optimizer) and means the optimizer inside.
+
+    Extension points: the plugins call this scaler's public :meth:`scale`, :meth:`unscale_`, :meth:`step` and
+    :meth:`update` as stock Lightning calls a ``GradScaler``'s (``unscale_`` and ``step`` once per optimizer step,
+    ``update`` once per update), so a subclass that overrides one of them and calls ``super()`` is called, and so is a
+    mock that wraps the scaler. The plugins learn what an update did from :meth:`last_update`.
 
     Args:
         device: device type of the gradients, as for ``torch.amp.GradScaler`` (``"cuda"``, ``"cpu"``, ...).
@@ -192,6 +204,7 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
     _hysteresis: int
     _init_hysteresis_tracker: int
     _host: HostMirror  # what the host knows of the open update
+    _last: UpdateRecord | None = None  # what the last update did
 
     def __init__(
         self,
@@ -220,6 +233,36 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
         #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
         self._reduce_over_ranks = False
         self.process_group: Any = None
+
+    @classmethod
+    def from_grad_scaler(cls, scaler: torch.amp.GradScaler, **kwargs: Any) -> DynamicLossScaler:
+        """A scaler of this class with a ``torch.amp.GradScaler``'s knobs and state (its scale, its growth tracker).
+
+        torch's rule exactly (``min_scale=0``, ``max_scale=inf``, ``hysteresis=1``) unless ``kwargs`` set our knobs;
+        ``kwargs`` also take this class's own arguments (``process_group``). A new run starts again at the scale the
+        given scaler had.
+
+        Example:
+            >>> import torch
+            >>> scaler = DynamicLossScaler.from_grad_scaler(torch.amp.GradScaler("cpu", init_scale=2.0**10))
+            >>> scaler.get_scale(), scaler.max_scale
+            (1024.0, inf)
+        """
+        if not scaler.is_enabled():
+            raise ValueError(
+                f"`{cls.__name__}.from_grad_scaler(scaler)` is invalid: the `GradScaler` is disabled"
+                " (`enabled=False`), so it scales nothing. HINT: pass an enabled scaler, or use bf16-mixed."
+            )
+        made = cls(
+            scaler._device,  # torch keeps the device type here only
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            **{"min_scale": 0.0, "max_scale": math.inf, "hysteresis": 1, **kwargs},
+        )
+        made.load_state_dict(scaler.state_dict())
+        return made
 
     def _set_knobs(self, values: dict[str, Any]) -> None:
         """Set the knobs in ``values`` where the scaler keeps them (checked before)."""
@@ -278,6 +321,7 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
         self._hysteresis_tracker = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._host = HostMirror()
+        self._last = None
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -313,20 +357,30 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
         return per_device
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``."""
-        self.unscale_resolved(resolve_optimizer(optimizer))
+        """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``.
 
-    def unscale_resolved(self, optimizer: torch.optim.Optimizer) -> None:
-        """:meth:`unscale_` of the optimizer itself, never a wrapper (the engine resolved it where it came in)."""
+        The plugins call it once per optimizer and update, before the hooks and clipping see the gradients.
+        """
+        if not self._enabled:
+            return
+        optimizer = resolve_optimizer(optimizer)
+        if self._scale is None and self._places_scale:
+            self._place_scale(optimizer)
         super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan."""
-        return self.step_resolved(resolve_optimizer(optimizer), *args, **kwargs)
+        """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan.
 
-    def step_resolved(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`step` of the optimizer itself, never a wrapper (the engine resolved it where it came in)."""
-        if self._enabled and steps_on_device(optimizer):
+        The plugins call it once per optimizer step. A fused optimizer decides its skip on the device: its outcome is
+        read only when asked (:meth:`step_was_skipped`), and a skipped fused step creates no optimizer state.
+        """
+        if not self._enabled:
+            return super().step(optimizer, *args, **kwargs)
+        if id(optimizer) not in self._per_optimizer_states:  # unscaled already: the optimizer itself, resolved then
+            optimizer = resolve_optimizer(optimizer)
+        if self._scale is None and self._places_scale:
+            self._place_scale(optimizer)
+        if steps_on_device(optimizer):
             created_from = len(optimizer.state)
             retval = super().step(optimizer, *args, **kwargs)
             # the fused kernel decided on the device: its flags are read only if someone asks
@@ -340,6 +394,29 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
             self._host.outcomes[id(optimizer)] = outcome
             return retval
         return super().step(optimizer, *args, **kwargs)
+
+    #: a scaler whose scale is placed at the first check, when no :meth:`scale` came first (the checker's)
+    _places_scale = False
+
+    def _place_scale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the scale on ``optimizer``'s parameters' device (the checker's, when no :meth:`scale` came first)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._lazy_init_scale_growth_tracker(params[0].device if params else torch.device(self._device))
+
+    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` stepped (or skipped) in this cycle, i.e. since the last :meth:`update`."""
+        key = id(resolve_optimizer(optimizer))
+        if not self._enabled or key not in self._per_optimizer_states:
+            return False
+        return self._per_optimizer_states[key]["stage"] is OptState.STEPPED
+
+    def any_step_skipped(self) -> bool:
+        """Deprecated (0.2): whether any optimizer's last step was skipped (reads a fused step's device flag)."""
+        deprecated(
+            "DynamicLossScaler.any_step_skipped()",
+            "`any_skipped(scaler.outcomes(), sync=True)` (or the plugin's `optimizer_step_was_skipped`)",
+        )
+        return bool(any_skipped(self.outcomes(), sync=True))
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`unscale_` already ran for ``optimizer`` in this cycle."""
@@ -408,32 +485,11 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
         """Whether the last update is known on the host to have left the scale unchanged (no sync)."""
         return self._host.kept
 
-    def close(self, *, sync: bool = False, pending: Sequence[Tensor] = (), used: bool = False) -> Closed:
-        """End the update: apply the bounded hysteresis rule once (on the device) and say what happened.
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """End the update: apply the bounded hysteresis rule once (on the device, no host sync).
 
         What the host already knows costs nothing: a skip torch read, a clean update whose growth tracker does not
-        reach ``growth_interval`` (one device op then). ``sync``: read a fused step's flag now (one host sync).
-        ``pending``: gradients scaled by this scale that no step consumed (an optimizer accumulating while another
-        steps) are brought to the new scale, so their next unscale is exact. The scale the update used comes back as
-        a copy when it is not known to be the last one (or ``used`` asks for it), else None.
-        """
-        live, _ = self._check_scale_growth_tracker("update")
-        kept = self._host.kept
-        scale = None if kept and not used else live.detach().clone()  # as it was: the rule changes it in place
-        overflowed = self.known_outcome()
-        flag: Tensor | float = self.found_inf() if overflowed is None else float(overflowed)
-        skipped = overflowed if overflowed is not None else any_skipped(self.outcomes(), sync=sync)
-        before = (float(live.item()) if self._moves else 1.0) if skipped is True else None  # read on skips only
-        old = live.clone() if pending else None
-        self._apply(flag if isinstance(flag, Tensor) else None, overflowed)
-        if old is not None:
-            with torch.no_grad():
-                _multiply(pending, live / old)
-        return Closed(skipped, flag, scale, kept, before)
-
-    def update(self, new_scale: float | Tensor | None = None) -> None:
-        """Apply the bounded hysteresis rule for the cycle that just ended (on the device, no host sync).
-
+        reach ``growth_interval`` (one device op then). What the update did is kept for :meth:`last_update`.
         ``new_scale``: set the scale instead (as torch's ``update``), brought inside the bounds.
         """
         if not self._enabled:
@@ -441,11 +497,25 @@ class DynamicLossScaler(LegacyScaler, torch.amp.GradScaler):
         if new_scale is not None:  # the caller's scale, inside the bounds at once
             check_new_scale(f"{type(self).__name__}.update", new_scale)
             self._host.kept = False
+            self._last = None
             super().update(new_scale)
             assert self._scale is not None
             self._scale.clamp_(min=self._floor, max=self._max_scale)
             return
-        self._apply(None, self.known_outcome())
+        live, _ = self._check_scale_growth_tracker("update")
+        host = self._host
+        kept = host.kept
+        scale = None if kept else live.detach().clone()  # as it was: the rule changes it in place
+        overflowed = host.known(self._per_optimizer_states)
+        flag: Tensor | float = self.found_inf() if overflowed is None else float(overflowed)
+        skipped = overflowed if overflowed is not None else any_skipped(host.outcomes.values(), sync=False)
+        before = (float(live.item()) if self._moves else 1.0) if skipped is True else None  # read on skips only
+        self._apply(flag if isinstance(flag, Tensor) else None, overflowed)
+        self._last = UpdateRecord(skipped, flag, scale, kept, before)
+
+    def last_update(self) -> UpdateRecord | None:
+        """What the last :meth:`update` did (None before the first, and after one given ``new_scale``)."""
+        return self._last
 
     def _apply(self, found_inf: Tensor | None, overflowed: bool | None) -> None:
         """The rule, given the update's combined flag (when read already) and its outcome as the host knows it."""
@@ -562,15 +632,6 @@ def _combined(flags: list[Tensor], device: torch.device) -> Tensor:
     return torch.stack([f.to(device, non_blocking=True) for f in flags]).sum()
 
 
-def _multiply(tensors: Sequence[Tensor], factor: Tensor) -> None:
-    """``t *= factor`` for every tensor, one foreach kernel per device and dtype."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    for (device, _), group in groups.items():
-        torch._foreach_mul_(group, factor.to(device))
-
-
 def _times(scale: Tensor, factor: float) -> Tensor:
     """``scale * factor`` rounded once to float32, as torch's update kernel computes it (in double)."""
     if scale.device.type == "mps":  # no float64 there
@@ -635,16 +696,9 @@ class NonFiniteChecker(DynamicLossScaler):
     __repr__ = KnobsRepr.__repr__  # its knobs are fixed: the constructor's arguments say everything
     _moves = False
 
-    def unscale_resolved(self, optimizer: torch.optim.Optimizer) -> None:
-        """Check ``optimizer``'s gradients; a backward that never went through :meth:`scale` is checked too."""
-        self._place_scale(optimizer)
-        super().unscale_resolved(optimizer)
-
-    def _place_scale(self, optimizer: torch.optim.Optimizer) -> None:
-        # bf16 scales nothing: a scale of 1 on the parameters' device stands in for the one scale() would place
-        if self._scale is None:
-            params = [p for group in resolve_optimizer(optimizer).param_groups for p in group["params"]]
-            self._lazy_init_scale_growth_tracker(params[0].device if params else torch.device(self._device))
+    #: bf16 scales nothing: a scale of 1 on the parameters' device stands in for the one scale() would place, so a
+    #: backward that never went through :meth:`scale` (``loss.backward()`` called directly) is checked too
+    _places_scale = True
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         """``outputs`` unchanged (the scale is 1); the first call places the scale on the outputs' device."""
@@ -661,16 +715,18 @@ class NonFiniteChecker(DynamicLossScaler):
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """End the cycle (the scale stays 1, whatever ``new_scale`` says)."""
-        self._apply(None, None)
+        super().update()
 
-    def step_resolved(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Step unless the gradients hold inf/nan; with ``closure=`` (LBFGS) check every evaluation, undo on inf/nan."""
-        self._place_scale(optimizer)  # `loss.backward()` called directly: stepped as stock bf16 steps it
         closure = kwargs.pop("closure", None)
         if closure is None and args and callable(args[0]):
             closure, args = args[0], args[1:]
         if closure is None:
-            return super().step_resolved(optimizer, *args, **kwargs)
+            return super().step(optimizer, *args, **kwargs)
+        optimizer = resolve_optimizer(optimizer)
+        if self._scale is None:
+            self._place_scale(optimizer)
         return self._step_with_closure(optimizer, closure, *args, **kwargs)
 
     def _step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Any, *args: Any, **kwargs: Any) -> Any:

@@ -117,8 +117,9 @@ def test_a_known_clean_update_below_the_interval_is_one_op_and_a_growth_runs_the
         counts.append((dict(counter.ops), scaler.scale_kept))
         opt.zero_grad()
     fast = ({"add_": 1}, True)
+    recorded = ({"detach": 1, "clone": 1, "add_": 1}, True)  # the scale copied once: the first, and after a change
     grow = counts[2]
-    assert counts == [fast, fast, grow, fast, fast, grow]
+    assert counts == [recorded, fast, grow, recorded, fast, grow]
     assert grow[0].get("_amp_update_scale_") == 1
     assert grow[1] is False  # the scale changed: the history must copy it
     assert scaler.get_scale() == 32.0

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, resolve_module
+from lightning_amp_plus._repr import same_value
+from lightning_amp_plus.knobs import DEFAULTS
 from lightning_amp_plus.precision import AmpPlusPrecision
 
 
@@ -54,8 +56,15 @@ def next_logging_step(after: int, interval: int) -> int:
 
 
 def plugin_arguments(plugin: Any) -> dict[str, Any]:
-    """The arguments the user gave the plugin, as literals a fix line can repeat (classes by import path)."""
+    """The arguments the user gave the plugin, as literals a fix line can repeat (classes by import path).
+
+    A scaler given (``scaler=``) is told by its knobs, as though given to the plugin: a fix line changes one.
+    """
     args = dict(getattr(plugin, "_given", {}))
+    if args.pop("scaler", None) is not None:
+        knobs = plugin.scaler.knobs()  # the scaler in use: set later (`plugin.scaler = ...`) it is that one
+        if isinstance(knobs, dict):  # a bare mock holds none
+            args.update({k: v for k, v in knobs.items() if not same_value(v, DEFAULTS[k])})
     if args.get("fp32_modules"):
         args["fp32_modules"] = [
             e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in args["fp32_modules"]

@@ -496,7 +496,8 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
     def _check(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None
         assert self._plugin.scaler is not None
-        at_floor = record["scale"] <= scale_floor(self._plugin.scaler.min_scale)
+        min_scale = self._plugin.scaler.knobs()["min_scale"]
+        at_floor = record["scale"] <= scale_floor(min_scale)
         fraction = record["underflow_fraction"]
         if fraction is None:
             return  # an overflowed update says nothing about underflow: the streak neither grows nor breaks
@@ -506,7 +507,7 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
             self._high = 0
             warn_at_user(
                 f"`GradUnderflowMonitor`: {100 * record['underflow_fraction']:.0f}% of gradient elements underflow"
-                f" float16 while the loss scale sits at min_scale={self._plugin.scaler.min_scale:g} (step"
+                f" float16 while the loss scale sits at min_scale={min_scale:g} (step"
                 f" {record['step']}). HINT: raise `min_scale` or `init_scale`, use precision='bf16-mixed', or keep"
                 " the layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`)."
             )

@@ -384,7 +384,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def _check_collapse(self, record: dict[str, Any]) -> None:
         assert self._plugin is not None
         scaler = self._plugin.scaler
-        at_floor = scaler is not None and record["scale"] <= scale_floor(scaler.min_scale)
+        at_floor = scaler is not None and record["scale"] <= scale_floor(scaler.knobs()["min_scale"])
         limit = self.max_consecutive_skips
         if not at_floor and (limit is None or self._consecutive < limit):
             return
@@ -394,7 +394,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             plugin=type(self._plugin).__name__,
             plugin_args=plugin_arguments(self._plugin),
         )
-        min_scale = scaler.min_scale if at_floor and scaler is not None else None
+        min_scale = scaler.knobs()["min_scale"] if at_floor and scaler is not None else None
         message = collapse_message(record, self._consecutive, limit, min_scale, origin_advice(figures))
         try:
             self._write_report()
