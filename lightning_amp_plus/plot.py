@@ -441,16 +441,10 @@ def _is_csv(path: str) -> bool:
 
 
 def _read_hparams(folder: str) -> tuple[dict[str, Any], Optional[str]]:
-    """A run folder's ``hparams.yaml`` (CSVLogger and TensorBoardLogger write it), and why it could not be read.
-
-    TensorBoardLogger's ``sub_dir`` puts the event files a folder below the version folder and its ``hparams.yaml``:
-    the folder above is read when the run's own has none.
-    """
-    path = next(
-        (p for p in (os.path.join(f, "hparams.yaml") for f in (folder, os.path.dirname(folder))) if os.path.exists(p)),
-        None,
-    )
-    if path is None:
+    """A run folder's ``hparams.yaml`` (CSVLogger and TensorBoardLogger write it beside the series, a TensorBoard
+    ``sub_dir`` included), and why it could not be read."""
+    path = os.path.join(folder, "hparams.yaml")
+    if not os.path.exists(path):
         return {}, None
     try:
         import yaml

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_amp_plus import AmpAdvisor, AmpPlusFSDPPrecision, AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
 from lightning_amp_plus.__main__ import main
@@ -140,7 +141,6 @@ def test_the_monitor_logs_the_plugins_call_beside_the_modules_own_hyperparameter
     assert parse_plugin_call(hparams["amp/plugin"]) == ("AmpPlusPrecision", given)
     assert read_logged(logger.log_dir).hparams == hparams
     if kind == "tb":  # TensorBoard's HPARAMS tab shows the module's (its first summary), and no extra hp_metric
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
         from tensorboard.plugins.hparams import plugin_data_pb2
 
         acc = EventAccumulator(logger.log_dir)
@@ -248,15 +248,73 @@ def test_every_error_names_the_path_it_is_about(tmp_path, capsys, command):
     assert not (tmp_path / "out.png").exists()
 
 
-def test_a_tensorboard_sub_dir_run_is_read_with_its_version_folders_hparams(tmp_path, capsys):
-    logger = TensorBoardLogger(tmp_path, name="tb", sub_dir="train")  # events a folder below hparams.yaml
+def test_a_tensorboard_sub_dir_run_is_read_with_the_hparams_lightning_writes_beside_its_events(tmp_path, capsys):
+    logger = TensorBoardLogger(tmp_path, name="tb", sub_dir="train")
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)
     _fit(logger, {}, steps=30, plugin=plugin)
+    events = tmp_path / "tb" / "version_0" / "train"
+    assert (events / "hparams.yaml").exists()  # Lightning writes it in log_dir, the sub_dir included
+    assert not (events.parent / "hparams.yaml").exists()
     run = read_logged(tmp_path / "tb")
-    assert run.path == os.path.join(str(tmp_path / "tb"), "version_0", "train")
+    assert run.path == str(events)
     assert run.hparams["amp/plugin"] == 'AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)'
     assert main(["advise", str(tmp_path / "tb")]) == 0
     assert ", growth_interval=100)\n" in capsys.readouterr().out
+
+
+def test_a_fit_resumed_into_its_own_tensorboard_folder_is_one_run(tmp_path):
+    """Each fit's ``save_hyperparameters()`` writes ``hp_metric`` at step 0: only the updates' series tell fits apart."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps, ckpt_path=None):
+        plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**12, growth_interval=20)
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=20)
+        logger = TensorBoardLogger(tmp_path, name="tb", version="fixed")
+        make_trainer(
+            plugins=[plugin],
+            callbacks=[LossScaleMonitor(logging_interval=5), NaNSkipReporter(max_warnings=0), checkpoint],
+            logger=logger,
+            max_steps=steps,
+            enable_checkpointing=True,
+        ).fit(Model(poison={8: "inf", 30: "inf"}), ckpt_path=ckpt_path)
+        logger.experiment.flush()
+        return plugin
+
+    fit(20)
+    resumed = fit(40, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    folder = tmp_path / "tb" / "fixed"
+    files = sorted(f for f in os.listdir(folder) if f.startswith("events.out.tfevents"))
+    assert len(files) == 2
+    for name in files:  # both files hold the placeholder at step 0, as Lightning writes it
+        acc = EventAccumulator(str(folder / name))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("hp_metric")] == [0]
+    curves = read_run(folder)
+    assert curves.skipped == resumed.history.skipped_steps == [8, 30]
+    assert curves.scale[: len(resumed.history.curve())] == resumed.history.curve()
+
+
+def test_an_hparams_file_with_lightnings_python_tags_is_read(tmp_path, capsys):
+    """A tuple hyperparameter is written ``!!python/tuple`` (Lightning dumps with PyYAML's full dumper)."""
+
+    class Sized(TinyModel):
+        def __init__(self, poison=None, sizes=(16, 8)):
+            super().__init__(poison=poison)
+            self.save_hyperparameters()
+
+    logger = CSVLogger(tmp_path, name="run")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=5)], logger=logger, max_steps=30).fit(
+        Sized()
+    )
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
+        assert "!!python/tuple" in f.read()
+    run = read_logged(logger.log_dir)
+    assert run.hparams_note is None
+    assert run.hparams["sizes"] == [16, 8]
+    assert run.hparams["amp/plugin"] == 'AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)'
+    assert main(["advise", logger.log_dir]) == 0
+    assert ", growth_interval=100)\n" in capsys.readouterr().out  # the fix is the run's own call with one change
 
 
 def test_odd_files_and_names(tmp_path, capsys):
