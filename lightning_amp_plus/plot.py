@@ -441,8 +441,10 @@ def _is_csv(path: str) -> bool:
 
 
 def _read_hparams(folder: str) -> tuple[dict[str, Any], Optional[str]]:
-    """A run folder's ``hparams.yaml`` (CSVLogger and TensorBoardLogger write it beside the series, a TensorBoard
-    ``sub_dir`` included), and why it could not be read."""
+    """A run folder's ``hparams.yaml``, and why it could not be read.
+
+    CSVLogger and TensorBoardLogger write it beside the series (in a TensorBoard ``sub_dir`` too).
+    """
     path = os.path.join(folder, "hparams.yaml")
     if not os.path.exists(path):
         return {}, None

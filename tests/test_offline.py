@@ -263,7 +263,7 @@ def test_a_tensorboard_sub_dir_run_is_read_with_the_hparams_lightning_writes_bes
 
 
 def test_a_fit_resumed_into_its_own_tensorboard_folder_is_one_run(tmp_path):
-    """Each fit's ``save_hyperparameters()`` writes ``hp_metric`` at step 0: only the updates' series tell fits apart."""
+    """Each fit's ``save_hyperparameters()`` writes ``hp_metric`` at step 0: the updates' series tell fits apart."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def fit(steps, ckpt_path=None):
