@@ -1,41 +1,64 @@
-"""One walk over a call's arguments: tensors mapped, containers rebuilt as they came (named tuples included)."""
+"""The one container walker: what the diagnostics hold, copy, cast, substitute or compare goes through :func:`_node`.
+
+A container is a list or tuple (named tuples and other subclasses too), a dict (``OrderedDict``, ``defaultdict``, a
+model's output dict), a dataclass, or, as a result object, a ``UserDict`` (transformers' ``BatchEncoding``) or a
+``SimpleNamespace``: those two levels deep at most, leaving out tables of more than ``_WIDE`` items they carry.
+Containers are rebuilt as they came without calling the user's code (no constructor, no ``__setitem__``). Anything
+else is a leaf: a tensor, a plain value, or an object that may hold state (a key/value cache).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import UserDict
+from collections import OrderedDict, UserDict, defaultdict
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 #: a container this large inside a result object is data (a table), not the tensors a call computes: not walked
 _WIDE = 1024
+#: containers inside containers deeper than this are leaves (a structure that holds itself ends there)
+_DEEPEST = 32
+
+Node = tuple[list[Any], Callable[[list[Any]], Any]]
 
 
-def tensors(value: Any, _inside: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``, in order, through lists, tuples (named ones too), dicts, dataclasses.
+def _node(value: Any, inside: int) -> Optional[Node]:
+    """``value``'s children and how to build one like it around new ones; None for a leaf.
 
-    Also a ``UserDict`` (transformers' ``BatchEncoding``: its ``data``, read without calling the class's code) and a
-    ``SimpleNamespace`` result object, two levels deep at most (a namespace that holds itself ends there), leaving
-    out containers of more than ``_WIDE`` items inside them (a table it carries).
+    ``inside``: how many result objects (``UserDict``, ``SimpleNamespace``) enclose it.
     """
+    if isinstance(value, (list, tuple)):
+        return list(value), lambda items: rebuilt(value, items)
+    if isinstance(value, dict):
+        keys = list(value)
+        return [value[k] for k in keys], lambda items: _dict_like(value, keys, items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = [f.name for f in dataclasses.fields(value)]
+        return [getattr(value, n, None) for n in names], lambda items: _with_fields(value, names, items)
+    if inside < 2 and isinstance(value, (UserDict, SimpleNamespace)):
+        store = value.data if isinstance(value, UserDict) else vars(value)
+        keys = [k for k, v in store.items() if not (isinstance(v, (list, tuple, dict)) and len(v) > _WIDE)]
+        return [store[k] for k in keys], lambda items: _result_like(value, keys, items)
+    return None
+
+
+def _deeper(value: Any, inside: int) -> int:
+    return inside + 1 if isinstance(value, (UserDict, SimpleNamespace)) else inside
+
+
+def tensors(value: Any, _inside: int = 0, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``, in order, through every container :func:`_node` knows."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors(v, _inside)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from tensors(v, _inside)
-    elif hasattr(type(value), "__dataclass_fields__") and not isinstance(value, type):  # a dataclass instance
-        for f in dataclasses.fields(value):
-            yield from tensors(getattr(value, f.name, None), _inside)
-    elif _inside < 2 and isinstance(value, (UserDict, SimpleNamespace)):
-        for v in (value.data if isinstance(value, UserDict) else vars(value)).values():
-            if not (isinstance(v, (list, tuple, dict)) and len(v) > _WIDE):
-                yield from tensors(v, _inside + 1)
+        return
+    node = _node(value, _inside) if _depth < _DEEPEST else None
+    if node is not None:
+        inside = _deeper(value, _inside)
+        for child in node[0]:
+            yield from tensors(child, inside, _depth + 1)
 
 
 def values(value: Any) -> Iterator[torch.Tensor]:
@@ -47,8 +70,19 @@ def values(value: Any) -> Iterator[torch.Tensor]:
             yield tensor
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor in it, through lists, tuples, named tuples and dicts.
+def map_tensors(
+    fn: Callable[[torch.Tensor], Any],
+    value: Any,
+    other: Optional[Callable[[Any], Any]] = None,
+    *,
+    fresh: bool = False,
+    _inside: int = 0,
+    _depth: int = 0,
+) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (``other``, when given, to every other leaf).
+
+    Containers are rebuilt as they came (:func:`_node`); one whose leaves all come back unchanged is ``value`` itself,
+    unless ``fresh`` (a copy the caller may change).
 
     Example:
         >>> from collections import namedtuple
@@ -58,12 +92,26 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     """
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, (list, tuple)):
-        items = [map_tensors(fn, v) for v in value]
-        return rebuilt(value, items)
-    if isinstance(value, dict):
-        return {k: map_tensors(fn, v) for k, v in value.items()}
-    return value
+    node = _node(value, _inside) if _depth < _DEEPEST else None
+    if node is None:
+        return value if other is None else other(value)
+    children, build = node
+    inside = _deeper(value, _inside)
+    items = [map_tensors(fn, child, other, fresh=fresh, _inside=inside, _depth=_depth + 1) for child in children]
+    return value if not fresh and all(a is b for a, b in zip(items, children, strict=True)) else build(items)
+
+
+def leaves(value: Any, _inside: int = 0, _depth: int = 0) -> Iterator[Any]:
+    """Every leaf in ``value`` that is no tensor (plain values, and objects that may hold state)."""
+    if isinstance(value, torch.Tensor):
+        return
+    node = _node(value, _inside) if _depth < _DEEPEST else None
+    if node is None:
+        yield value
+        return
+    inside = _deeper(value, _inside)
+    for child in node[0]:
+        yield from leaves(child, inside, _depth + 1)
 
 
 def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
@@ -93,6 +141,48 @@ def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
         list.extend(made, items)
     if hasattr(value, "__dict__"):
         made.__dict__.update(vars(value))
+    return made
+
+
+def _dict_like(value: dict[Any, Any], keys: list[Any], items: list[Any]) -> dict[Any, Any]:
+    """A dict of ``value``'s class with ``keys`` -> ``items``; its attributes (a model output's fields) follow."""
+    cls: Any = type(value)
+    if cls is dict:
+        return dict(zip(keys, items, strict=True))
+    base: Any = OrderedDict if isinstance(value, OrderedDict) else dict
+    made = base.__new__(cls)
+    if isinstance(value, defaultdict):
+        made.default_factory = value.default_factory
+    for key, item in zip(keys, items, strict=True):
+        base.__setitem__(made, key, item)  # the class's own __setitem__ is the user's code
+    if hasattr(value, "__dict__"):
+        made.__dict__.update(vars(value))
+        made.__dict__.update({k: v for k, v in zip(keys, items, strict=True) if k in made.__dict__})
+    return made
+
+
+def _with_fields(value: Any, names: list[str], items: list[Any]) -> Any:
+    """A dataclass like ``value`` with ``names`` -> ``items`` (frozen ones too), made without its ``__init__``."""
+    made = object.__new__(type(value))
+    if hasattr(value, "__dict__"):
+        made.__dict__.update(vars(value))
+    for cls in type(value).__mro__:
+        for slot in getattr(cls, "__slots__", ()):
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                object.__setattr__(made, slot, getattr(value, slot))
+    for name, item in zip(names, items, strict=True):
+        object.__setattr__(made, name, item)
+    return made
+
+
+def _result_like(value: Any, keys: list[str], items: list[Any]) -> Any:
+    """A ``UserDict`` or ``SimpleNamespace`` like ``value`` with ``keys`` -> ``items`` (no code of its class run)."""
+    made = (SimpleNamespace if isinstance(value, SimpleNamespace) else object).__new__(type(value))
+    made.__dict__.update(vars(value))
+    if isinstance(value, UserDict):
+        made.__dict__["data"] = {**value.data, **dict(zip(keys, items, strict=True))}
+    else:
+        made.__dict__.update(zip(keys, items, strict=True))
     return made
 
 

@@ -17,7 +17,6 @@ replay that fails is told (``{"phase": "unknown", "reason": ...}``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -185,7 +184,7 @@ class OriginFinder:
         for index in range(current.weak, len(calls)):
             call = calls[index]
             output = call[4]  # a tensor inline: this runs once a call, every batch
-            calls[index] = (*call[:4], weakref.ref(output) if type(output) is Tensor else _weakly(output), *call[5:])
+            calls[index] = (*call[:4], weakref.ref(output) if type(output) is Tensor else _Weak(output), *call[5:])
         current.weak = len(calls)
 
     def take_batch(self) -> Optional[BatchCalls]:
@@ -687,10 +686,10 @@ def versions(args: Any, kwargs: Any, output: Any = None) -> list[int]:
     counts as -1 (it cannot be changed in place after).
     """
     found = [0]
-    for arg in args:  # flat arguments, the common case, without a nested call
+    for arg in args:  # flat arguments, the common case, without a nested walk
         if isinstance(arg, Tensor):
             found.append(-1 if arg.is_inference() else arg._version)
-        elif isinstance(arg, (list, tuple, dict)) or dataclasses.is_dataclass(arg):
+        elif not isinstance(arg, (int, float, str, bool, type(None))):
             found.extend(version(t) for t in tensors(arg))
     if kwargs:
         found.extend(version(t) for t in tensors(kwargs))
@@ -707,62 +706,24 @@ _GONE = object()
 
 
 class _Weak:
-    """A call's output held weakly: its structure with each tensor a weak reference.
+    """A call's output held weakly: the tensors in it (in :func:`tensors` order), each a weak reference.
 
-    Lists, tuples, dicts, a model's output dict: the step frees what only it held (the logits), as it would without
-    the finder.
+    The step frees what only it held (the logits of a model's output dict), as it would without the finder; what a
+    reading needs of an output is its tensors.
     """
 
-    __slots__ = ("tree",)
+    __slots__ = ("refs",)
 
-    def __init__(self, tree: Any) -> None:
-        self.tree = tree
-
-
-def _weakly(output: Any) -> Any:
-    """``output`` held weakly: a tensor, each tensor in a container, or the object itself (where one can be)."""
-    if isinstance(output, Tensor):
-        return weakref.ref(output)
-    if isinstance(output, (list, tuple, dict)):
-        return _Weak(_weak_tree(output))
-    if hasattr(type(output), "__weakref__"):
-        return weakref.ref(output)
-    return output
+    def __init__(self, output: Any) -> None:
+        self.refs = [weakref.ref(t) for t in tensors(output)]
 
 
 def _alive(held: Any) -> Any:
-    """What a record holds: the output, or :data:`_GONE` when it was held weakly and the step freed any of it."""
+    """What a record holds: the output (its tensors, when held weakly), or :data:`_GONE` if the step freed one."""
     if isinstance(held, weakref.ref):
         output = held()
         return _GONE if output is None else output
     if isinstance(held, _Weak):
-        output = _strong(held.tree)
-        return _GONE if output is _GONE else output
+        found = [ref() for ref in held.refs]
+        return _GONE if any(t is None for t in found) else found
     return held
-
-
-def _weak_tree(value: Any) -> Any:
-    """``value``'s structure in plain tuples and dicts, each tensor a weak reference (no class of the user's built)."""
-    if isinstance(value, Tensor):
-        return weakref.ref(value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_weak_tree(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _weak_tree(v) for k, v in value.items()}
-    return value
-
-
-def _strong(tree: Any) -> Any:
-    """A :class:`_Weak` tree's output again (:data:`_GONE` if a tensor in it was freed)."""
-    if isinstance(tree, weakref.ref):
-        value = tree()
-        return _GONE if value is None else value
-    if isinstance(tree, (list, tuple)):
-        items = [_strong(v) for v in tree]
-        if any(v is _GONE for v in items):
-            return _GONE
-        return tuple(items)
-    if isinstance(tree, dict):
-        values = {k: _strong(v) for k, v in tree.items()}
-        return _GONE if any(v is _GONE for v in values.values()) else values
-    return tree

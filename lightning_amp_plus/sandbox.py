@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import is_compiled_wrapper
-from lightning_amp_plus._tree import rebuilt, version
+from lightning_amp_plus._tree import leaves, map_tensors, version
 
 _replays = [0]  # replays in progress (other callbacks' hooks ignore their calls)
 
@@ -391,14 +391,12 @@ def _substitute(container: Any, copies: dict[int, Tensor]) -> None:
 
 
 def _swapped(value: Any, copies: dict[int, Tensor]) -> Any:
-    """``value`` with its stand-in in place of a real tensor, through tuples; ``value`` itself when nothing changes."""
-    if isinstance(value, Tensor):
-        return copies.get(id(value), value)
-    if isinstance(value, tuple):
-        items = [_swapped(v, copies) for v in value]
-        if all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        return rebuilt(value, items)
+    """``value`` with its stand-in in place of a real tensor, through tuples; ``value`` itself when nothing changes.
+
+    A mutable container inside is swapped in place by its own entry (the replay's code may hold it).
+    """
+    if isinstance(value, (Tensor, tuple)):
+        return map_tensors(lambda t: copies.get(id(t), t), value)
     return value
 
 
@@ -588,11 +586,7 @@ def holds_state(value: Any) -> bool:
     Such an object (a key/value cache a module appends to, say) may change in the call: a recompute of the call
     must start from a copy taken before it.
     """
-    if isinstance(value, (Tensor, *_PLAIN)):
-        return False
-    if isinstance(value, (list, tuple)) or type(value) is dict:
-        return any(holds_state(v) for v in (value.values() if isinstance(value, dict) else value))
-    return True
+    return any(not isinstance(leaf, _PLAIN) for leaf in leaves(value))
 
 
 def _detached_copy(tensor: Tensor) -> Tensor:
@@ -600,24 +594,25 @@ def _detached_copy(tensor: Tensor) -> Tensor:
     return copy.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else copy
 
 
-def copied_inputs(value: Any) -> Any:
-    """A call's arguments for a replay: tensors copied (the user's own tensors never written), stateful objects too.
+def _copied_state(value: Any) -> Any:
+    """A leaf of a call's arguments for a replay: a plain value as it is, an object that may hold state deep-copied.
 
-    An argument that is not a tensor, a number, a string or a container of those (a key/value cache, say) is
-    deep-copied: the replay may change it, the original must not change. One that cannot be copied raises
-    ``TypeError`` (the replay is then told, not run).
+    The tensors it holds are copied detached (a cache's keys are no leaves: deepcopy refuses those).
     """
-    if isinstance(value, Tensor):
-        return _detached_copy(value)
-    if isinstance(value, (list, tuple)):
-        items = [copied_inputs(v) for v in value]
-        return rebuilt(value, items)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: copied_inputs(v) for k, v in value.items()}
     if isinstance(value, _PLAIN):
         return value
-    try:  # the tensors it holds copied detached (a cache's keys are no leaves: deepcopy refuses those)
+    try:
         memo: dict[int, Any] = {id(t): _detached_copy(t) for t in reach(value).tensors}
         return copy_module.deepcopy(value, memo)
     except Exception as error:
         raise TypeError(f"an argument of type {type(value).__name__} cannot be copied ({raised(error)})") from None
+
+
+def copied_inputs(value: Any) -> Any:
+    """A call's arguments for a replay: tensors copied (the user's own tensors never written), stateful objects too.
+
+    Every container is a new one (:func:`~lightning_amp_plus._tree.map_tensors`); an argument that is not a tensor, a
+    plain value or a container (a key/value cache, say) is deep-copied: the replay may change it, the original must
+    not change. One that cannot be copied raises ``TypeError`` (the replay is then told, not run).
+    """
+    return map_tensors(_detached_copy, value, _copied_state, fresh=True)

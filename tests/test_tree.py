@@ -1,11 +1,19 @@
 """The one walk over a call's arguments (islands cast through it, PrecisionReport copies and reads through it)."""
 
-from collections import namedtuple
+import collections
+import dataclasses
+import types
+from collections import UserDict, namedtuple
 
 import pytest
 import torch
+from torch import nn
 
+from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
 from lightning_amp_plus._tree import map_tensors, tensors
+from lightning_amp_plus.sandbox import copied_inputs
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
 
 Pair = namedtuple("Pair", "a b")
 
@@ -70,3 +78,98 @@ def test_only_rank_zero_speaks_whichever_launcher_set_the_rank(monkeypatch, capl
     assert "from rank zero" in caplog.text
     monkeypatch.setenv(key, "x")  # not a number: ignored
     assert global_rank() == 0
+
+
+# ------------------------------------------------------------------ the float32 recompute reads every container kind
+@dataclasses.dataclass
+class Box:
+    x: torch.Tensor
+    scale: float = 3e4
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenBox:
+    x: torch.Tensor
+    scale: float = 3e4
+
+
+class Encoding(UserDict):  # transformers' BatchEncoding is one
+    def __getitem__(self, key):
+        raise AssertionError("the walker must not call the user's code")
+
+
+class TwoTuple(tuple):
+    def __new__(cls, a, b=None):
+        return super().__new__(cls, (a, b))
+
+
+class Fields(collections.OrderedDict):  # a model output dict with its fields as attributes too
+    pass
+
+
+KINDS = {
+    "dataclass": lambda h: Box(h),
+    "frozen dataclass": lambda h: FrozenBox(h),
+    "UserDict": lambda h: Encoding(x=h),
+    "SimpleNamespace": lambda h: types.SimpleNamespace(x=h),
+    "tuple subclass": lambda h: TwoTuple(h, "aux"),
+    "named tuple": lambda h: collections.namedtuple("Named", "x aux")(h, None),
+    "OrderedDict": lambda h: Fields(x=h),
+}
+
+
+def _x(packed):
+    if isinstance(packed, (Box, FrozenBox, types.SimpleNamespace)):
+        return packed.x
+    if isinstance(packed, UserDict):
+        return packed.data["x"]
+    if isinstance(packed, dict):
+        return packed["x"]
+    return packed[0]
+
+
+class Amplify(nn.Module):
+    """Its float16 output overflows (3e4 * 4): finite when recomputed in float32, whatever container its input came in."""
+
+    def forward(self, packed):
+        return _x(packed) * 3e4 * 4
+
+
+class Packing(TinyModel):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.amp = Amplify()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[0](x)  # float16 under autocast
+        out = self.amp(KINDS[self.kind](h))
+        return nn.functional.mse_loss(out.float().mean(1, keepdim=True), y)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_float32_recompute_reads_a_tensor_inside_every_container_kind(kind):
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=2).fit(Packing(kind))
+    assert reporter.skips, kind
+    origin = reporter.skips[0]["origin"]
+    assert origin["phase"] == "forward", origin
+    assert origin["module"] == "amp", origin
+    assert origin["float32"] == "finite", origin  # the recompute cast the tensor inside the container to float32
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_container_kind_is_walked_copied_and_rebuilt_without_the_users_code(kind):
+    h = torch.ones(2, dtype=torch.float16)
+    packed = KINDS[kind](h)
+    assert [t is h for t in tensors(packed)] == [True]
+    cast = map_tensors(lambda t: t.float(), packed)
+    assert type(cast) is type(packed)
+    assert _x(cast).dtype == torch.float32
+    assert _x(packed).dtype == torch.float16  # the original as it was
+    copied = copied_inputs(packed)
+    assert _x(copied) is not h
+    assert torch.equal(_x(copied), h)
+    assert map_tensors(lambda t: t, packed) is packed  # nothing changed: the very value

@@ -352,7 +352,7 @@ def test_the_warning_rule_boundaries_and_its_words():
     from types import SimpleNamespace
 
     monitor = GradUnderflowMonitor(every_n_steps=1, warn_fraction=0.5, patience=2, max_warnings=2)
-    monitor._plugin = SimpleNamespace(scaler=SimpleNamespace(min_scale=1.0))
+    monitor._plugin = SimpleNamespace(scaler=SimpleNamespace(knobs=lambda: {"min_scale": 1.0}))
     fractions = [0.5, 0.6, 0.49, 0.5, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9]
     warned_at = []
     with warnings.catch_warnings(record=True) as caught:
@@ -369,7 +369,7 @@ def test_the_warning_rule_boundaries_and_its_words():
         " layers with tiny gradients in float32 (`AmpPlusPrecision(fp32_modules=[...])`)."
     )
     monitor = GradUnderflowMonitor(every_n_steps=1, warn_fraction=0.5, patience=2)
-    monitor._plugin = SimpleNamespace(scaler=SimpleNamespace(min_scale=1.0))
+    monitor._plugin = SimpleNamespace(scaler=SimpleNamespace(knobs=lambda: {"min_scale": 1.0}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, scale in enumerate([1.0, 2.0, 1.0, 1.0]):  # above the floor at step 1: not high
