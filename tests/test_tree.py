@@ -129,7 +129,7 @@ def _x(packed):
 
 
 class Amplify(nn.Module):
-    """Its float16 output overflows (3e4 * 4): finite when recomputed in float32, whatever container its input came in."""
+    """Its float16 output overflows (3e4 * 4): finite recomputed in float32, whatever container its input came in."""
 
     def forward(self, packed):
         return _x(packed) * 3e4 * 4
