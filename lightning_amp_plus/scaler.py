@@ -505,7 +505,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         live, _ = self._check_scale_growth_tracker("update")
         host = self._host
         kept = host.kept
-        scale = None if kept else live.detach().clone()  # as it was: the rule changes it in place
+        scale = None if kept else live.clone()  # as it was: the rule changes it in place
         overflowed = host.known(self._per_optimizer_states)
         flag: Tensor | float = self.found_inf() if overflowed is None else float(overflowed)
         skipped = overflowed if overflowed is not None else any_skipped(host.outcomes.values(), sync=False)
