@@ -38,7 +38,7 @@ HIGH_SKIP_RATE = 0.5
 TRAILING_STREAK = 3
 #: how many times faster a float32 module must run lowered (measured) before silent_fp32 names it
 MIN_LOWERED_SPEEDUP = 1.2
-#: the share of the run's step a fused optimizer must be measured to save before fused_optimizer is told
+#: the share of the run's step a fused optimizer must save in three timed pairs of four before fused_optimizer is told
 MIN_FUSED_GAIN = 0.02
 #: the highest scale a fix proposes (float32 holds up to 2**127; beyond 2**64 no gradient is that small)
 MAX_PROPOSED_SCALE = 2.0**64
@@ -82,8 +82,9 @@ class RunFigures:
         fp32_rows: ``PrecisionReport`` rows flagged as heavy float32 work (``name``, ``type``, ``time_share``,
             ``cause``, ``island``).
         non_fused: optimizers with a fused implementation on their device that run non-fused (``name``,
-            ``device``, ``fused_call``, and the measured ``step_ms`` / ``fused_step_ms`` of one optimizer step and
-            the run's ``train_step_ms``).
+            ``device``, ``fused_call``, and the measured ``step_ms`` / ``fused_step_ms`` of one optimizer step
+            (medians of ``pairs`` alternating timings), ``gain_ms`` / ``gain_low_ms`` (the median and lower quartile
+            of the pairs' differences) and the run's ``train_step_ms``).
         bf16_available: whether bf16 autocast is available on the run's device.
         plugin: the run's plugin class name (fix lines are the user's own call with one change).
         plugin_args: the arguments the plugin was given (those that differ from its defaults), in order.
@@ -225,6 +226,19 @@ def healthy_line(figures: RunFigures) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- reading the figures
+
+
+def most(count: int, total: int, *, least: int = 1, half: bool = False) -> bool:
+    """The one majority test of the rules: ``count`` of ``total`` is more than half (``half``: at least half), and
+    at least ``least``.
+
+    Example:
+        >>> most(2, 3), most(2, 4), most(2, 4, half=True), most(1, 1, least=2)
+        (True, False, True, False)
+    """
+    return count >= least and total > 0 and (2 * count >= total if half else 2 * count > total)
+
+
 def _known_origins(figures: RunFigures) -> list[dict[str, Any]]:
     return [o for o in figures.origins or [] if o]
 
@@ -295,7 +309,7 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
     phases = Counter(o.get("phase") for o in origins)
     bad = phases["input"] + phases["loss"]
-    if not origins or bad == 0 or 2 * bad < len(origins):
+    if not most(bad, len(origins), half=True):
         return None
     if phases["input"] >= phases["loss"]:
         what = f"the batch's inf/nan reached the model in {phases['input']} of {len(origins)} skipped updates"
@@ -357,7 +371,7 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
         return None
     top, count = places.most_common(1)[0]
     phase, module, op = top
-    if 2 * count <= len(origins):
+    if not most(count, len(origins)):
         return None
     where = module or "the LightningModule's own code"
     if phase == "backward":
@@ -401,7 +415,7 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     if not modules:
         return None
     module, count = modules.most_common(1)[0]
-    if count < 2 or 2 * count <= len(origins):
+    if not most(count, len(origins), least=2):
         return None
     islands = list(_given_islands(figures))
     for o in fixable:
@@ -458,7 +472,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
     unread = _own_code_origins(figures, None)
     precision = [o for o in _own_code_origins(figures, "finite") if o.get("bf16") != "finite"]
     where = "Non-finite values were born in the LightningModule's own code, between its module calls, in"
-    if len(precision) >= 2 and 2 * len(precision) > len(origins):
+    if most(len(precision), len(origins), least=2):
         measured = Counter(tuple(o["islands"]) for o in precision if o.get("islands"))
         islands = list(measured.most_common(1)[0][0]) if measured else []
         said = (
@@ -477,7 +491,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
             else "# compute that code, and the module outputs it takes in, in float32 (`fp32_modules=[...]`)",
             {"own_code": len(precision), "told": len(origins), "islands": islands or None},
         )
-    if len(unread) < 2 or 2 * len(unread) <= len(origins):
+    if not most(len(unread), len(origins), least=2):
         return None
     kinds = Counter(o.get("kind") for o in unread)
     return Advice(
@@ -517,7 +531,7 @@ def _bf16(figures: RunFigures) -> Optional[Advice]:
 def _bf16_squeezed(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     measured = _measured(figures)
     squeezed = [m for m in _high_underflow(figures) if m.get("headroom_bits") is not None and m["headroom_bits"] < 1.0]
-    if not measured or 2 * len(squeezed) <= len(measured):
+    if not most(len(squeezed), len(measured)):
         return None
     worst = max(m["underflow_fraction"] for m in squeezed)
     return (
@@ -531,7 +545,7 @@ def _bf16_squeezed(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
 def _bf16_unfit(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     measured = _measured(figures)
     unfit = [(m, fit) for m, fit in _referenced(figures) if fit[1] >= HIGH_UNDERFLOW]
-    if not measured or 2 * len(unfit) <= len(measured):  # measured exactly: no scale keeps what float16 loses
+    if not most(len(unfit), len(measured)):  # measured exactly: no scale keeps what float16 loses
         return None
     scale, lost = max(unfit, key=lambda pair: pair[1][1])[1]
     return (
@@ -546,7 +560,7 @@ def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]
     """Most told skips an fp16 overflow in a forward that no island contains: the value is beyond float16 anywhere."""
     origins = _known_origins(figures)
     loose = [o for o in _forward_overflows(figures) if o.get("islands") is None]
-    if len(loose) < 2 or 2 * len(loose) <= len(origins):
+    if not most(len(loose), len(origins), least=2):
         return None
     module = Counter(o["module"] for o in loose).most_common(1)[0][0]
     return (
@@ -563,7 +577,7 @@ def _bf16_own_code(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     """Most told skips an fp16 overflow in the LightningModule's own code, which a rerun found finite in float32."""
     origins = _known_origins(figures)
     own = [o for o in _own_code_origins(figures, "finite") if o.get("bf16") == "finite"]
-    if len(own) < 2 or 2 * len(own) <= len(origins):
+    if not most(len(own), len(origins), least=2):
         return None
     return (
         f"Non-finite values were born in the LightningModule's own code, between its module calls, in {len(own)} of"
@@ -592,7 +606,7 @@ def _range_at_floor(figures: RunFigures) -> Optional[str]:
     backward = [o for o in _known_origins(figures) if o.get("phase") == "backward" and o.get("float32")]
     if backward:
         finite = [o for o in backward if o["float32"] == "finite"]
-        return "a rerun found their gradients finite in float32" if 2 * len(finite) > len(backward) else None
+        return "a rerun found their gradients finite in float32" if most(len(finite), len(backward)) else None
     floor = scale_floor((figures.knobs or {}).get("min_scale", 1.0))
     tight = [m for m in _measured(figures) if m["scale"] <= floor and (m.get("headroom_bits") or 99.0) < 1.0]
     if tight:
@@ -661,7 +675,7 @@ def _zero_gradients(figures: RunFigures) -> Optional[Advice]:
     """
     measured = [m for m in figures.underflow or [] if m.get("reference") is None and m.get("zero_fraction") is not None]
     dead = [m for m in measured if m["zero_fraction"] == 1.0 and m.get("loss") not in (None, 0.0)]
-    if not measured or 2 * len(dead) <= len(measured):
+    if not most(len(dead), len(measured)):
         return None
     return Advice(
         "zero_gradients",
@@ -756,7 +770,7 @@ def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, 
 def _max_scale(figures: RunFigures) -> Optional[Advice]:
     measured = _measured(figures)
     fits = [(m, fit) for m, fit in _referenced(figures) if fit[1] < HIGH_UNDERFLOW and fit[0] > m["scale"]]
-    if measured and 2 * len(fits) > len(measured):  # measured exactly: a higher scale keeps what float16 loses
+    if most(len(fits), len(measured)):  # measured exactly: a higher scale keeps what float16 loses
         new = min(min(fit[0] for _, fit in fits), MAX_PROPOSED_SCALE)
         worst = max(m["underflow_fraction"] for m, _ in fits)
         cap = (figures.knobs or {}).get("max_scale")
@@ -784,7 +798,7 @@ def _max_scale_pinned(figures: RunFigures, measured: list[dict[str, Any]]) -> Op
         for m in _high_underflow(figures)
         if _at_max(figures, m) and m.get("headroom_bits") is not None and m["headroom_bits"] >= 2.0
     ]
-    if not measured or 2 * len(pinned) <= len(measured):
+    if not most(len(pinned), len(measured)):
         return None
     assert figures.knobs is not None
     max_scale = figures.knobs["max_scale"]
@@ -1018,10 +1032,11 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
 @rule(
     "fused_optimizer",
     evidence="a torch `SGD`/`Adam`/`AdamW` (`Adagrad` on CPU) with a fused implementation on its device runs"
-    " non-fused, and its fused step, timed on copies on this device, saves 2%+ of the run's step",
+    " non-fused, and its fused step, timed on copies on this device in alternating pairs, saves 2%+ of the run's"
+    " step in three pairs of four (the gains' lower quartile: beyond the timing's noise, never one delta)",
     fix="the optimizer call with its settings and `fused=True`; the trade-off said: a fused step's skip is decided"
     " on the device, and told at the next logging step, not at once",
-    look_alike="an optimizer whose fused step saves nothing measurable here (SGD on a CPU)",
+    look_alike="an optimizer whose fused step saves nothing beyond the timing's noise here (SGD on a CPU)",
     blind="offline",
     measured=lambda f: f.non_fused is not None,
     explains_skips=False,
@@ -1029,25 +1044,26 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
 def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
     gains = []
     for o in figures.non_fused or []:
-        step, fused, train = o.get("step_ms"), o.get("fused_step_ms"), o.get("train_step_ms")
-        if step is not None and fused is not None and train and (step - fused) / train >= MIN_FUSED_GAIN:
-            gains.append((o, step, fused, train))
+        low, train = o.get("gain_low_ms"), o.get("train_step_ms")
+        if o.get("step_ms") is not None and o.get("fused_step_ms") is not None and low is not None and train:
+            if low / train >= MIN_FUSED_GAIN:  # the lower quartile: a gain beyond the noise, never one delta
+                gains.append(o)
     if not gains:
         return None
-    first, step, fused, train = gains[0]
     names = "; ".join(
         f"{o['name']}{' over ' + o['params'] if o.get('params') else ''} on {o['device']}: its fused step took"
-        f" {f:.2f} ms against {s:.2f} ms (timed on copies),"
-        f" {100 * (s - f) / t:.0f}% of this run's {t:.1f} ms step"
-        for o, s, f, t in gains
+        f" {o['fused_step_ms']:.2f} ms against {o['step_ms']:.2f} ms (medians of {o.get('pairs', '?')} alternating"
+        f" steps on copies), saving at least {o['gain_low_ms']:.2f} ms in three of four,"
+        f" {100 * o['gain_low_ms'] / o['train_step_ms']:.0f}% of this run's {o['train_step_ms']:.1f} ms step"
+        for o in gains
     )
     return Advice(
         "fused_optimizer",
         f"A fused optimizer kernel runs faster here: {names}. The trade-off: a fused step's skip is decided on the"
         " device, so `NaNSkipReporter` tells it (offenders and origin read when its flag reaches the host) at the"
         " next logging step, not at once (`sync_fused=True` reads each flag at its step: one host sync per step).",
-        "\n".join(o.get("fused_call") or f"torch.optim.{o['name']}(params, fused=True)" for o, _, _, _ in gains),
-        {"optimizers": [o for o, _, _, _ in gains]},
+        "\n".join(o.get("fused_call") or f"torch.optim.{o['name']}(params, fused=True)" for o in gains),
+        {"optimizers": gains},
     )
 
 

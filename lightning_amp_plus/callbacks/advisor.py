@@ -233,7 +233,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         for optimizer, entry in _fused.candidates(trainer.optimizers, trainer.lightning_module):
             times = _fused.step_times(optimizer)
             if times is not None:
-                entry.update(step_ms=times[0], fused_step_ms=times[1], train_step_ms=step_ms)
+                entry.update(times, train_step_ms=step_ms)
             found.append(entry)
         return found
 
