@@ -229,8 +229,9 @@ def healthy_line(figures: RunFigures) -> str:
 
 
 def most(count: int, total: int, *, least: int = 1, half: bool = False) -> bool:
-    """The one majority test of the rules: ``count`` of ``total`` is more than half (``half``: at least half), and
-    at least ``least``.
+    """The one majority test of the rules: ``count`` of ``total`` more than half, and at least ``least``.
+
+    ``half``: at least half.
 
     Example:
         >>> most(2, 3), most(2, 4), most(2, 4, half=True), most(1, 1, least=2)
@@ -1045,9 +1046,9 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
     gains = []
     for o in figures.non_fused or []:
         low, train = o.get("gain_low_ms"), o.get("train_step_ms")
-        if o.get("step_ms") is not None and o.get("fused_step_ms") is not None and low is not None and train:
-            if low / train >= MIN_FUSED_GAIN:  # the lower quartile: a gain beyond the noise, never one delta
-                gains.append(o)
+        timed = o.get("step_ms") is not None and o.get("fused_step_ms") is not None and low is not None and train
+        if timed and low / train >= MIN_FUSED_GAIN:  # the lower quartile: a gain beyond the noise, never one delta
+            gains.append(o)
     if not gains:
         return None
     names = "; ".join(
