@@ -1046,8 +1046,8 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
     gains = []
     for o in figures.non_fused or []:
         low, train = o.get("gain_low_ms"), o.get("train_step_ms")
-        timed = o.get("step_ms") is not None and o.get("fused_step_ms") is not None and low is not None and train
-        if timed and low / train >= MIN_FUSED_GAIN:  # the lower quartile: a gain beyond the noise, never one delta
+        timed = o.get("step_ms") is not None and o.get("fused_step_ms") is not None
+        if timed and low is not None and train and low / train >= MIN_FUSED_GAIN:  # the lower quartile: a gain beyond the noise, never one delta
             gains.append(o)
     if not gains:
         return None
