@@ -1047,7 +1047,8 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
     for o in figures.non_fused or []:
         low, train = o.get("gain_low_ms"), o.get("train_step_ms")
         timed = o.get("step_ms") is not None and o.get("fused_step_ms") is not None
-        if timed and low is not None and train and low / train >= MIN_FUSED_GAIN:  # the lower quartile: a gain beyond the noise, never one delta
+        # the lower quartile of the paired gains: a gain beyond the timing's noise, never one delta
+        if timed and low is not None and train and low / train >= MIN_FUSED_GAIN:
             gains.append(o)
     if not gains:
         return None
