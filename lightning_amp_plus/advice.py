@@ -23,6 +23,7 @@ from typing import Any, Optional
 from lightning_amp_plus import knobs
 from lightning_amp_plus._limits import MAX_ISLANDS, scale_floor
 from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
+from lightning_amp_plus.origin import Origin, Phase, Verdict
 
 #: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
 HIGH_UNDERFLOW = 0.5
@@ -240,8 +241,9 @@ def most(count: int, total: int, *, least: int = 1, half: bool = False) -> bool:
     return count >= least and total > 0 and (2 * count >= total if half else 2 * count > total)
 
 
-def _known_origins(figures: RunFigures) -> list[dict[str, Any]]:
-    return [o for o in figures.origins or [] if o]
+def _known_origins(figures: RunFigures) -> list[Origin]:
+    """The told origins, typed (the figures hold their JSON form)."""
+    return [Origin.from_dict(o) for o in figures.origins or [] if o]
 
 
 def _scaling_skips(figures: RunFigures) -> list[int]:
@@ -251,9 +253,10 @@ def _scaling_skips(figures: RunFigures) -> list[int]:
     backward that makes inf/nan at any scale).
     """
     not_scaling = {
-        o["step"]
+        o.step
         for o in _known_origins(figures)
-        if "step" in o and (o.get("phase") in ("input", "loss", "forward") or o.get("float32") == "nonfinite")
+        if o.step is not None
+        and (o.phase in (Phase.INPUT, Phase.LOSS, Phase.FORWARD) or o.float32 is Verdict.NONFINITE)
     }
     return [s for s in figures.skipped or [] if s not in not_scaling]
 
@@ -281,18 +284,14 @@ def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
     return measurement["scale"] >= figures.knobs["max_scale"]
 
 
-def _forward_overflows(figures: RunFigures) -> list[dict[str, Any]]:
+def _forward_overflows(figures: RunFigures) -> list[Origin]:
     """Origins of an fp16 overflow in a module's forward (finite in float32), with the module named."""
-    return [
-        o
-        for o in _known_origins(figures)
-        if o.get("phase") == "forward" and o.get("module") and o.get("float32") == "finite"
-    ]
+    return [o for o in _known_origins(figures) if o.overflow]
 
 
-def _model_made(figures: RunFigures) -> list[dict[str, Any]]:
+def _model_made(figures: RunFigures) -> list[Origin]:
     """Origins whose values the model makes in float32 too (forward or, told by a rerun, backward)."""
-    return [o for o in _known_origins(figures) if o.get("float32") == "nonfinite"]
+    return [o for o in _known_origins(figures) if o.float32 is Verdict.NONFINITE]
 
 
 # ---------------------------------------------------------------------------------------------- the rules
@@ -308,19 +307,19 @@ def _model_made(figures: RunFigures) -> list[dict[str, Any]]:
 )
 def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
-    phases = Counter(o.get("phase") for o in origins)
-    bad = phases["input"] + phases["loss"]
+    phases = Counter(o.phase for o in origins)
+    bad = phases[Phase.INPUT] + phases[Phase.LOSS]
     if not most(bad, len(origins), half=True):
         return None
-    if phases["input"] >= phases["loss"]:
-        what = f"the batch's inf/nan reached the model in {phases['input']} of {len(origins)} skipped updates"
+    if phases[Phase.INPUT] >= phases[Phase.LOSS]:
+        what = f"the batch's inf/nan reached the model in {phases[Phase.INPUT]} of {len(origins)} skipped updates"
         fix = (
             "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
             ' "inf/nan in the batch"  # first line of training_step; then fix the data pipeline'
         )
     else:
         what = (
-            f"the loss was inf/nan with every recorded module output finite in {phases['loss']} of {len(origins)}"
+            f"the loss was inf/nan with every recorded module output finite in {phases[Phase.LOSS]} of {len(origins)}"
             " skipped updates"
         )
         fix = "loss = loss_fn(logits.float(), target)  # compute the loss in float32; check log/div/sqrt for 0 and <0"
@@ -328,7 +327,7 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
         "nonfinite_loss",
         f"{what[0].upper()}{what[1:]}: not a scaling problem (no loss scale or fp32 island fixes it).",
         fix,
-        {"input": phases["input"], "loss": phases["loss"], "told": len(origins)},
+        {"input": phases[Phase.INPUT], "loss": phases[Phase.LOSS], "told": len(origins)},
     )
 
 
@@ -367,34 +366,32 @@ def _guard(op: Optional[str]) -> Optional[str]:
 def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     """Most skips born in one place that makes inf/nan in float32 too: no precision avoids them."""
     origins = _known_origins(figures)
-    places = Counter((o.get("phase"), o.get("module") or "", o.get("op")) for o in _model_made(figures))
+    places = Counter((o.phase, o.module, o.op) for o in _model_made(figures))
     if not places:
         return None
     top, count = places.most_common(1)[0]
-    phase, module, op = top
     if not most(count, len(origins)):
         return None
-    where = module or "the LightningModule's own code"
-    if phase == "backward":
+    made = [o for o in _model_made(figures) if (o.phase, o.module, o.op) == top]
+    phase, module, op, where = made[0].phase, made[0].name, made[0].op, made[0].where
+    if phase is Phase.BACKWARD:
         what = f"in the backward of {where}" + (f" ({op})" if op else "")
         fix = _guard(op) or f"# guard the op in {where} whose gradient is inf/nan at a point (sqrt, log, a division)"
         kind = "a sqrt, log or division at 0 in backward"
     else:
-        own = "the LightningModule's own code (between its recorded module calls)"
-        what = f"in the forward of {module or own}"
+        what = f"in the forward of {where}" + (" (between its recorded module calls)" if made[0].own_code else "")
         fix = (
             f"# fix the inputs of {where} (e.g. give every attention row one unmasked key), or replace its inf/nan:"
             " out = torch.nan_to_num(out)"
         )
         kind = "an all-masked attention row, a log or division of 0"
-    made = [o for o in _model_made(figures) if (o.get("phase"), o.get("module") or "", o.get("op")) == top]
     return Advice(
         "model_nonfinite",
         f"Non-finite values were born {what} in {count} of {len(origins)} skipped updates, and recomputed in"
         f" float32 it makes them too: the model makes them in any precision ({kind}), so no loss scale, fp32"
         f" island or bf16 fixes it.{_batch_too(made)}",
         fix,
-        {"phase": phase, "module": module, "op": op, "skips": count, "told": len(origins)},
+        {"phase": phase.value, "module": module, "op": op, "skips": count, "told": len(origins)},
     )
 
 
@@ -411,8 +408,8 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
 )
 def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
-    fixable = [o for o in _forward_overflows(figures) if o.get("islands")]
-    modules = Counter(o["module"] for o in fixable)
+    fixable = [o for o in _forward_overflows(figures) if o.islands]
+    modules = Counter(o.name for o in fixable)
     if not modules:
         return None
     module, count = modules.most_common(1)[0]
@@ -420,9 +417,9 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
         return None
     islands = list(_given_islands(figures))
     for o in fixable:
-        if o["module"] == module:
-            islands += [i for i in o["islands"] if i not in islands]
-    kinds = Counter(o.get("kind") for o in fixable if o["module"] == module)
+        if o.name == module:
+            islands += [i for i in o.islands or () if i not in islands]
+    kinds = Counter(o.kind for o in fixable if o.name == module)
     moved = [i for i in islands if i != module and i not in _given_islands(figures)]
     also = f"; in float32 it overflows float16 again in {', '.join(moved)}, which join it" if moved else ""
     return Advice(
@@ -435,9 +432,9 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     )
 
 
-def _batch_too(origins: list[dict[str, Any]]) -> str:
+def _batch_too(origins: list[Origin]) -> str:
     """What to add when the batch held inf/nan of the kind the step's own code passed on (it may have spread them)."""
-    if not any(o.get("batch") == "nonfinite" for o in origins):
+    if not any(o.batch_too for o in origins):
         return ""
     return (
         " The batch held inf/nan of that kind too: where that code mixes samples (batch statistics, mixup), they"
@@ -445,13 +442,9 @@ def _batch_too(origins: list[dict[str, Any]]) -> str:
     )
 
 
-def _own_code_origins(figures: RunFigures, float32: Optional[str]) -> list[dict[str, Any]]:
-    """Forward origins in the LightningModule's own code (``"module": ""``) with that float32 verdict (None: none)."""
-    return [
-        o
-        for o in _known_origins(figures)
-        if o.get("phase") == "forward" and o.get("module") == "" and o.get("float32") == float32
-    ]
+def _own_code_origins(figures: RunFigures, float32: Optional[Verdict]) -> list[Origin]:
+    """Forward origins in the LightningModule's own code with that float32 verdict (None: none measured)."""
+    return [o for o in _known_origins(figures) if o.phase is Phase.FORWARD and o.own_code and o.float32 is float32]
 
 
 @rule(
@@ -471,10 +464,10 @@ def _own_code_origins(figures: RunFigures, float32: Optional[str]) -> list[dict[
 def _own_code(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
     unread = _own_code_origins(figures, None)
-    precision = [o for o in _own_code_origins(figures, "finite") if o.get("bf16") != "finite"]
+    precision = [o for o in _own_code_origins(figures, Verdict.FINITE) if o.bf16 is not Verdict.FINITE]
     where = "Non-finite values were born in the LightningModule's own code, between its module calls, in"
     if most(len(precision), len(origins), least=2):
-        measured = Counter(tuple(o["islands"]) for o in precision if o.get("islands"))
+        measured = Counter(o.islands for o in precision if o.islands)
         islands = list(measured.most_common(1)[0][0]) if measured else []
         said = (
             f" A rerun with {', '.join(islands)} in float32 (the modules whose outputs it takes in) is finite."
@@ -494,7 +487,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
         )
     if not most(len(unread), len(origins), least=2):
         return None
-    kinds = Counter(o.get("kind") for o in unread)
+    kinds = Counter(o.kind for o in unread)
     return Advice(
         "own_code",
         f"{where} {len(unread)} of {len(origins)} skipped updates"
@@ -560,10 +553,10 @@ def _bf16_unfit(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
 def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     """Most told skips an fp16 overflow in a forward that no island contains: the value is beyond float16 anywhere."""
     origins = _known_origins(figures)
-    loose = [o for o in _forward_overflows(figures) if o.get("islands") is None]
+    loose = [o for o in _forward_overflows(figures) if not o.islands]
     if not most(len(loose), len(origins), least=2):
         return None
-    module = Counter(o["module"] for o in loose).most_common(1)[0][0]
+    module = Counter(o.name for o in loose).most_common(1)[0][0]
     return (
         f"Non-finite values were born in the forward of {module} (and others) in {len(loose)} of {len(origins)}"
         " skipped updates: float16 overflows there (finite in float32), and no fp32 islands a replay could check"
@@ -577,7 +570,7 @@ def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]
 def _bf16_own_code(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     """Most told skips an fp16 overflow in the LightningModule's own code, which a rerun found finite in float32."""
     origins = _known_origins(figures)
-    own = [o for o in _own_code_origins(figures, "finite") if o.get("bf16") == "finite"]
+    own = [o for o in _own_code_origins(figures, Verdict.FINITE) if o.bf16 is Verdict.FINITE]
     if not most(len(own), len(origins), least=2):
         return None
     return (
@@ -594,19 +587,20 @@ def _backward_at_floor(figures: RunFigures) -> list[int]:
     min_scale = knobs.get("min_scale")
     if min_scale is None or figures.skipped is None or not figures.curve:
         return []
-    born = {o["step"]: o.get("phase") for o in _known_origins(figures) if "step" in o}
+    born = {o.step: o.phase for o in _known_origins(figures) if o.step is not None}
     return [
         s
         for s in figures.skipped
-        if value_at(figures.curve, s) <= scale_floor(min_scale) and born.get(s, "backward") in ("backward", "unknown")
+        if value_at(figures.curve, s) <= scale_floor(min_scale)
+        and born.get(s, Phase.BACKWARD) in (Phase.BACKWARD, Phase.UNKNOWN)
     ]
 
 
 def _range_at_floor(figures: RunFigures) -> Optional[str]:
     """Why overflows at the floor are float16's range, when something measured says so (None: nothing does)."""
-    backward = [o for o in _known_origins(figures) if o.get("phase") == "backward" and o.get("float32")]
+    backward = [o for o in _known_origins(figures) if o.phase is Phase.BACKWARD and o.float32 is not None]
     if backward:
-        finite = [o for o in backward if o["float32"] == "finite"]
+        finite = [o for o in backward if o.float32 is Verdict.FINITE]
         return "a rerun found their gradients finite in float32" if most(len(finite), len(backward)) else None
     floor = scale_floor((figures.knobs or {}).get("min_scale", 1.0))
     tight = [m for m in _measured(figures) if m["scale"] <= floor and (m.get("headroom_bits") or 99.0) < 1.0]
@@ -643,7 +637,7 @@ def _backward_skips(figures: RunFigures) -> Optional[Advice]:
     at_floor = _backward_at_floor(figures)
     if len(at_floor) < 2 or _range_at_floor(figures) is not None:
         return None
-    if any(o.get("phase") == "backward" and o.get("float32") for o in _known_origins(figures)):
+    if any(o.phase is Phase.BACKWARD and o.float32 is not None for o in _known_origins(figures)):
         return None  # told by a rerun: model_nonfinite or bf16 says it
     min_scale = (figures.knobs or {})["min_scale"]
     return Advice(

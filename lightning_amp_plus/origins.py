@@ -29,6 +29,7 @@ from lightning_amp_plus._identity import clean_name, is_compiled_wrapper, resolv
 from lightning_amp_plus._limits import MAX_ISLANDS
 from lightning_amp_plus._tree import map_tensors, tensors, values, version
 from lightning_amp_plus.islands import fp32_forward
+from lightning_amp_plus.origin import OWN_CODE, Origin, Phase, Verdict, unknown
 from lightning_amp_plus.sandbox import (
     StepStart,
     _replays,
@@ -44,8 +45,6 @@ from lightning_amp_plus.sandbox import (
     sandboxed,
 )
 
-#: an origin: ``{"phase": "input" | "forward" | "loss" | "backward" | "unknown", ...}`` (:meth:`OriginFinder.origin`)
-Origin = dict[str, Any]
 #: which ``-inf`` counts as non-finite: every one (False); all but an additive mask's (True: the batch); only a
 #: half-precision tensor's that is no mask ("inputs": what a call takes in); none ("all": a module's output)
 Masks = Union[bool, Literal["inputs", "all"]]
@@ -76,11 +75,6 @@ class BatchCalls:
         return StepStart(torch_state, cuda_state, owned, self.host)
 
 
-def unknown(reason: str) -> Origin:
-    """The told outcome of a replay that could not tell (it raised, or the step changed what it needs)."""
-    return {"phase": "unknown", "reason": reason}
-
-
 class OriginFinder:
     """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
 
@@ -90,7 +84,7 @@ class OriginFinder:
     Example:
         >>> import torch
         >>> finder = OriginFinder()
-        >>> finder.origin(BatchCalls(batch=torch.tensor([float("nan")])))
+        >>> finder.origin(BatchCalls(batch=torch.tensor([float("nan")]))).to_dict()
         {'phase': 'input'}
     """
 
@@ -201,17 +195,16 @@ class OriginFinder:
     def origin(self, record: Optional[BatchCalls] = None) -> Optional[Origin]:
         """Where ``record``'s (default: this batch's) non-finite values were born; None when it cannot be told.
 
-        * ``{"phase": "input"}``: the batch held inf/nan, and they reached the model (a module's inputs or the loss);
-        * ``{"phase": "forward", "module": name, "kind": "inf"|"nan", "float32": "finite"|"nonfinite"|"unknown",
-          "islands": [...]}``: the first module (in execution order) whose inputs were finite and whose output was
-          not (``""``: the LightningModule's own code between its modules). ``float32``: its output recomputed in
-          float32 (``"finite"``: an fp16 overflow; ``"nonfinite"``: no precision avoids it); ``islands``, for an
-          overflow: the modules that had to run in float32 for the call's output to be finite, measured by replay
-          (None: more than :data:`MAX_ISLANDS`). When the replay could not be made to compute what the step computed,
-          ``module`` is None, ``within`` names the module call that made them and ``reason`` says why;
-        * ``{"phase": "loss"}``: every recorded module output finite, the loss not;
-        * ``{"phase": "backward"}``: forward and loss finite;
-        * ``{"phase": "unknown", "reason": ...}``: it could not be told (the replay raised, say).
+        * :attr:`Phase.INPUT`: the batch held inf/nan, and they reached the model (a module's inputs or the loss);
+        * :attr:`Phase.FORWARD`: the first module (in execution order) whose inputs were finite and whose output was
+          not (:data:`OWN_CODE`: the LightningModule's own code between its modules), with ``kind`` and ``float32``:
+          its output recomputed in float32 (finite: an fp16 overflow; non-finite: no precision avoids it), and for
+          an overflow ``islands``: the modules that had to run in float32 for the call's output to be finite,
+          measured by replay (``()``: none do within :data:`MAX_ISLANDS`). When the replay could not be made to
+          compute what the step computed, ``module`` is None, ``within`` names the call and ``reason`` says why;
+        * :attr:`Phase.LOSS`: every recorded module output finite, the loss not;
+        * :attr:`Phase.BACKWARD`: forward and loss finite;
+        * :attr:`Phase.UNKNOWN`, with its ``reason``: it could not be told (the replay raised, say).
         """
         record = record if record is not None else self._current
         if record is None or record.batch is None:
@@ -224,7 +217,7 @@ class OriginFinder:
     def _tell(self, record: BatchCalls) -> Optional[Origin]:
         in_batch = nonfinite_kinds(record.batch, masks=True)  # an additive mask's -inf is no bad data
         if self._module is None:
-            return {"phase": "input"} if in_batch else None  # not recorded (sharded, compiled): only the batch is told
+            return Origin(Phase.INPUT) if in_batch else None  # not recorded (sharded, compiled): only the batch is told
         by_design: set[int] = set()  # outputs of calls whose -inf float32 makes too (a mask, a bias): no origin
         for index, (name, _, args, kwargs, held, kept, _, _) in enumerate(record.calls):
             output = _alive(held)
@@ -234,13 +227,13 @@ class OriginFinder:
             took = [t for t in tensors((args, kwargs)) if id(t) not in by_design]
             from_batch = nonfinite_kinds(took, masks=True)
             if from_batch and from_batch <= in_batch and _from_batch(record.batch, took):
-                return {"phase": "input"}
+                return Origin(Phase.INPUT)
             taken = nonfinite_kinds(took, masks="inputs")
             if taken:  # made before this call by the LightningModule's own code
-                own: Origin = {"phase": "forward", "module": "", "kind": "inf" if "inf" in taken else "nan"}
-                if taken & in_batch:
-                    own["batch"] = "nonfinite"  # the batch held that kind too: the step may have spread it
-                return own
+                # the batch holding that kind too is said: the step may have spread it
+                return Origin(
+                    Phase.FORWARD, OWN_CODE, "inf" if "inf" in taken else "nan", batch_too=bool(taken & in_batch)
+                )
             if output is _GONE or nonfinite_kind(output) is not None:
                 born = self._inside(record, index)
                 if born is not None:  # else: finite, or only masks (-inf by design) left the call
@@ -248,22 +241,20 @@ class OriginFinder:
                 if output is not _GONE:
                     by_design.update(id(t) for t in tensors(output))
         if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
-            told: Origin = {"phase": "loss"}
-            if nonfinite_kind(record.batch) is not None:
-                told["batch"] = "nonfinite"  # it may have reached the loss (a target): not told apart
-            return told
+            # the batch holding inf/nan is said: it may have reached the loss (a target), not told apart
+            return Origin(Phase.LOSS, batch_too=nonfinite_kind(record.batch) is not None)
         if self._accumulating:
             return None  # an earlier micro-batch of the update may have made them: not recorded
-        return {"phase": "backward"}
+        return Origin(Phase.BACKWARD)
 
     def _with_later_births(self, record: BatchCalls, index: int, born: Origin) -> Origin:
         """``born`` with the islands of every later call that also made inf/nan from finite inputs (on its own).
 
         An island fix must cover each module whose float16 output overflows in the step, not only the first.
         """
-        if born.get("islands") is None:
+        if not born.islands:
             return born
-        islands = list(born["islands"])
+        islands = list(born.islands)
         chain = self._chain(record, index)  # the calls that took in what it made: the islands cover them already
         for later in range(index + 1, len(record.calls)):
             _, _, args, kwargs, held, _, _, _ = record.calls[later]
@@ -275,10 +266,10 @@ class OriginFinder:
             also = self._inside(record, later)
             if also is None:
                 continue
-            if also.get("islands") is None:
-                return {**born, "islands": None}
-            islands.extend(i for i in also["islands"] if i not in islands)
-        return {**born, "islands": islands}
+            if not also.islands:  # not contained, or not measured (a NaN, a replay unlike the step)
+                return born.but(islands=())
+            islands.extend(i for i in also.islands if i not in islands)
+        return born.but(islands=tuple(islands))
 
     def _inside(self, record: BatchCalls, index: int) -> Optional[Origin]:
         """Replay call ``index`` to name the module inside it that made its non-finite output (if it made one).
@@ -302,18 +293,16 @@ class OriginFinder:
         else:
             alike = same_values(first.outputs[0], output)
         if not alike:
-            return {
-                "phase": "forward",
-                "module": None,
-                "within": name,
-                "kind": nonfinite_kind(first.outputs[0] if output is _GONE else output),
-                "reason": f"nondeterministic: the replay of {name} computed other values than the step",
-            }
-        if first.found is None:
-            return None
-        born: Origin = {"phase": "forward", **first.found}
-        if born["float32"] == "finite":
-            born["islands"] = self._islands(record, index, first.found["module"])
+            return Origin(
+                Phase.FORWARD,
+                within=name,
+                kind=nonfinite_kind(first.outputs[0] if output is _GONE else output),
+                reason=f"nondeterministic: the replay of {name} computed other values than the step",
+            )
+        born = first.found
+        if born is not None and born.float32 is Verdict.FINITE:
+            islands = self._islands(record, index, born.name)
+            return born.but(islands=tuple(islands) if islands is not None else ())
         return born
 
     def _islands(self, record: BatchCalls, index: int, module: str) -> Optional[list[str]]:
@@ -338,9 +327,9 @@ class OriginFinder:
                 return None
             if again.found is None and nonfinite_kind(again.outputs, masks=True) is None:
                 return islands if not unseen or fits_float16(again.outputs) else None
-            if again.found is None or again.found["float32"] != "finite" or again.found["module"] in islands:
+            if again.found is None or again.found.float32 is not Verdict.FINITE or again.found.name in islands:
                 return None
-            islands.append(again.found["module"])
+            islands.append(again.found.name)
         return None
 
     @staticmethod
@@ -421,7 +410,7 @@ class _Replayed:
     """What a replay of calls gave: their outputs, the first module that made inf/nan in them, or what it raised."""
 
     outputs: list[Any] = field(default_factory=list)
-    found: Optional[dict[str, Any]] = None
+    found: Optional[Origin] = None
     error: Optional[str] = None
     after: Optional[tuple[Tensor, Optional[Tensor]]] = None  # torch's random state after the first call
 
@@ -435,7 +424,7 @@ class _FirstBorn:
     """
 
     def __init__(self, frontier: list[tuple[str, torch.nn.Module]], device_type: str, streams: list[Any]) -> None:
-        self.found: Optional[dict[str, Any]] = None
+        self.found: Optional[Origin] = None
         self._names: dict[int, str] = {}
         self._modules: list[torch.nn.Module] = []
         for name, inner in frontier:
@@ -483,15 +472,15 @@ class _FirstBorn:
             inputs = (args, kwargs)  # else it changed its own inputs: they are not what it was called with
         real = nonfinite_kind(output, masks="all") is not None  # +inf or nan: never by design
         masks: Masks = "all" if real else False
-        float32 = "unknown" if inputs is None else self._float32(module, inputs[0], inputs[1], start, masks=masks)
-        if not real and float32 != "finite":
+        float32 = Verdict.UNKNOWN if inputs is None else self._float32(module, inputs[0], inputs[1], start, masks)
+        if not real and float32 is not Verdict.FINITE:
             return  # -inf alone, which float32 makes too: by design (a mask, a position bias)
-        self.found = {"module": self._names[id(module)], "kind": kind, "float32": float32}
+        self.found = Origin(Phase.FORWARD, self._names[id(module)], kind, float32)
 
     def _float32(
         self, module: torch.nn.Module, args: Any, kwargs: Any, start: list[tuple[Any, Any]], masks: Masks
-    ) -> str:
-        """``module`` on the same inputs in float32: ``"finite"``, ``"nonfinite"``, or ``"unknown"`` (it raised)."""
+    ) -> Verdict:
+        """``module`` on the same inputs in float32 (unknown: it raised)."""
         now = capture(self._streams)
         self._recomputing = True
         try:
@@ -502,8 +491,8 @@ class _FirstBorn:
             self._recomputing = False
             give_back(now)
         if error is not None:
-            return "unknown"
-        return "finite" if nonfinite_kind(output, masks=masks) is None else "nonfinite"
+            return Verdict.UNKNOWN
+        return Verdict.FINITE if nonfinite_kind(output, masks=masks) is None else Verdict.NONFINITE
 
 
 def _up(value: Any) -> Any:
@@ -542,7 +531,7 @@ def _bad_rows(tensor: Tensor) -> set[int]:
 
 
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite
-_TELLING = {"input": 0, "loss": 1, "forward": 2, "backward": 3, "unknown": 4}
+_TELLING = [Phase.INPUT, Phase.LOSS, Phase.FORWARD, Phase.BACKWARD, Phase.UNKNOWN]
 
 
 def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
@@ -552,7 +541,7 @@ def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
     made the inf/nan can tell where they were born; the others see a finite forward and would say "backward".
 
     Example:
-        >>> job_origin([{"phase": "backward"}, {"phase": "input"}])
+        >>> job_origin([Origin(Phase.BACKWARD), Origin(Phase.INPUT)]).to_dict()
         {'phase': 'input', 'rank': 1}
         >>> job_origin([None, None]) is None
         True
@@ -562,8 +551,8 @@ def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
         return None
     if len(per_rank) == 1:
         return told[0][1]
-    rank, origin = min(told, key=lambda pair: (_TELLING.get(str(pair[1].get("phase")), 9), pair[0]))
-    return {**origin, "rank": rank}
+    rank, origin = min(told, key=lambda pair: (_TELLING.index(pair[1].phase), pair[0]))
+    return origin.but(rank=rank)
 
 
 def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
+from lightning_amp_plus.origin import Origin, Phase
 from lightning_amp_plus.origins import OriginFinder, call_frontier
 from lightning_amp_plus.sandbox import sandboxed
 from tests.helpers.models import TinyModel
@@ -184,7 +185,7 @@ def test_a_finder_without_a_batch_tells_nothing():
     finder.start_batch(torch.ones(2))
     assert finder.origin() is None  # not attached to a module: only the batch could be told
     finder.start_batch(torch.tensor([float("inf")]))
-    assert finder.origin() == {"phase": "input"}
+    assert finder.origin() == Origin(Phase.INPUT)
     assert finder.take_batch() is not None
     assert finder.current is None
 

@@ -32,6 +32,7 @@ from lightning_amp_plus._log import say
 from lightning_amp_plus._tree import tensors
 from lightning_amp_plus.callbacks._common import all_reduce_, distributed
 from lightning_amp_plus.islands import fp32_forward
+from lightning_amp_plus.origin import OWN_CODE, Origin, Phase, Verdict
 from lightning_amp_plus.origins import BatchCalls, nonfinite_kinds
 from lightning_amp_plus.sandbox import StepStart, attempt, capture, copied_inputs, no_logging, sandboxed
 
@@ -156,49 +157,50 @@ def backward_origin(
     device_type: str,
     forward_context: Callable[[], Any],
     scale: float,
-) -> dict[str, Any]:
+) -> Origin:
     """Where in backward a skipped update's inf/nan were born, by rerunning its step twice, sandboxed.
 
     At the skip's ``scale`` under ``forward_context`` (autocast): the first autograd node whose output gradient was
     non-finite while the gradient it received was finite, named by its op (``SqrtBackward0``) and the module whose
-    forward made it (``""``: the LightningModule's own code, the loss say). Then in float32, unscaled: ``"float32":
-    "finite"`` when every gradient is finite there (float16's range: bf16, an island or a lower scale fixes it),
-    ``"nonfinite"`` when not (the model's own: no precision fixes it). A rerun that raised or did not make them says so
-    in ``reason``.
+    forward made it (:data:`OWN_CODE`: the LightningModule's own code, the loss say). Then in float32, unscaled:
+    ``float32`` finite when every gradient is finite there (float16's range: bf16, an island or a lower scale fixes
+    it), non-finite when not (the model's own: no precision fixes it). A rerun that raised or did not make them says
+    so in ``reason``.
     """
     found, error = attempt(_watched_backward, module, batch, batch_idx, start, device_type, forward_context, scale)
     if error is not None:
-        return {"phase": "backward", "reason": f"the rerun of the step raised {error}"}
+        return Origin(Phase.BACKWARD, reason=f"the rerun of the step raised {error}")
     if found is None:
-        return {"phase": "backward", "reason": "the rerun's backward was finite: it did not make them again"}
-    return {"phase": "backward", **found, "float32": _float32_verdict(module, batch, batch_idx, start, device_type)}
+        return Origin(Phase.BACKWARD, reason="the rerun's backward was finite: it did not make them again")
+    return found.but(float32=_float32_verdict(module, batch, batch_idx, start, device_type))
 
 
 def told_by_rerun(
-    origin: dict[str, Any], record: Optional[BatchCalls], trainer: pl.Trainer, device_type: str, scale: Optional[float]
-) -> dict[str, Any]:
+    origin: Origin, record: Optional[BatchCalls], trainer: pl.Trainer, device_type: str, scale: Optional[float]
+) -> Origin:
     """An origin a replay could not read, told by rerunning the batch's step, sandboxed; else the origin as it was.
 
-    ``{"phase": "backward"}``: where in backward (:func:`backward_origin`, at the update's ``scale``). A forward origin
-    in the LightningModule's own code (``"module": ""``, code between module calls no replay reads): its ``float32``
-    verdict, the step rerun in float32 (``"finite"``: float16 overflowed there; ``"nonfinite"``: the code makes them
-    in any precision), and then ``bf16``: the step rerun under bfloat16 autocast (``"finite"``: float16's range;
-    ``"nonfinite"``: its precision, which bfloat16 has less of; then ``islands``: the modules whose outputs the code
-    took in that, run in float32, make the step finite under float16, measured by rerunning it so; None when none
-    do). Only when the batch's record (and, for backward, the scale) is known.
+    A backward origin: where in backward (:func:`backward_origin`, at the update's ``scale``). A forward origin in
+    the LightningModule's own code (:data:`OWN_CODE`, code between module calls no replay reads): its ``float32``
+    verdict, the step rerun in float32 (finite: float16 overflowed there; non-finite: the code makes them in any
+    precision), and then ``bf16``: the step rerun under bfloat16 autocast (finite: float16's range; non-finite: its
+    precision, which bfloat16 has less of; then ``islands``: the modules whose outputs the code took in that, run in
+    float32, make the step finite under float16, measured by rerunning it so; ``()`` when none do). Only when the
+    batch's record (and, for backward, the scale) is known.
     """
     start = record.step_start() if record is not None else None
     if record is None or start is None:
         return origin
     module = trainer.lightning_module
-    if origin.get("phase") == "forward" and origin.get("module") == "" and "float32" not in origin:
-        told = {**origin, "float32": _float32_verdict(module, record.batch, record.index, start, device_type)}
-        if told["float32"] == "finite":  # float16 fails there: its range (bf16 holds it) or its precision (not)
-            told["bf16"] = _float32_verdict(module, record.batch, record.index, start, device_type, torch.bfloat16)
-        if told["float32"] == "finite" and told["bf16"] != "finite":
-            told["islands"] = _feeding_islands(module, record, start, device_type)
+    if origin.phase is Phase.FORWARD and origin.own_code and origin.float32 is None:
+        told = origin.but(float32=_float32_verdict(module, record.batch, record.index, start, device_type))
+        if told.float32 is Verdict.FINITE:  # float16 fails there: its range (bf16 holds it) or its precision (not)
+            bf16 = _float32_verdict(module, record.batch, record.index, start, device_type, torch.bfloat16)
+            told = told.but(bf16=bf16)
+            if bf16 is not Verdict.FINITE:
+                told = told.but(islands=tuple(_feeding_islands(module, record, start, device_type) or ()))
         return told
-    if origin != {"phase": "backward"} or scale is None:
+    if origin != Origin(Phase.BACKWARD) or scale is None:
         return origin
     context = trainer.precision_plugin.forward_context
     return backward_origin(module, record.batch, record.index, start, device_type, context, scale)
@@ -250,10 +252,12 @@ def _float32_verdict(
     start: StepStart,
     device_type: str,
     dtype: Optional[torch.dtype] = None,
-) -> str:
-    """The step rerun in float32 (or under ``dtype`` autocast): its gradients ``"finite"``, or not, or ``"unknown"``."""
+) -> Verdict:
+    """The step rerun in float32 (or under ``dtype`` autocast): are its gradients finite (unknown: it raised)."""
     finite, error = attempt(_finite_as, module, batch, batch_idx, start, device_type, dtype)
-    return "unknown" if error is not None or finite is None else ("finite" if finite else "nonfinite")
+    if error is not None or finite is None:
+        return Verdict.UNKNOWN
+    return Verdict.FINITE if finite else Verdict.NONFINITE
 
 
 def _rerun_loss(module: pl.LightningModule, batch: Any, batch_idx: int) -> Optional[Tensor]:
@@ -270,7 +274,7 @@ def _watched_backward(
     device_type: str,
     forward_context: Callable[[], Any],
     scale: float,
-) -> Optional[dict[str, Any]]:
+) -> Optional[Origin]:
     with (
         sandboxed(module, device_type, start=start, grad=True),
         no_logging(module),
@@ -282,7 +286,7 @@ def _watched_backward(
         if loss is None:
             return None
         scaled = loss.float() * scale
-        born: list[dict[str, Any]] = []
+        born: list[Origin] = []
         handles = [node.register_hook(_first_born(node, owners, born)) for node in _nodes(scaled)]
         try:
             params = [p for p in module.parameters() if p.requires_grad]  # the stand-ins, inside the sandbox
@@ -334,7 +338,7 @@ def _nodes(loss: Tensor) -> list[Any]:
     return list(seen)
 
 
-def _first_born(node: Any, owners: dict[Any, str], born: list[dict[str, Any]]) -> Callable[..., None]:
+def _first_born(node: Any, owners: dict[Any, str], born: list[Origin]) -> Callable[..., None]:
     def hook(grad_inputs: tuple[Optional[Tensor], ...], grad_outputs: tuple[Optional[Tensor], ...]) -> None:
         if born:
             return
@@ -343,7 +347,7 @@ def _first_born(node: Any, owners: dict[Any, str], born: list[dict[str, Any]]) -
         made = [g for g in grad_inputs if g is not None and not bool(torch.isfinite(g).all())]
         if made:
             kind = "nan" if any(bool(torch.isnan(g).any()) for g in made) else "inf"
-            born.append({"module": owners.get(node, ""), "op": node.name(), "kind": kind})
+            born.append(Origin(Phase.BACKWARD, owners.get(node, OWN_CODE), kind, op=node.name()))
 
     return hook
 

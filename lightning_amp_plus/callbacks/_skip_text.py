@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning_amp_plus.origin import Origin, Phase
+
 
 def skip_record(step: int, scale: Any, new_scale: Any, told: dict[str, Any]) -> dict[str, Any]:
-    """One skip's record (the one place its keys are written): ``told`` holds its loss, offenders and origin."""
-    keys = ("loss", "offenders", "origin")
-    return {"step": step, "scale": scale, "new_scale": new_scale, **{key: told.get(key) for key in keys}}
+    """One skip's record (the one place its keys are written): ``told`` holds its loss, offenders and origin.
+
+    The origin is kept in its JSON form (:meth:`Origin.to_dict`): a record is plain data.
+    """
+    origin = told.get("origin")
+    return {
+        "step": step,
+        "scale": scale,
+        "new_scale": new_scale,
+        "loss": told.get("loss"),
+        "offenders": told.get("offenders"),
+        "origin": origin.to_dict() if isinstance(origin, Origin) else origin,
+    }
 
 
 def enough(printed: int) -> str:
@@ -46,25 +58,25 @@ def describe(record: dict[str, Any]) -> str:
     return f"step {record['step']} skipped: {where}, {scale}"
 
 
-def describe_origin(origin: Optional[dict[str, Any]]) -> str:
-    """``born in forward of encoder.3.ff (inf)`` and the like; empty when the origin is not known."""
-    if not origin:
+def describe_origin(told: Optional[dict[str, Any]]) -> str:
+    """``born in forward of encoder.3.ff (inf)`` and the like (from a record's origin); empty when not known."""
+    try:
+        origin = Origin.from_dict(told) if told else None
+    except ValueError:  # a phase or verdict this version does not know
+        origin = None
+    if origin is None:
         return ""
-    phase = origin.get("phase")
-    if phase == "forward":
-        if origin.get("module") is None:
-            return f"born in forward of {origin.get('within')} (the module inside: unknown, {origin.get('reason')})"
-        where = origin.get("module") or "the LightningModule's own code (between its recorded module calls)"
-        return f"born in forward of {where} ({origin.get('kind')})"
-    if phase == "input":
-        return "born in the batch (the inputs held inf/nan)"
-    if phase == "loss":
-        return "born in the loss (every recorded module output was finite)"
-    if phase == "backward":
-        return "born in backward (forward and loss finite)"
-    if phase == "unknown":
-        return f"origin unknown ({origin.get('reason')})"
-    return ""
+    if origin.phase is Phase.FORWARD:
+        if origin.module is None:
+            return f"born in forward of {origin.within} (the module inside: unknown, {origin.reason})"
+        where = f"{origin.where} (between its recorded module calls)" if origin.own_code else origin.where
+        return f"born in forward of {where} ({origin.kind})"
+    return {
+        Phase.INPUT: "born in the batch (the inputs held inf/nan)",
+        Phase.LOSS: "born in the loss (every recorded module output was finite)",
+        Phase.BACKWARD: "born in backward (forward and loss finite)",
+        Phase.UNKNOWN: f"origin unknown ({origin.reason})",
+    }[origin.phase]
 
 
 def collapse_message(

@@ -40,6 +40,7 @@ from lightning_amp_plus.callbacks._rerun import announce, told_by_rerun
 from lightning_amp_plus.callbacks._skip_text import collapse_message, describe, enough, skip_record, summary
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
+from lightning_amp_plus.origin import Origin
 from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
 
 
@@ -244,7 +245,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
 
     def _origin(
         self, calls: Optional[BatchCalls] = None, step: Optional[int] = None, scale: Optional[float] = None
-    ) -> Optional[dict[str, Any]]:
+    ) -> Optional[Origin]:
         """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told.
 
         With ``backward_origin``, what no replay reads (where in backward, an own-code origin's float32 verdict) is
@@ -277,11 +278,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.offenders.clear()
         self._add(skip_record(event.step, event.scale, event.new_scale, told), event.consecutive)
 
-    def _job_origin(self, origin: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    def _job_origin(self, origin: Optional[Origin]) -> Optional[Origin]:
         """The update's origin over every rank (each skips it, so each calls this): the rank that saw it born tells."""
         if not self.find_origin or not distributed():
             return origin
-        gathered: list[Optional[dict[str, Any]]] = [None] * torch.distributed.get_world_size()
+        gathered: list[Optional[Origin]] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, origin)  # on skipped updates only
         return job_origin(gathered)
 
