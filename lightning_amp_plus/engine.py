@@ -106,13 +106,19 @@ class AmpEngine:
         #: warn once a run of this many skipped updates in a row is seen (None: never)
         self.warn_skip_streak = warn_skip_streak
         self.sharded = sharded
+        self._given_state: Optional[dict[str, Any]] = None  # a user's scaler: its state as given (see use_scaler)
         self._listeners: list[UpdateListener] = []
         self._route()
         self._new_run()  # the scaler given is as its constructor made it
 
     def use_scaler(self, scaler: DynamicLossScaler) -> None:
-        """Use ``scaler`` from now on (16-mixed; checked by :func:`take_scaler`): its public methods are called."""
+        """Use the user's ``scaler`` from now on (16-mixed; checked by :func:`take_scaler`): its methods are called.
+
+        A new run starts from its state as it was given (a used or loaded scaler goes on as stock Lightning's
+        would), not from its constructor's.
+        """
         self.scaler = self.checker = scaler
+        self._given_state = scaler.state_dict()
 
     # ------------------------------------------------------------------ listeners
     def listen(self, listener: UpdateListener) -> None:
@@ -147,12 +153,14 @@ class AmpEngine:
         self.sync_skips = any(p.needs_host_skips for p in listening)
 
     def reset(self) -> None:
-        """Start a new run: the scaler back to its constructor's state, an empty history, no cycle.
+        """Start a new run: the scaler back to its constructor's state (a user's: as given), an empty history, no cycle.
 
         Listeners stay (callbacks attach before the run starts). A resumed run then loads its checkpoint on top.
         """
         if self.checker is not None:
             self.checker.reset()
+            if self._given_state is not None:
+                self.checker.load_state_dict(self._given_state)
         self._new_run()
 
     def _new_run(self) -> None:
@@ -364,6 +372,13 @@ class AmpEngine:
                     " call `super().update()`."
                 )
             self._last_record = outcome
+            if outcome.unstepped and any(id(o) in outcome.unstepped for o in cycle.stepped):
+                raise RuntimeError(
+                    f"`{type(checker).__name__}.step()` returned without stepping the optimizer: the update cannot be"
+                    " told applied or skipped (the history, the scheduler and the scale would count it applied)."
+                    " HINT: an override of `step` calls `super().step(optimizer)`, which skips an overflowed step"
+                    " itself; to skip a batch on purpose, return None from `training_step`."
+                )
             scale = before if unrecorded else outcome.scale
             self.history.record(cycle.step, scale, outcome.flag)  # None: the scale is the last one recorded
             self._recorded_since_load = True
@@ -581,6 +596,7 @@ def make_engine(
             f"`{owner}(precision='bf16-mixed', {names})` is invalid: bf16-mixed uses no loss scaler."
             " HINT: remove the scaler arguments, or use precision='16-mixed'."
         )
+    given_scaler = scaler
     if scaler is not None:
         if given:
             names = ", ".join(f"{k}={v!r}" for k, v in given.items())
@@ -604,7 +620,10 @@ def make_engine(
             f"`{owner}(precision='16-mixed', skip_nonfinite=False)` is invalid: with loss scaling an overflowing"
             " step must be skipped. `skip_nonfinite` applies to bf16-mixed only."
         )
-    return AmpEngine(precision, scaler, skip_nonfinite, warn_skip_streak, sharded=sharded)
+    engine = AmpEngine(precision, scaler, skip_nonfinite, warn_skip_streak, sharded=sharded)
+    if given_scaler is not None and scaler is not None:
+        engine.use_scaler(scaler)
+    return engine
 
 
 def take_scaler(owner: str, scaler: Any, precision: str, sharded: bool) -> Any:
@@ -622,13 +641,15 @@ def take_scaler(owner: str, scaler: Any, precision: str, sharded: bool) -> Any:
             " loss scaler. HINT: leave `scaler=` out, or use precision='16-mixed'."
         )
     mocked = any(cls.__module__ == "unittest.mock" for cls in type(scaler).__mro__)  # by type: no import
-    inner = getattr(scaler, "_mock_wraps", None) if mocked and not isinstance(scaler, DynamicLossScaler) else scaler
+    inner = getattr(scaler, "_mock_wraps", None) if mocked else scaler  # a spec alone passes isinstance: not enough
     wanted = ShardedDynamicLossScaler if sharded else DynamicLossScaler
     if isinstance(inner, torch.amp.GradScaler) and not inner.is_enabled():
+        device = getattr(inner, "_device", "?")
         raise ValueError(
-            f"`{owner}(scaler={type(inner).__name__}(enabled=False))` is invalid: a disabled scaler scales nothing"
-            " (float16 gradients underflow, overflowing steps are not skipped). HINT: pass an enabled scaler, or use"
-            " bf16-mixed."
+            f"`{owner}(scaler={type(inner).__name__}({device!r}, ...))` is invalid: the scaler is disabled"
+            f" (`enabled=False`, or torch turned it off: no {device!r} device here), and a disabled scaler scales"
+            " nothing (float16 gradients underflow, overflowing steps are not skipped). HINT: pass an enabled"
+            " scaler for the trainer's device, or use bf16-mixed."
         )
     if isinstance(inner, DynamicLossScaler) and not isinstance(inner, NonFiniteChecker):
         if not isinstance(inner, wanted):
@@ -704,7 +725,7 @@ class EngineView:
         engine.use_scaler(take_scaler(type(self).__name__, value, engine.precision, engine.sharded))
         # the plugin's call, as repr, the logged call and fix lines tell it: this scaler in place of the knobs
         given = {k: v for k, v in getattr(self, "_given", {}).items() if k not in SCALER_DEFAULTS}
-        self._given = {**given, "scaler": value}
+        self._given = {**given, "scaler": engine.scaler}  # the scaler in use (a GradScaler given: the one taken)
 
     @property
     def history(self) -> ScaleHistory:

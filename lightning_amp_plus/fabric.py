@@ -80,6 +80,8 @@ class AmpPlusFabricPrecision(KnobsRepr, EngineView, FabricPrecision):
         self._engine: AmpEngine = make_engine(
             owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, scaler=scaler
         )
+        if scaler is not None:
+            self._given["scaler"] = self._engine.scaler  # the scaler in use (a GradScaler given: the one taken)
         check_choice(owner, "update", update, ("step", "manual"))
         self.precision = precision  # type: ignore[assignment]
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -110,6 +110,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         self._engine: AmpEngine = make_engine(
             owner, precision, device, skip_nonfinite, knobs, warn_skip_streak, sharded=self._sharded, scaler=scaler
         )
+        if scaler is not None:
+            self._given["scaler"] = self._engine.scaler  # the scaler in use (a GradScaler given: the one taken)
         check_bool(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
         self.device = device

@@ -87,14 +87,23 @@ class UpdateRecord:
         scale: a copy of the scale its backward used (a device tensor; None when ``kept``), and ``kept``: whether
             that scale is known to be the one the update before used (nothing to record).
         scale_before: that scale read on the host, on a known skip only (the skip's report says it).
+        unstepped: the optimizers (their ``id``) unscaled in it that did not step (an optimizer only clipped; a
+            ``step`` override that returned without stepping). Read only when the host could not decide.
     """
 
-    __slots__ = ("flag", "kept", "scale", "scale_before", "skipped")
+    __slots__ = ("flag", "kept", "scale", "scale_before", "skipped", "unstepped")
 
     def __init__(
-        self, skipped: bool | None, flag: Tensor | float, scale: Tensor | None, kept: bool, scale_before: float | None
+        self,
+        skipped: bool | None,
+        flag: Tensor | float,
+        scale: Tensor | None,
+        kept: bool,
+        scale_before: float | None,
+        unstepped: tuple[int, ...] = (),
     ) -> None:
         self.skipped, self.flag, self.scale, self.kept, self.scale_before = skipped, flag, scale, kept, scale_before
+        self.unstepped = unstepped
 
     def __repr__(self) -> str:
         return f"UpdateRecord(skipped={self.skipped}, kept={self.kept})"
@@ -490,31 +499,34 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
         What the host already knows costs nothing: a skip torch read, a clean update whose growth tracker does not
         reach ``growth_interval`` (one device op then). What the update did is kept for :meth:`last_update`.
-        ``new_scale``: set the scale instead (as torch's ``update``), brought inside the bounds.
+        ``new_scale``: set the scale instead (as torch's ``update``), brought inside the bounds; the update's outcome
+        is recorded all the same (a subclass may call ``super().update(new_scale)``).
         """
         if not self._enabled:
             return
-        if new_scale is not None:  # the caller's scale, inside the bounds at once
+        if new_scale is not None:
             check_new_scale(f"{type(self).__name__}.update", new_scale)
-            self._host.kept = False
-            self._last = None
-            super().update(new_scale)
-            assert self._scale is not None
-            self._scale.clamp_(min=self._floor, max=self._max_scale)
-            return
         live, _ = self._check_scale_growth_tracker("update")
         host = self._host
-        kept = host.kept
+        kept = host.kept and new_scale is None
         scale = None if kept else live.clone()  # as it was: the rule changes it in place
-        overflowed = host.known(self._per_optimizer_states)
+        states = self._per_optimizer_states
+        overflowed = host.known(states) if states or new_scale is None else False  # a scale set between cycles
         flag: Tensor | float = self.found_inf() if overflowed is None else float(overflowed)
         skipped = overflowed if overflowed is not None else any_skipped(host.outcomes.values(), sync=False)
         before = (float(live.item()) if self._moves else 1.0) if skipped is True else None  # read on skips only
-        self._apply(flag if isinstance(flag, Tensor) else None, overflowed)
-        self._last = UpdateRecord(skipped, flag, scale, kept, before)
+        unstepped = () if overflowed is not None else tuple(k for k, v in states.items() if k not in host.outcomes)
+        if new_scale is None:
+            self._apply(flag if isinstance(flag, Tensor) else None, overflowed)
+        else:  # the caller's scale, inside the bounds at once (the growth tracker as it was, as in torch)
+            host.kept = False
+            super().update(new_scale)
+            live.clamp_(min=self._floor, max=self._max_scale)
+            self.reset_cycle()
+        self._last = UpdateRecord(skipped, flag, scale, kept, before, unstepped)
 
     def last_update(self) -> UpdateRecord | None:
-        """What the last :meth:`update` did (None before the first, and after one given ``new_scale``)."""
+        """What the last :meth:`update` did (None before the first)."""
         return self._last
 
     def _apply(self, found_inf: Tensor | None, overflowed: bool | None) -> None:

@@ -141,6 +141,32 @@ def test_an_update_override_that_skips_super_is_a_clear_error():
         trainer.fit(TinyModel())
 
 
+def test_an_update_override_that_sets_the_scale_through_super_is_recorded():
+    class Floor(DynamicLossScaler):
+        def update(self, new_scale=None):
+            super().update(max(self.get_scale() * 0.5, 64.0))
+
+    plugin = AmpPlusPrecision(scaler=Floor("cpu", init_scale=2.0**10))
+    model = TinyModel(poison={1: "inf"})
+    make_trainer(plugins=[plugin], max_steps=4).fit(model)
+    assert plugin.history.skipped_steps == [1]  # the outcome is recorded with the caller's scale
+    assert plugin.history.curve() == [(0, 1024.0), (1, 512.0), (2, 256.0), (3, 128.0)]
+    assert plugin.loss_scale == 64.0
+
+
+def test_a_step_override_that_returns_without_stepping_is_a_clear_error():
+    class SkipAll(DynamicLossScaler):
+        def step(self, optimizer, *args, **kwargs):
+            return None
+
+    model = TinyModel()
+    before = _weights(model)
+    trainer = make_trainer(plugins=[AmpPlusPrecision(scaler=SkipAll("cpu"))], max_steps=4)
+    with pytest.raises(RuntimeError, match=r"`SkipAll.step\(\)` returned without stepping the optimizer"):
+        trainer.fit(model)
+    assert all(torch.equal(before[n], w) for n, w in _weights(model).items())
+
+
 # ---------------------------------------------------------------------------- mocks, as Lightning's tests use them
 def test_wrapping_the_scaler_in_a_mock_counts_every_call_and_changes_nothing(tmp_path):
     def fit(wrap):
@@ -316,6 +342,56 @@ def test_a_used_grad_scaler_brings_its_scale_and_growth_tracker():
     assert plugin.scaler is not used
 
 
+def _used_grad_scaler():
+    """A GradScaler two clean updates into its growth interval of 3, its scale backed off once to 512."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    used = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    for bad in (True, False, False):
+        used.scale(model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)).backward()
+        used.step(opt)
+        used.update()
+        opt.zero_grad()
+    return used
+
+
+def test_a_fit_starts_from_a_used_grad_scalers_state_as_stock_does_bit_for_bit():
+    stock_weights, stock_scale = _stock_fit(_used_grad_scaler(), steps=6)
+    plugin = AmpPlusPrecision("16-mixed", scaler=_used_grad_scaler())
+    torch.manual_seed(0)
+    model = TinyModel(poison={2: "inf", 7: "nan"})
+    make_trainer(plugins=[plugin], max_steps=6, gradient_clip_val=1.0).fit(model)
+    assert plugin.history.curve()[0] == (0, 512.0)
+    assert plugin.loss_scale == stock_scale
+    weights = _weights(model)
+    assert all(torch.equal(stock_weights[n], weights[n]) for n in weights)
+
+
+def test_a_loaded_scaler_given_as_it_is_starts_each_new_fit_from_its_state():
+    def loaded():
+        scaler = CountingScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        scaler.load_state_dict({**scaler.state_dict(), "scale": 256.0, "_growth_tracker": 2})
+        return scaler
+
+    stock = loaded()
+    make_trainer(plugins=[MixedPrecision("16-mixed", "cpu", scaler=stock)], max_steps=1).fit(TinyModel())
+    plugin = AmpPlusPrecision(scaler=loaded())
+    make_trainer(plugins=[plugin], max_steps=1).fit(TinyModel())
+    assert plugin.loss_scale == stock.get_scale() == 512.0  # its third clean update grew it
+    make_trainer(plugins=[plugin], max_steps=1).fit(TinyModel())  # a new Trainer: from the state as given again
+    assert plugin.history.curve() == [(0, 256.0)]
+    assert plugin.loss_scale == 512.0
+
+
+def test_a_given_grad_scaler_prints_as_the_scaler_in_use():
+    plugin = AmpPlusPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    shown = "scaler=DynamicLossScaler(device='cpu', init_scale=1024.0, min_scale=0.0, max_scale=inf)"
+    assert repr(plugin) == f"AmpPlusPrecision({shown})"
+    later = AmpPlusPrecision("16-mixed", growth_interval=7)
+    later.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    assert repr(later) == f"AmpPlusPrecision({shown})"
+
+
 def test_the_fsdp_plugin_takes_a_sharded_scaler_and_refuses_an_unsharded_one():
     sharded = ShardedDynamicLossScaler("cpu", init_scale=2.0**8)
     assert AmpPlusFSDPPrecision("16-mixed", scaler=sharded).scaler is sharded
@@ -353,9 +429,11 @@ class OwnGradScaler(torch.amp.GradScaler):
         (
             {"scaler": torch.amp.GradScaler("cpu", enabled=False)},
             ValueError,
-            r"scaler=GradScaler\(enabled=False\)\)` is invalid: a disabled scaler scales nothing",
+            r"scaler=GradScaler\('cpu', ...\)\)` is invalid: the scaler is disabled \(`enabled=False`, or torch turned"
+            r" it off: no 'cpu' device here\), and a disabled scaler scales nothing",
         ),
         ({"scaler": DynamicLossScaler("cpu", enabled=False)}, ValueError, r"a disabled scaler scales nothing"),
+        ({"scaler": Mock(spec=DynamicLossScaler)}, TypeError, r"a mock stands in for a scaler only when it wraps one"),
         ({"scaler": NonFiniteChecker()}, TypeError, r"a `NonFiniteChecker` never scales"),
         ({"scaler": Mock()}, TypeError, r"a mock stands in for a scaler only when it wraps one"),
     ],
