@@ -491,3 +491,27 @@ def test_an_islands_gradients_leave_the_advisors_underflow_figures():
 
     assert {"adapter.weight", "adapter.bias"} <= worst(None)
     assert not {"adapter.weight", "adapter.bias"} & worst(["adapter"])  # computed in float32: not float16's loss
+
+
+def test_a_bf16_runs_own_code_islands_are_measured_under_bf16_and_the_fix_trains(monkeypatch):
+    from lightning_amp_plus.callbacks import _rerun
+
+    tried = []
+    real = _rerun._finite_as
+
+    def spy(module, batch, batch_idx, start, device_type, dtype=None, islands=()):
+        if islands:
+            tried.append(dtype)
+        return real(module, batch, batch_idx, start, device_type, dtype, islands)
+
+    monkeypatch.setattr(_rerun, "_finite_as", spy)
+    reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
+    advisor, plugin = _fit(MinMax(), plugin=AmpPlusPrecision("bf16-mixed"), callbacks=[reporter], steps=3)
+    assert plugin.history.num_skipped == 3
+    assert tried
+    assert set(tried) == {torch.bfloat16}  # the run's own precision, not float16's
+    (advice,) = advisor.advice
+    assert advice.fix == 'AmpPlusPrecision("bf16-mixed", fp32_modules=["embed"])'
+    monkeypatch.undo()
+    _, fixed = _fit(MinMax(), plugin=_applied(advice.fix), steps=3)
+    assert fixed.history.num_skipped == 0  # the fix as printed: it trains

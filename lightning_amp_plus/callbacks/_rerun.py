@@ -185,8 +185,8 @@ def told_by_rerun(
     verdict, the step rerun in float32 (finite: float16 overflowed there; non-finite: the code makes them in any
     precision), and then ``bf16``: the step rerun under bfloat16 autocast (finite: float16's range; non-finite: its
     precision, which bfloat16 has less of; then ``islands``: the modules whose outputs the code took in that, run in
-    float32, make the step finite under float16, measured by rerunning it so; ``()`` when none do). Only when the
-    batch's record (and, for backward, the scale) is known.
+    float32, make the step finite under the run's autocast dtype, measured by rerunning it so; ``()`` when none do).
+    Only when the batch's record (and, for backward, the scale) is known.
     """
     start = record.step_start() if record is not None else None
     if record is None or start is None:
@@ -198,7 +198,9 @@ def told_by_rerun(
             bf16 = _float32_verdict(module, record.batch, record.index, start, device_type, torch.bfloat16)
             told = told.but(bf16=bf16)
             if bf16 is not Verdict.FINITE:
-                told = told.but(islands=tuple(_feeding_islands(module, record, start, device_type) or ()))
+                half = torch.bfloat16 if trainer.precision_plugin.precision == "bf16-mixed" else torch.float16
+                islands = _feeding_islands(module, record, start, device_type, half)
+                told = told.but(islands=tuple(islands or ()))
         return told
     if origin != Origin(Phase.BACKWARD) or scale is None:
         return origin
@@ -211,9 +213,9 @@ _ISLAND_TRIES = 6
 
 
 def _feeding_islands(
-    module: pl.LightningModule, record: BatchCalls, start: StepStart, device_type: str
+    module: pl.LightningModule, record: BatchCalls, start: StepStart, device_type: str, half: torch.dtype
 ) -> Optional[list[str]]:
-    """The islands that make the step finite under float16 autocast, measured by rerunning it with them; or None.
+    """The islands that make the step finite under the run's ``half`` autocast, measured by rerunning it so; or None.
 
     Tried: each module called before the own code took in inf/nan, the latest first (at most ``_ISLAND_TRIES``), then
     the latest ``MAX_ISLANDS`` together: each try is a rerun of the step, on skipped updates only.
@@ -226,7 +228,7 @@ def _feeding_islands(
     tries = [[n] for n in reversed(names[-_ISLAND_TRIES:])] + ([names[-MAX_ISLANDS:]] if len(names) > 1 else [])
     for islands in tries:
         chosen = [feeding[n] for n in islands]
-        fits, error = attempt(_finite_as, module, record.batch, record.index, start, device_type, torch.float16, chosen)
+        fits, error = attempt(_finite_as, module, record.batch, record.index, start, device_type, half, chosen)
         if fits and error is None:
             return islands
     return None
