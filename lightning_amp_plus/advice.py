@@ -299,7 +299,8 @@ def _model_made(figures: RunFigures) -> list[Origin]:
     "nonfinite_loss",
     evidence="in at least half the skips whose origin is known, the batch's inf/nan reached the model or the loss"
     " was inf/nan with every recorded module output finite",
-    fix="a guard for the batch, or the loss in float32; never an island",
+    fix="a guard for the batch (also where the loss was inf/nan while the batch held inf/nan: its targets), or the"
+    " loss in float32; never an island",
     look_alike="a module's fp16 overflow; NaN-coded values the step fills in before the model",
     blind="offline",
     measured=_origins_measured,
@@ -311,12 +312,20 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     bad = phases[Phase.INPUT] + phases[Phase.LOSS]
     if not most(bad, len(origins), half=True):
         return None
+    guard = (
+        "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
+        ' "inf/nan in the batch"  # first line of training_step; then fix the data pipeline'
+    )
+    at_loss = [o for o in origins if o.phase is Phase.LOSS]
     if phases[Phase.INPUT] >= phases[Phase.LOSS]:
         what = f"the batch's inf/nan reached the model in {phases[Phase.INPUT]} of {len(origins)} skipped updates"
-        fix = (
-            "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
-            ' "inf/nan in the batch"  # first line of training_step; then fix the data pipeline'
+        fix = guard
+    elif most(sum(o.batch_too for o in at_loss), len(at_loss)):  # the targets: no float32 loss makes NaN finite
+        what = (
+            f"the loss was inf/nan with every recorded module output finite in {phases[Phase.LOSS]} of {len(origins)}"
+            " skipped updates, and the batch held inf/nan there (the targets or weights the loss reads, say)"
         )
+        fix = guard
     else:
         what = (
             f"the loss was inf/nan with every recorded module output finite in {phases[Phase.LOSS]} of {len(origins)}"

@@ -1111,3 +1111,38 @@ def test_a_fitting_scale_fits_the_activations_gradients_too():
     weights_only = 2.0 ** (math.floor(weights_headroom) - 1)
     _, overflowing = run(AmpPlusPrecision("16-mixed", init_scale=weights_only, max_scale=weights_only), 20)
     assert overflowing.history.num_skipped >= 10
+
+
+class NaNTargets(TinyModel):
+    """A regression whose targets hold NaN at some rows (missing labels): they reach only the loss."""
+
+    def __init__(self, rows):
+        super().__init__(optimizer="sgd")
+        self.rows = rows
+
+    def train_dataloader(self):
+        loader = make_loader(n=48, batch_size=4)
+        x, y = loader.dataset.tensors
+        y = y.clone()
+        for row in self.rows:
+            y[row] = float("nan")
+        return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+def test_nan_targets_that_reach_only_the_loss_get_the_batch_guard_not_a_float32_loss():
+    advisor, plugin = fit(NaNTargets(rows=(5, 13, 22)))
+    assert plugin.history.skipped_steps == [1, 3, 5]  # with the loss in float32 already (`out.float()`): no help
+    advice = only(advisor, "nonfinite_loss")
+    assert advice.evidence == {"input": 0, "loss": 3, "told": 3}
+    assert "the batch held inf/nan there" in advice.message
+    assert "torch.isfinite" in advice.fix
+    model = NaNTargets(rows=(5, 13, 22))
+    step = model.training_step
+
+    def guarded(batch, batch_idx):
+        exec(advice.fix, {"torch": torch, "batch": batch})  # the fix as printed, first line of training_step
+        return step(batch, batch_idx)
+
+    model.training_step = guarded
+    with pytest.raises(AssertionError, match="inf/nan in the batch"):  # it stops at the bad batch, not silently
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], max_steps=4).fit(model)
