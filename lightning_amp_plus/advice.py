@@ -406,8 +406,9 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
 
 @rule(
     "fp32_module",
-    evidence="one module's forward, finite in float32, made the non-finite values in more than half of the told"
-    " skips (2 at least), and a replay with the islands it names in float32 computed finite values",
+    evidence="a module's forward, finite in float32, made the non-finite values in more than half of the told skips"
+    " (2 at least), or several modules' did together (each on some batches), and each one's replay with the islands"
+    " it names in float32 computed finite values",
     fix='`fp32_modules=[..., "that.module", ...]`: every module the replay had to put in float32 (the one the value'
     " overflows in next joins), your own islands kept",
     look_alike="a NaN the model makes in float32 too; an overflow no island contains (bf16)",
@@ -416,28 +417,49 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     reads_origins=True,
 )
 def _fp32_module(figures: RunFigures) -> Optional[Advice]:
+    """Most told skips fp16 overflows that measured islands contain: the union of those islands.
+
+    One module's when it makes most; else every module's that each overflow on some batches (three towers).
+    """
     origins = _known_origins(figures)
     fixable = [o for o in _forward_overflows(figures) if o.islands]
+    if not most(len(fixable), len(origins), least=2):
+        return None
     modules = Counter(o.name for o in fixable)
-    if not modules:
-        return None
     module, count = modules.most_common(1)[0]
-    if not most(count, len(origins), least=2):
-        return None
-    islands = list(_given_islands(figures))
-    for o in fixable:
-        if o.name == module:
-            islands += [i for i in o.islands or () if i not in islands]
-    kinds = Counter(o.kind for o in fixable if o.name == module)
-    moved = [i for i in islands if i != module and i not in _given_islands(figures)]
+    if most(count, len(origins), least=2):  # one module makes most: its islands (a rare other one is left alone)
+        modules = Counter({module: count})
+        fixable = [o for o in fixable if o.name == module]
+    given = list(_given_islands(figures))
+    islands = list(given)
+    for name, _ in modules.most_common():  # the most frequent module's islands first
+        for o in fixable:
+            if o.name == name:
+                islands += [i for i in o.islands or () if i not in islands]
+    born = set(modules)
+    kinds = Counter(o.kind for o in fixable)
+    moved = [i for i in islands if i not in born and i not in given]
     also = f"; in float32 it overflows float16 again in {', '.join(moved)}, which join it" if moved else ""
+    if len(modules) == 1:
+        where, whose = f"the forward of {module} in {count}", "its output"
+    else:
+        where = "the forwards of " + ", ".join(f"{m} ({n})" for m, n in modules.most_common()) + f", {len(fixable)}"
+        whose = "each one's output"
+
     return Advice(
         "fp32_module",
-        f"Non-finite values were born in the forward of {module} in {count} of {len(origins)} skipped updates"
-        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}): its output overflows float16{also}."
+        f"Non-finite values were born in {where} of {len(origins)} skipped updates"
+        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}): {whose} overflows float16{also}."
         " A replay with these islands computed finite values.",
         plugin_fix(figures, fp32_modules=islands),
-        {"module": module, "skips": count, "told": len(origins), "kinds": dict(kinds), "islands": islands},
+        {
+            "module": module,
+            "skips": len(fixable),
+            "told": len(origins),
+            "kinds": dict(kinds),
+            "islands": islands,
+            **({"modules": dict(modules)} if len(modules) > 1 else {}),
+        },
     )
 
 

@@ -515,3 +515,47 @@ def test_a_bf16_runs_own_code_islands_are_measured_under_bf16_and_the_fix_trains
     monkeypatch.undo()
     _, fixed = _fit(MinMax(), plugin=_applied(advice.fix), steps=3)
     assert fixed.history.num_skipped == 0  # the fix as printed: it trains
+
+
+# ------------------------------------------------------------------------------ three towers, none with a majority
+class Towers(TinyModel):
+    """Three towers, each overflowing float16 on the batches that carry its feature large (1e3 x 100 = 1e5): none is
+    born in most skips, the three together in all of them."""
+
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.towers = nn.ModuleList(nn.Linear(8, 1) for _ in range(3))
+        with torch.no_grad():
+            for k, tower in enumerate(self.towers):
+                tower.weight.fill_(0.01)
+                tower.weight[0, k] = 1e3
+                tower.bias.zero_()
+
+    def forward(self, x):
+        return torch.cat([tower(x).float() for tower in self.towers], 1).relu().log1p().sum(1, keepdim=True)
+
+
+def _towers(large):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 8, generator=g)
+    for b in range(12):
+        if large and b % 4 != 3:  # every fourth batch clean
+            x[4 * b : 4 * b + 4, b % 3] = 100.0
+    return DataLoader(TensorDataset(x, torch.zeros(48, 1)), batch_size=4)
+
+
+def test_three_towers_each_overflowing_on_some_batches_get_every_towers_island():
+    advisor, plugin = _fit(Towers(), _towers(large=True))
+    assert plugin.history.num_skipped == 9
+    origins = [r["origin"] for r in advisor._reporter.skips]
+    assert sorted({o["module"] for o in origins}) == ["towers.0", "towers.1", "towers.2"]
+    assert "healthy" not in " ".join(a.message for a in advisor.advice)
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["modules"] == {"towers.0": 3, "towers.1": 3, "towers.2": 3}
+    assert sorted(advice.evidence["islands"]) == ["towers.0", "towers.1", "towers.2"]
+    assert "the forwards of towers." in advice.message
+    _, fixed = _fit(Towers(), _towers(large=True), plugin=_applied(advice.fix))
+    assert fixed.history.num_skipped == 0  # measured: the three islands, as printed
+    healthy, quiet = _fit(Towers(), _towers(large=False))  # the look-alike: the same towers, no large feature
+    assert quiet.history.num_skipped == 0
+    assert "fp32_module" not in _codes(healthy)
