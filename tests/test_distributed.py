@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, LossScaleMonitor, NaNSkipReporter
 from tests.helpers.models import RankPoisonModel
+from tests.helpers.sharded import ExitWithoutFinalizing
 from tests.helpers.trainer import make_trainer
 
 
@@ -65,7 +66,12 @@ def test_ddp_overflow_on_one_rank_skips_everywhere(tmp_path):
         strategy="ddp_spawn",
         devices=2,
         plugins=[plugin],
-        callbacks=[LossScaleMonitor(logging_interval=2), NaNSkipReporter(report_path=report), Dump(tmp_path)],
+        callbacks=[
+            LossScaleMonitor(logging_interval=2),
+            NaNSkipReporter(report_path=report),
+            Dump(tmp_path),
+            ExitWithoutFinalizing(),
+        ],
         logger=CSVLogger(tmp_path, name="ddp"),
         max_steps=7,
     )
@@ -125,6 +131,10 @@ trainer.fit(model)
 checksum = float(sum(p.double().sum() for p in model.parameters()))
 with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
     json.dump({"skipped": plugin.history.skipped_steps, "scale": plugin.loss_scale, "checksum": checksum}, f)
+
+from tests.helpers.sharded import leave  # noqa: E402
+
+leave()
 """
 
 
@@ -188,6 +198,7 @@ def test_ddp_the_origin_is_the_jobs_not_rank_zeros(tmp_path):
             NaNSkipReporter(report_path=report, max_warnings=0),
             AmpAdvisor(print_advice=False),
             Advice(tmp_path),
+            ExitWithoutFinalizing(),
         ],
         max_steps=8,
     )

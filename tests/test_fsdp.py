@@ -126,6 +126,10 @@ elif mode == "syncs":
             counts.setdefault(name, []).append(counter.count)
     with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
         json.dump({name: (c[1] - c[0]) / 4 for name, c in counts.items()}, f)
+
+from tests.helpers.sharded import leave  # noqa: E402
+
+leave()
 '''
 
 
@@ -294,6 +298,10 @@ with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
         "underflow": underflow.measurements, "local": model.local, "norms": model.norms,
         "scaler": plugin.scaler.state_dict(),
     }, f)
+
+from tests.helpers.sharded import leave  # noqa: E402
+
+leave()
 """
 
 

@@ -53,6 +53,10 @@ with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
         "unchanged": probe.unchanged, "skipped": plugin.history.skipped_steps, "skips": reporter.skips,
         "numel": sum(p.numel() for p in model.parameters()),
     }, f)
+
+from tests.helpers.sharded import leave  # noqa: E402
+
+leave()
 '''
 
 
@@ -74,6 +78,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning_amp_plus import ShardedDynamicLossScaler
+from tests.helpers.sharded import leave
 
 out = sys.argv[1]
 
@@ -98,7 +103,7 @@ def worker(rank, port):
             unchanged.append(step)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"scales": scales, "unchanged": unchanged}, f)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -9,14 +9,46 @@ subprocess (Lightning re-launches it for rank 1), each rank writing what it saw 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NoReturn
+
+from lightning.pytorch import Callback
 
 from examples.fsdp import CPUFSDPStrategy
 
-__all__ = ["CPUFSDPStrategy", "run_script"]
+__all__ = ["CPUFSDPStrategy", "ExitWithoutFinalizing", "leave", "run_script"]
+
+
+def _exit_now(code: Any = 0) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
+
+
+def leave() -> NoReturn:
+    """End a test's rank process once what it saw is written: both ranks past a barrier, then out without Python's
+    finalization. There torch aborts a process at random ("terminate called without an active exception", SIGABRT):
+    a gloo worker thread drops a tensor, taking the GIL, while the interpreter is torn down (pytorch/pytorch#190489,
+    #179291; `destroy_process_group()` does not stop it while a wrapped module still holds the group). The test's
+    outcome is in the files by then, and an abort after them is no failure of the code under test."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    _exit_now(0)
+
+
+class ExitWithoutFinalizing(Callback):
+    """``ddp_spawn`` in a test: each spawned rank process ends as `leave` does, its exit code kept (0 after the fit
+    returned its results, 1 after torch's spawn wrapper wrote the error), where the spawn module calls ``sys.exit``."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if multiprocessing.parent_process() is not None:  # a spawned rank, not the test's own process
+            sys.exit = _exit_now
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
