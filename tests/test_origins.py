@@ -538,3 +538,75 @@ def test_a_replay_never_raises_into_training_and_never_changes_a_cache_it_was_ha
         )
     for (name, a), (_, b) in zip(told.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------- rules kept, each with a test that kills it
+def _told(model, batch, step):
+    """One step of ``step(model, batch)`` under float16 autocast, recorded; the finder's origin of it."""
+    finder = OriginFinder()
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.float16)
+
+    finder.attach(model, autocast)
+    finder.start_batch(batch)
+    with autocast():
+        loss = step(model, batch)
+    finder.add_loss(loss)
+    return finder.origin()
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 1)
+
+
+def test_a_tensor_of_another_first_dimension_is_not_blamed_on_the_batch():
+    x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 7] = float("inf")  # the batch holds inf at sample 0, which the step fills in
+
+    def overflowing(model, x):  # the own code's float16 product overflows at (nearly) every row of (12, 8)
+        return model.head(x.nan_to_num(posinf=0.0).reshape(12, 8).half() * 1e5).float().sum()
+
+    told = _told(_Head(), x, overflowing)
+    assert told.phase is Phase.FORWARD
+    assert told.own_code  # its own code's, not the batch's
+    assert told.batch_too  # the batch held inf too: said, not blamed
+
+    def flattened(model, x):  # a view of the batch: its inf are the batch's
+        return model.head(x.view(12, 8)).float().sum()
+
+    assert _told(_Head(), x, flattened) == Origin(Phase.INPUT)
+
+
+class _CarriedOn(nn.Module):
+    """``a`` overflows float16 (1e5); the own code carries its float32 value on to ``b`` (a new tensor, not ``a``'s
+    output), where autocast casts it back: an island on ``a`` alone changes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.a.weight.zero_()
+            self.a.bias.fill_(1e5)
+            self.b.weight.fill_(1e-5)
+
+    def forward(self, x):
+        return self.b(self.a(x) * 1.0)
+
+
+class _CarriedOnModel(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.net = _CarriedOn()
+
+
+def test_no_islands_are_claimed_where_the_own_code_carries_the_float32_value_on():
+    told = _told(_CarriedOn(), torch.randn(4, 8), lambda model, x: model(x).float().sum())
+    assert (told.phase, told.module, told.float32.value) == (Phase.FORWARD, "a", "finite")
+    assert told.islands == ()  # an fp16 overflow no island shown to contain: none claimed
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["net.a"])
+    make_trainer(plugins=[plugin], max_steps=4).fit(_CarriedOnModel())
+    assert plugin.history.num_skipped == 4  # measured: the island the rule refuses would not have helped
