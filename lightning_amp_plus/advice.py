@@ -732,19 +732,21 @@ def _leading_skips(figures: RunFigures) -> int:
 @rule(
     "init_scale",
     evidence="the first 2+ updates were skipped while the scale came down from `init_scale` (and a later update"
-    " applied)",
-    fix="`init_scale=` the scale it settled at",
-    look_alike="one calibration skip",
+    " applied); or, without a float32 reference, underflow >= 0.5 in most measurements while the weights' largest"
+    " gradient leaves 2+ bits of headroom and the scale is below its cap: the scale is too low for these gradients",
+    fix="`init_scale=` the scale it settled at (its lowest before it first grew); for a scale too low: the scale"
+    " each measurement's headroom allows, a doubling below overflow (`max_scale` too where that is above the cap)",
+    look_alike="one calibration skip; high underflow with under 2 bits of headroom (`bf16`, or nothing to gain)",
 )
 def _init_scale(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve:
         return None
     leading = _leading_skips(figures)
     if leading < 2 or leading >= figures.num_updates:
-        return None  # one skip is calibration; all skipped: the scale never settled (other codes say why)
+        return _scale_too_low(figures)  # one skip is calibration; all skipped: the scale never settled (others say)
     init = figures.curve[0][1]
     assert figures.skipped is not None
-    settled = value_at(figures.curve, figures.skipped[leading - 1] + 1)
+    settled = _settled(figures.curve, figures.skipped[leading - 1] + 1)
     if settled >= init:
         return None
     return Advice(
@@ -753,6 +755,52 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
         f" {_scale(settled)}: those batches trained nothing.",
         plugin_fix(figures, init_scale=settled),
         {"leading_skips": leading, "init_scale": init, "settled_scale": settled},
+    )
+
+
+def _settled(curve: list[tuple[int, float]], step: int) -> float:
+    """The scale from ``step`` on, until it first grows: its lowest (a later calibration skip lowers it further)."""
+    lowest = value_at(curve, step)
+    for at, value in curve:
+        if at > step:
+            if value > lowest:
+                break
+            lowest = value
+    return lowest
+
+
+def _scale_too_low(figures: RunFigures) -> Optional[Advice]:
+    """Most measurements: most non-zero gradient elements subnormal in float16, 2+ bits of headroom, below the cap.
+
+    Without a float32 reference (which measures the scale that fits: ``max_scale``). A higher scale moves the
+    subnormal elements into float16's normal range while the largest stays a doubling below overflow.
+    """
+    measured = _measured(figures)
+    low = [
+        m
+        for m in _high_underflow(figures)
+        if fitting_scale(m) is None
+        and m.get("headroom_bits") is not None
+        and m["headroom_bits"] >= 2.0
+        and not _at_max(figures, m)
+    ]
+    if not most(len(low), len(measured)):
+        return None
+    new = min(min(m["scale"] * 2.0 ** math.floor(m["headroom_bits"] - 1) for m in low), MAX_PROPOSED_SCALE)
+    last = low[-1]
+    cap = (figures.knobs or {}).get("max_scale", figures.plugin_args.get("max_scale", knobs.DEFAULTS["max_scale"]))
+    cap = math.inf if cap is None else cap
+    change: dict[str, Any] = {"init_scale": new, **({"max_scale": new} if new > cap else {})}
+    return Advice(
+        "init_scale",
+        f"In {len(low)} of {len(measured)} measurements {100 * max(m['underflow_fraction'] for m in low):.0f}% of"
+        f" the non-zero gradient elements sat below float16's smallest normal while the weights' largest gradient"
+        f" left {last['headroom_bits']:.1f} bits of headroom (at loss scale {_scale(last['scale'])}, step"
+        f" {last['step']}): the scale is too low for these gradients. {_scale(new)} keeps the largest a doubling"
+        " below overflow at every measurement; where the activations' gradients, which only a float32 reference"
+        " measures, overflow sooner, the scaler backs off from there.",
+        plugin_fix(figures, **change),
+        {"measurements": len(measured), "low": len(low), "scale": last["scale"], "proposed_scale": new},
     )
 
 

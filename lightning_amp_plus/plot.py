@@ -362,7 +362,13 @@ def _not_utf8(path: str) -> str:
 def _read_csv_rows(path: str) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
     with open(path, newline="", encoding="utf-8-sig") as f:  # a BOM, as a spreadsheet saves it, is no column
-        for row in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        if reader.fieldnames and "step" not in reader.fieldnames:
+            raise ValueError(
+                f"{path}: no `step` column (its columns: {list(reader.fieldnames)[:10]}): not a metrics.csv as"
+                " Lightning's `CSVLogger` writes it."
+            )
+        for row in reader:
             if None in row:
                 raise ValueError(f"{path}: a row has more fields than the header ({row[None]!r}): not a metrics.csv?")
             if not row.get("step"):

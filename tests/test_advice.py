@@ -719,3 +719,37 @@ def test_two_overflows_in_a_row_are_no_isolated_spike():
     figures.skipped = sorted([*figures.skipped, 9])  # and one right before step 10
     (advice,) = [a for a in advise(figures) if a.code == "hysteresis"]
     assert 10 not in advice.evidence["isolated_overflows"]
+
+
+def test_init_scale_settles_at_the_lowest_scale_before_the_first_growth():
+    # two leading skips to 2**14, then a calibration skip at step 5 to 2**13, growth only at step 40
+    curve = [(0, 2.0**16), (1, 2.0**15), (2, 2.0**14), (6, 2.0**13), (40, 2.0**14)]
+    advice = only_code(run(curve, [0, 1, 5], 60), "init_scale")
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**13)'
+    assert advice.evidence["settled_scale"] == 2.0**13
+
+
+def _low(headroom, scale=2.0**11, step=0, **more):
+    return {**_measure(0.99, headroom, scale), "step": step, **more}
+
+
+def test_a_scale_too_low_gets_the_scale_its_headroom_allows_never_healthy():
+    low = [_low(30.0, step=s) for s in range(0, 39, 3)]
+    figures = run([(0, 2.0**10), (100, 2.0**11)], [], 40, underflow=low)
+    advice = only_code(figures, "init_scale")
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**40, max_scale=2.0**40)'  # above the cap
+    assert advice.evidence == {"measurements": 13, "low": 13, "scale": 2.0**11, "proposed_scale": 2.0**40}
+    assert "the scale is too low" in advice.message
+    below_cap = run([(0, 2.0**10)], [], 40, underflow=[_low(6.0, scale=2.0**10)] * 3)
+    assert only_code(below_cap, "init_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**15)'
+    # the look-alikes: little headroom; a float32 reference (max_scale's); the scale at its cap; low underflow
+    assert "init_scale" not in codes(run([(0, 2.0**10)], [], 40, underflow=[_low(1.5)] * 3))
+    referenced = [_low(30.0, fitting_scale=2.0**20, lost_at_fitting_scale=0.9)] * 3
+    assert "init_scale" not in codes(run([(0, 2.0**10)], [], 40, underflow=referenced))
+    assert "init_scale" not in codes(run([(0, 2.0**24)], [], 40, underflow=[_low(30.0, scale=2.0**24)] * 3))
+    assert "init_scale" not in codes(
+        run([(0, 2.0**10)], [], 40, underflow=[{**_low(30.0), "underflow_fraction": 0.3}] * 3)
+    )
+    # most measurements, not one
+    mixed = [_low(30.0), {**_low(30.0), "underflow_fraction": 0.1}, {**_low(30.0), "underflow_fraction": 0.1}]
+    assert "init_scale" not in codes(run([(0, 2.0**10)], [], 40, underflow=mixed))

@@ -223,6 +223,9 @@ def _bad_inputs(tmp_path):
     case("empty", "folder", "no metrics found", "folder")
     case("not_utf8", "metrics.csv", "not UTF-8 text: byte 0xe5 at offset 26", b"step,amp/loss_scale\n0,8.0\n\xe5\n")
     case("no_series", "metrics.csv", "series found (keys: ['train_loss'])", "step,train_loss\n0,1.0\n")
+    case(
+        "no_step", "metrics.csv", "no `step` column (its columns: ['epoch', 'loss', 'acc'])", "epoch,loss,acc\n0,1,.5\n"
+    )
     case("ragged", "metrics.csv", "more fields than the header", "step,amp/loss_scale\n0,8.0\n1,4.0,7\n")
     case("not_a_scale", "metrics.csv", "at step 1 is -4.0: not a loss scale", "step,amp/loss_scale\n1,-4.0\n")
     case("text_file", "notes.txt", "no metrics found", "hello\n")

@@ -559,3 +559,35 @@ def test_three_towers_each_overflowing_on_some_batches_get_every_towers_island()
     healthy, quiet = _fit(Towers(), _towers(large=False))  # the look-alike: the same towers, no large feature
     assert quiet.history.num_skipped == 0
     assert "fp32_module" not in _codes(healthy)
+
+
+# ------------------------------------------------------------------------------------- a scale too low, no reference
+class Faint(TinyModel):
+    """A loss x 1e-7: every gradient 1e-7 of its size, most below float16's normal range at a scale of 2**11."""
+
+    def __init__(self, factor):
+        super().__init__(optimizer="fused_sgd", lr=1e-3)
+        self.factor = factor
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.factor
+
+
+def _faint(factor, plugin):
+    torch.manual_seed(0)
+    monitor = GradUnderflowMonitor(every_n_steps=3)
+    advisor, _ = _fit(Faint(factor), plugin=plugin, callbacks=[monitor], steps=40)
+    return advisor, monitor
+
+
+def test_a_scale_too_low_is_told_with_the_scale_the_headroom_allows_and_the_fix_helps():
+    advisor, monitor = _faint(1e-7, AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=100))
+    lost = [m["underflow_fraction"] for m in monitor.measurements]
+    assert len(lost) == 13
+    assert min(lost) > 0.5
+    (advice,) = [a for a in advisor.advice if a.code == "init_scale"]
+    assert "healthy" not in advisor.format()
+    _, fixed = _faint(1e-7, _applied(advice.fix))
+    assert max(m["underflow_fraction"] for m in fixed.measurements) < 0.5 * min(lost)  # measured: it helps
+    healthy, quiet = _faint(1.0, AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=100))
+    assert "init_scale" not in _codes(healthy)  # the look-alike: the same run at its own loss
