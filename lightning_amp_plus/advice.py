@@ -1108,7 +1108,8 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
     evidence="a torch `SGD`/`Adam`/`AdamW` (`Adagrad` on CPU) with a fused implementation on its device runs"
     " non-fused, and its fused step, timed on copies on this device in alternating pairs, saves 2%+ of the run's"
     " step in three pairs of four (the gains' lower quartile: beyond the timing's noise, never one delta)",
-    fix="the optimizer call with its settings and `fused=True`; the trade-off said: a fused step's skip is decided"
+    fix="your own optimizer call in `configure_optimizers`, as written (`lr=self.lr` kept), with `fused=True`"
+    " (its settings' values where that call cannot be read); the trade-off said: a fused step's skip is decided"
     " on the device, and told at the next logging step, not at once",
     look_alike="an optimizer whose fused step saves nothing beyond the timing's noise here (SGD on a CPU)",
     blind="offline",

@@ -7,8 +7,10 @@ the run's own step time.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import keyword
+import textwrap
 import time
 from typing import Any, Optional
 
@@ -54,7 +56,8 @@ def candidates(
         if devices <= set(FUSED[name] or supported) and all(p.is_floating_point() for p in params):
             given = parameters_named(real, module)
             entry = {"name": name, "device": ", ".join(sorted(devices)), "params": given}
-            found.append((real, {**entry, "fused_call": fused_call(real, given)}))
+            call = own_call(module, real, given) or fused_call(real, given)
+            found.append((real, {**entry, "fused_call": call}))
     return found
 
 
@@ -111,6 +114,52 @@ def fused_call(optimizer: torch.optim.Optimizer, params: Optional[str] = None) -
     ]
     note = "" if params is not None else "  # params: the parameters (or groups) your call passes"
     return f"torch.optim.{cls.__name__}({', '.join([params or 'params', *kept, 'fused=True'])}){note}"
+
+
+def own_call(
+    module: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer, params: Optional[str]
+) -> Optional[str]:
+    """The user's own call of ``optimizer``'s class in ``configure_optimizers``, as written, with ``fused=True``.
+
+    ``lr=self.lr`` stays ``lr=self.lr``. The call is the one without ``fused=True`` in that method's source (the one
+    whose first argument is ``params`` where it has several); None when its source cannot be read or no one call
+    is it (then :func:`fused_call` writes the settings' values).
+    """
+    method = getattr(type(module), "configure_optimizers", None) if module is not None else None
+    if method is None:
+        return None
+    try:
+        source = textwrap.dedent(inspect.getsource(method))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    name = type(optimizer).__name__
+
+    def text(node: ast.AST) -> str:
+        return " ".join((ast.get_source_segment(source, node) or "").split())
+
+    def fused(call: ast.Call) -> bool:
+        return any(
+            k.arg == "fused" and not (isinstance(k.value, ast.Constant) and not k.value.value) for k in call.keywords
+        )
+
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)) == name
+        and not fused(node)
+    ]
+    if len(calls) > 1 and params is not None:
+        calls = [c for c in calls if c.args and text(c.args[0]) == params]
+    if len(calls) != 1:
+        return None
+    call = calls[0]
+    parts = [text(a) for a in call.args]
+    parts += [
+        f"{k.arg}={text(k.value)}" if k.arg else f"**{text(k.value)}" for k in call.keywords if k.arg != "foreach"
+    ]
+    return f"{text(call.func)}({', '.join([*parts, 'fused=True'])})"
 
 
 def step_times(optimizer: torch.optim.Optimizer) -> Optional[dict[str, float]]:

@@ -36,7 +36,8 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def describe(record: dict[str, Any]) -> str:
+def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0) -> str:
+    """A skip's line; ``hysteresis`` and ``min_scale`` (the scaler's) say why a scale was held."""
     offenders = record["offenders"]
     if offenders is None:
         where = "gradients non-finite (found by a fused optimizer; `NaNSkipReporter(sync_fused=True)` names them)"
@@ -55,7 +56,23 @@ def describe(record: dict[str, Any]) -> str:
     scale = f"loss scale {record['scale']:g}"
     if record["new_scale"] is not None:
         scale += f" -> {record['new_scale']:g}"
+        if record["new_scale"] == record["scale"]:
+            scale += _held(record["scale"], hysteresis, min_scale)
     return f"step {record['step']} skipped: {where}, {scale}"
+
+
+def _held(scale: float, hysteresis: int, min_scale: float) -> str:
+    """Why a skip left the scale where it was."""
+    if scale <= min_scale:
+        return f" (held at min_scale={min_scale:g})"
+    if hysteresis > 1:
+        nth = _ordinal(hysteresis)
+        return f" (held by hysteresis={hysteresis}: it backs off from the {nth} overflow since the last growth)"
+    return ""
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def describe_origin(told: Optional[dict[str, Any]]) -> str:

@@ -367,7 +367,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             log_to_all(self._trainer, {self.prefix + key: value for key, value in metrics.items()}, record["step"])
         if self._warned < self.max_warnings:
             self._warned += 1
-            say(describe(record))
+            scaler = self._plugin.scaler
+            say(describe(record, getattr(scaler, "hysteresis", 1), getattr(scaler, "min_scale", 0.0)))
             if self._warned == self.max_warnings:
                 say(enough(self.max_warnings))
         if check:

@@ -380,7 +380,7 @@ def test_fused_optimizer_for_a_non_fused_adamw(fused_saves):
     advisor, _ = fit(TinyModel(optimizer="adamw"), max_steps=3)
     advice = only(advisor, "fused_optimizer")
     assert named(advice.evidence["optimizers"]) == [{"name": "AdamW", "device": "cpu"}]
-    assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)"  # the lr as given
+    assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)"  # the user's own call
     assert (
         "its fused step took 1.00 ms against 1.50 ms (medians of 9 alternating steps on copies), saving at least"
         " 0.50 ms in three of four, 5% of this run's 10.0 ms step" in advice.message
@@ -705,7 +705,7 @@ def test_the_printed_and_markdown_text(fused_saves, tmp_path, caplog):
             "```",
             "",
             "Evidence: `optimizers`: [{'name': 'AdamW', 'device': 'cpu', 'params': 'self.parameters()', 'fused_call': "
-            "'torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)', 'step_ms': 2.0, 'fused_step_ms': 1.0,"
+            "'torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)', 'step_ms': 2.0, 'fused_step_ms': 1.0,"
             " 'gain_ms': 1.0, 'gain_low_ms': 1.0, 'pairs': 9, 'train_step_ms': 10.0}]",
             "",
         ]
@@ -1147,3 +1147,43 @@ def test_nan_targets_that_reach_only_the_loss_get_the_batch_guard_not_a_float32_
     model.training_step = guarded
     with pytest.raises(AssertionError, match="inf/nan in the batch"):  # it stops at the bad batch, not silently
         make_trainer(plugins=[AmpPlusPrecision("16-mixed")], max_steps=4).fit(model)
+
+
+def test_the_fused_fix_is_the_users_own_call_or_its_values():
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    from lightning_amp_plus.callbacks._fused import candidates
+
+    class Gan(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.generator, self.critic = nn.Linear(2, 2), nn.Linear(2, 1)
+            self.lr = 3e-3
+
+        def configure_optimizers(self):
+            beta = 0.5
+            return (
+                torch.optim.Adam(self.generator.parameters(), lr=self.lr, betas=(beta, 0.999)),
+                torch.optim.Adam(
+                    self.critic.parameters(),
+                    lr=self.lr * 4,
+                ),
+            )
+
+    class Built(Gan):
+        def configure_optimizers(self):
+            return make(self)  # built elsewhere: no call to copy
+
+    def make(module):
+        return torch.optim.Adam(module.generator.parameters(), lr=module.lr)
+
+    gan = Gan()
+    fixes = [entry["fused_call"] for _, entry in candidates(list(gan.configure_optimizers()), gan)]
+    assert fixes == [
+        "torch.optim.Adam(self.generator.parameters(), lr=self.lr, betas=(beta, 0.999), fused=True)",
+        "torch.optim.Adam(self.critic.parameters(), lr=self.lr * 4, fused=True)",  # picked by what it optimizes
+    ]
+    built = Built()
+    ((_, entry),) = candidates([built.configure_optimizers()], built)
+    assert entry["fused_call"] == "torch.optim.Adam(self.generator.parameters(), lr=0.003, fused=True)"  # the values

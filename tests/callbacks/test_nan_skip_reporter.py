@@ -1042,3 +1042,21 @@ def test_an_offender_counter_names_what_it_was_not_told_about_and_keeps_a_skippe
     assert counter.of([opt]) == [{"name": "<unnamed (2,)>", "inf": 1, "nan": 1}]  # as counted at the skip
     counter.clear()
     assert counter.of([opt]) == []
+
+
+def test_a_held_scale_says_why(caplog):
+    model = TinyModel(grad_poison={2: "net.0.weight", 3: "net.0.weight"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, hysteresis=2)
+    make_trainer(plugins=[plugin], callbacks=[NaNSkipReporter()], max_steps=5).fit(model)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines[0].endswith(
+        "loss scale 1024 -> 1024 (held by hysteresis=2: it backs off from the 2nd overflow since the last growth)"
+    )
+    assert lines[1].endswith("loss scale 1024 -> 512")  # the second backs off: no reason to give
+    floor = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    caplog.clear()
+    with pytest.raises(LossScaleCollapseError):  # an overflow at min_scale stops the fit, after its line
+        make_trainer(plugins=[floor], callbacks=[reporter], max_steps=3).fit(TinyModel(grad_poison={1: "net.0.weight"}))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert line.endswith("loss scale 1 -> 1 (held at min_scale=1)")
