@@ -299,3 +299,19 @@ def test_the_advice_codes_table_is_the_rules_own():
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     table = [line for line in rows if line in docs_table().splitlines()]
     assert [line.split("`")[1] for line in table] == list(CODES)
+
+
+def test_the_logger_sections_say_what_a_fresh_machine_needs():
+    """A newcomer's frictions (issue 39): each logger's section says what its snippet needs to run there."""
+    page = _read(os.path.join(DOCS, "guide", "curves.md"))
+    sections = {s.split("\n", 1)[0]: s for s in page.split("\n## ")[1:]}
+    assert "max_steps=" in sections["TensorBoard"]  # the snippet ends; without it, a fit runs 1000 epochs
+    assert "pip install\nmlflow" in sections["MLflow"]  # `mlflow ui` is not in mlflow-skinny, the [test] extra's
+    assert "offline=True" in sections["Weights & Biases"]  # no login: wandb asks for a key
+
+
+def test_a_user_page_says_what_a_skip_line_means():
+    page = _read(os.path.join(DOCS, "guide", "callbacks.md"))
+    reading = page[page.index("**Reading a skip line**") :].split("\n\n**")[0]
+    for words in ("step 412 skipped", "born in", "backward", "gradients non-finite in", "held by hysteresis"):
+        assert words in reading, words
