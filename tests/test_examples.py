@@ -51,6 +51,16 @@ def test_accumulation_example_sees_true_gradients(tmp_path, capsys):
     assert all(0 < n < 100 for n in finite)
 
 
+def test_the_benchmarks_reference_row_measures_the_reference():
+    """The float32 reference's cost is the monitor with it against the monitor without it: two different runs."""
+    from examples.benchmark import configs
+
+    table = configs("cpu", "16-mixed")
+    (reference,) = table["+ GradUnderflowMonitor(exact=True)"]()[1]
+    (plain,) = table["+ GradUnderflowMonitor()"]()[1]
+    assert (reference.exact, plain.exact) == (True, False)
+
+
 def test_benchmark_smoke(capsys):
     from examples.benchmark import main
 
@@ -61,8 +71,8 @@ def test_benchmark_smoke(capsys):
         "AmpPlusPrecision",
         "AmpPlusPrecision + callbacks",
         "AmpPlusPrecision + callbacks + AmpAdvisor",
+        "+ GradUnderflowMonitor(exact=True)",
         "+ GradUnderflowMonitor()",
-        "+ GradUnderflowMonitor(exact=False)",
         "stock AMP + 2 empty callbacks",
     ]
     assert rows[1]["syncs_per_step"] == 1.0
