@@ -90,16 +90,10 @@ def float32_gradients(
     """
 
     def run() -> Optional[list[Optional[Tensor]]]:
-        with (
-            sandboxed(module, device_type, start=state.start, grad=True) as box,
-            no_logging(module),
-            torch.autocast(device_type, enabled=False),
-            torch.enable_grad(),
-            _activation_gradients(module) as largest,
-        ):
-            output = module.training_step(state.batch, state.batch_idx)
-            loss = output.get("loss") if isinstance(output, dict) else output
-            if not isinstance(loss, Tensor) or not loss.requires_grad:
+        off = torch.autocast(device_type, enabled=False)
+        rerun = _rerun(module, state.batch, state.batch_idx, state.start, device_type, off)
+        with _activation_gradients(module) as largest, rerun as (loss, box):
+            if loss is None:
                 return None
             targets = [box.stand_in(p) for p in params]
             grads = list(torch.autograd.grad(loss.float(), targets, allow_unused=True))
@@ -172,7 +166,7 @@ def backward_origin(
         return Origin(Phase.BACKWARD, reason=f"the rerun of the step raised {error}")
     if found is None:
         return Origin(Phase.BACKWARD, reason="the rerun's backward was finite: it did not make them again")
-    return found.but(float32=_float32_verdict(module, batch, batch_idx, start, device_type))
+    return found.but(float32=_finite_as(module, batch, batch_idx, start, device_type))
 
 
 def told_by_rerun(
@@ -193,9 +187,9 @@ def told_by_rerun(
         return origin
     module = trainer.lightning_module
     if origin.phase is Phase.FORWARD and origin.own_code and origin.float32 is None:
-        told = origin.but(float32=_float32_verdict(module, record.batch, record.index, start, device_type))
+        told = origin.but(float32=_finite_as(module, record.batch, record.index, start, device_type))
         if told.float32 is Verdict.FINITE:  # float16 fails there: its range (bf16 holds it) or its precision (not)
-            bf16 = _float32_verdict(module, record.batch, record.index, start, device_type, torch.bfloat16)
+            bf16 = _finite_as(module, record.batch, record.index, start, device_type, torch.bfloat16)
             told = told.but(bf16=bf16)
             if bf16 is not Verdict.FINITE:
                 half = torch.bfloat16 if trainer.precision_plugin.precision == "bf16-mixed" else torch.float16
@@ -228,44 +222,62 @@ def _feeding_islands(
     tries = [[n] for n in reversed(names[-_ISLAND_TRIES:])] + ([names[-MAX_ISLANDS:]] if len(names) > 1 else [])
     for islands in tries:
         chosen = [feeding[n] for n in islands]
-        fits, error = attempt(_finite_as, module, record.batch, record.index, start, device_type, half, chosen)
-        if fits and error is None:
+        if _finite_as(module, record.batch, record.index, start, device_type, half, chosen) is Verdict.FINITE:
             return islands
     return None
 
 
 @contextlib.contextmanager
-def _as_islands(modules: Sequence[torch.nn.Module], device_type: str) -> Iterator[None]:
-    """``modules`` run in float32 inside the block (their own ``forward`` back after it)."""
-    wrapped = [m for m in modules if "forward" not in vars(m)]
-    for m in wrapped:
-        m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for m in wrapped:
-            vars(m).pop("forward", None)
+def _rerun(
+    module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    start: StepStart,
+    device_type: str,
+    forward: Any,
+    islands: Sequence[torch.nn.Module] = (),
+) -> Iterator[tuple[Optional[Tensor], Any]]:
+    """The batch's ``training_step`` rerun in a sandbox, its forward under ``forward`` (a context: autocast or not).
+
+    Yields its loss (None: it returned none that requires grad) and the sandbox's box; ``islands`` run in float32
+    meanwhile (as ``fp32_modules`` would). Backward, the caller's, runs outside ``forward``, as Lightning runs it.
+    """
+    wrapped = [m for m in islands if "forward" not in vars(m)]
+    with sandboxed(module, device_type, start=start, grad=True) as box, no_logging(module), torch.enable_grad():
+        for m in wrapped:  # put back by the sandbox, with every attribute
+            m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
+        with forward:
+            output = module.training_step(copied_inputs(batch), batch_idx)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        yield (loss if isinstance(loss, Tensor) and loss.requires_grad else None), box
 
 
-def _float32_verdict(
+def _finite_as(
     module: pl.LightningModule,
     batch: Any,
     batch_idx: int,
     start: StepStart,
     device_type: str,
     dtype: Optional[torch.dtype] = None,
+    islands: Sequence[torch.nn.Module] = (),
 ) -> Verdict:
-    """The step rerun in float32 (or under ``dtype`` autocast): are its gradients finite (unknown: it raised)."""
-    finite, error = attempt(_finite_as, module, batch, batch_idx, start, device_type, dtype)
+    """Are the step's gradients finite rerun in float32 (``dtype`` None) or under ``dtype`` autocast (unknown: raised).
+
+    ``islands`` run in float32 meanwhile (as ``fp32_modules`` would).
+    """
+
+    def run() -> Optional[bool]:
+        forward = torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
+        with _rerun(module, batch, batch_idx, start, device_type, forward, islands) as (loss, _):
+            if loss is None:
+                return None
+            grads = torch.autograd.grad(loss.float(), _params(module), allow_unused=True)
+            return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+
+    finite, error = attempt(run)
     if error is not None or finite is None:
         return Verdict.UNKNOWN
     return Verdict.FINITE if finite else Verdict.NONFINITE
-
-
-def _rerun_loss(module: pl.LightningModule, batch: Any, batch_idx: int) -> Optional[Tensor]:
-    output = module.training_step(copied_inputs(batch), batch_idx)
-    loss = output.get("loss") if isinstance(output, dict) else output
-    return loss if isinstance(loss, Tensor) and loss.requires_grad else None
 
 
 def _watched_backward(
@@ -277,63 +289,33 @@ def _watched_backward(
     forward_context: Callable[[], Any],
     scale: float,
 ) -> Optional[Origin]:
-    with (
-        sandboxed(module, device_type, start=start, grad=True),
-        no_logging(module),
-        torch.enable_grad(),
-        _node_owners(module) as owners,
-    ):
-        with forward_context():
-            loss = _rerun_loss(module, batch, batch_idx)
+    context = forward_context()
+    with _node_owners(module) as owners, _rerun(module, batch, batch_idx, start, device_type, context) as (loss, _):
         if loss is None:
             return None
         scaled = loss.float() * scale
         born: list[Origin] = []
-        handles = [node.register_hook(_first_born(node, owners, born)) for node in _nodes(scaled)]
+        handles = [node.register_hook(_first_born(node, owners, born)) for node in _graph([scaled.grad_fn])]
         try:
-            params = [p for p in module.parameters() if p.requires_grad]  # the stand-ins, inside the sandbox
-            torch.autograd.grad(scaled, params, allow_unused=True)
+            torch.autograd.grad(scaled, _params(module), allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
         return born[0] if born else None
 
 
-def _finite_as(
-    module: pl.LightningModule,
-    batch: Any,
-    batch_idx: int,
-    start: StepStart,
-    device_type: str,
-    dtype: Optional[torch.dtype] = None,
-    islands: Sequence[torch.nn.Module] = (),
-) -> Optional[bool]:
-    """Whether the step's gradients are finite rerun in float32 (``dtype`` None) or under ``dtype`` autocast.
-
-    ``islands`` run in float32 meanwhile (as ``fp32_modules`` would).
-    """
-    with (
-        sandboxed(module, device_type, start=start, grad=True),
-        no_logging(module),
-        torch.autocast(device_type, dtype=dtype, enabled=dtype is not None),
-        torch.enable_grad(),
-        _as_islands(islands, device_type),
-    ):
-        loss = _rerun_loss(module, batch, batch_idx)
-        if loss is None:
-            return None
-        params = [p for p in module.parameters() if p.requires_grad]  # the stand-ins, inside the sandbox
-        grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
-        return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that require grad (inside a sandbox: the stand-ins)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
-def _nodes(loss: Tensor) -> list[Any]:
-    """Every node of ``loss``'s autograd graph but the leaves' accumulators."""
+def _graph(starts: list[Any], stops: Any = ()) -> list[Any]:
+    """Every autograd node from ``starts`` back, but the leaves' accumulators and what lies behind ``stops``."""
     seen: dict[Any, None] = {}
-    stack: list[Any] = [loss.grad_fn]
+    stack = list(starts)
     while stack:
         node = stack.pop()
-        if node is None or node in seen or hasattr(node, "variable"):
+        if node is None or node in seen or node in stops or hasattr(node, "variable"):
             continue
         seen[node] = None
         stack.extend(following for following, _ in node.next_functions)
@@ -365,15 +347,9 @@ def _node_owners(module: torch.nn.Module) -> Iterator[dict[Any, str]]:
         if name is None:
             return
         stops = {t.grad_fn for t in tensors(args) if t.grad_fn is not None}
-        stack: list[Any] = [t.grad_fn for t in tensors(output) if t.grad_fn is not None]
-        seen: set[Any] = set()
-        while stack:  # through a child's nodes too (`return self.o(h)`): the nodes between are this module's own
-            node = stack.pop()
-            if node is None or node in seen or node in stops or hasattr(node, "variable"):
-                continue
-            seen.add(node)
+        # through a child's nodes too (`return self.o(h)`): the nodes between are this module's own
+        for node in _graph([t.grad_fn for t in tensors(output)], stops):
             owners.setdefault(node, name)  # an inner module's forward ran first: it keeps its own nodes
-            stack.extend(following for following, _ in node.next_functions)
 
     handles = [m.register_forward_hook(own) for m in module.modules()]
     try:
