@@ -278,10 +278,14 @@ def _measured(figures: RunFigures) -> list[dict[str, Any]]:
     return [m for m in figures.underflow or [] if m.get("underflow_fraction") is not None]
 
 
+def _cap(figures: RunFigures) -> float:
+    """The run's ``max_scale`` (inf: none); torch's default where the run's knobs are not known."""
+    cap = (figures.knobs or {}).get("max_scale", knobs.DEFAULTS["max_scale"])
+    return math.inf if cap is None else float(cap)
+
+
 def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
-    if figures.knobs is None or figures.knobs.get("max_scale") is None:
-        return False
-    return measurement["scale"] >= figures.knobs["max_scale"]
+    return figures.knobs is not None and measurement["scale"] >= _cap(figures)
 
 
 def _forward_overflows(figures: RunFigures) -> list[Origin]:
@@ -741,12 +745,13 @@ def _leading_skips(figures: RunFigures) -> int:
 def _init_scale(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve:
         return None
+    too_low = _scale_too_low(figures)  # measured after the skips: the settled scale would be lower still
     leading = _leading_skips(figures)
-    if leading < 2 or leading >= figures.num_updates:
-        return _scale_too_low(figures)  # one skip is calibration; all skipped: the scale never settled (others say)
+    if too_low is not None or leading < 2 or leading >= figures.num_updates:
+        return too_low  # one skip is calibration; all skipped: the scale never settled (others say)
     init = figures.curve[0][1]
     assert figures.skipped is not None
-    settled = _settled(figures.curve, figures.skipped[leading - 1] + 1)
+    settled = _settled(figures.curve, figures.skipped[leading - 1] + 1, set(_scaling_skips(figures)))
     if settled >= init:
         return None
     return Advice(
@@ -758,14 +763,18 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
     )
 
 
-def _settled(curve: list[tuple[int, float]], step: int) -> float:
-    """The scale from ``step`` on, until it first grows: its lowest (a later calibration skip lowers it further)."""
+def _settled(curve: list[tuple[int, float]], step: int, scaling: set[int]) -> float:
+    """The scale from ``step`` on, until it first grows: its lowest (a later calibration skip lowers it further).
+
+    Only a backoff from a skip a scale could have avoided (in ``scaling``) counts: one from a NaN batch does not.
+    """
     lowest = value_at(curve, step)
     for at, value in curve:
         if at > step:
             if value > lowest:
                 break
-            lowest = value
+            if at - 1 in scaling:  # the curve's point at `at` is the skip at `at - 1`'s backoff
+                lowest = value
     return lowest
 
 
@@ -788,9 +797,7 @@ def _scale_too_low(figures: RunFigures) -> Optional[Advice]:
         return None
     new = min(min(m["scale"] * 2.0 ** math.floor(m["headroom_bits"] - 1) for m in low), MAX_PROPOSED_SCALE)
     last = low[-1]
-    cap = (figures.knobs or {}).get("max_scale", figures.plugin_args.get("max_scale", knobs.DEFAULTS["max_scale"]))
-    cap = math.inf if cap is None else cap
-    change: dict[str, Any] = {"init_scale": new, **({"max_scale": new} if new > cap else {})}
+    change: dict[str, Any] = {"init_scale": new, **({"max_scale": new} if new > _cap(figures) else {})}
     return Advice(
         "init_scale",
         f"In {len(low)} of {len(measured)} measurements {100 * max(m['underflow_fraction'] for m in low):.0f}% of"
@@ -836,7 +843,7 @@ def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, 
     " largest gradient at the weights and at each module's output, a doubling below overflow) and keeps them;"
     " without a reference: the scale pinned at `max_scale` with 2+ bits of the weights' headroom",
     fix="with the reference: `max_scale=`, `init_scale=` that scale (a dead run, `loss * 1e-14`, trains again);"
-    " without: a higher `max_scale` the scaler grows into until the backward overflows",
+    " without: `init_scale=` and `max_scale=` the scale the headroom allows, a doubling below overflow",
     look_alike="an embedding run whose zeros are structural",
     blind="the reference offline",
     measured=lambda f: f.underflow is not None and f.knobs is not None,  # needs the measurements and the cap
@@ -883,9 +890,10 @@ def _max_scale_pinned(figures: RunFigures, measured: list[dict[str, Any]]) -> Op
         f"The scale sits at max_scale={_scale(max_scale)} while"
         f" {100 * max(m['underflow_fraction'] for m in pinned):.0f}% of the non-zero gradient elements sit below"
         f" float16's smallest normal and the weights' largest gradient leaves {room:.1f} bits of headroom: the cap"
-        " holds the scale down. Raised, the scaler grows into the room until the backward overflows (where the"
-        " activations' gradients, which only a float32 reference measures, may stop it sooner) and backs off there.",
-        plugin_fix(figures, max_scale=new),
+        f" holds the scale down. Started and capped at {_scale(new)}, the largest stays a doubling below overflow;"
+        " where the activations' gradients, which only a float32 reference measures, overflow sooner, the scaler"
+        " backs off from there.",
+        plugin_fix(figures, init_scale=new, max_scale=new),
         {"max_scale": max_scale, "headroom_bits": room, "measurements": len(measured), "pinned": len(pinned)},
     )
 
@@ -1241,6 +1249,10 @@ def figures_from_series(
     call = parse_plugin_call((hparams or {}).get(prefix + PLUGIN_HPARAM))
     if call is not None:
         figures.plugin, figures.plugin_args = call
+        if figures.precision == "16-mixed" and "scaler" not in figures.plugin_args and figures.curve:
+            given = knobs.knob_values({k: v for k, v in figures.plugin_args.items() if k in knobs.NAMES})
+            # the run's own call: its knobs, the defaults where it left them out; the scale where the log starts
+            figures.knobs = {**knobs.DEFAULTS, **given, "init_scale": figures.curve[0][1]}
     figures.skipped = skipped_steps(series, prefix)
     underflow = dict(series.get(prefix + "underflow_fraction", []))
     headroom = dict(series.get(prefix + "headroom_bits", []))

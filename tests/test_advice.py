@@ -384,16 +384,17 @@ def test_bf16_and_max_scale_in_full():
     (advice,) = advise(run([(0, 2.0**24)], [], 20, underflow=pinned))
     assert advice.message == (
         "The scale sits at max_scale=2.0**24 while 90% of the non-zero gradient elements sit below float16's smallest"
-        " normal and the weights' largest gradient leaves 3.2 bits of headroom: the cap holds the scale down. Raised,"
-        " the scaler grows into the room until the backward overflows (where the activations' gradients, which only"
-        " a float32 reference measures, may stop it sooner) and backs off there."
+        " normal and the weights' largest gradient leaves 3.2 bits of headroom: the cap holds the scale down. Started"
+        " and capped at 2.0**26, the largest stays a doubling below overflow; where the activations' gradients, which"
+        " only a float32 reference measures, overflow sooner, the scaler backs off from there."
     )
-    # the cap only: the scale grows into it, never starts above what the activations' gradients allow
-    assert advice.fix == 'AmpPlusPrecision("16-mixed", max_scale=2.0**26)'
+    # started there too: raised alone, the scale grows into it one growth_interval at a time, which a run of two
+    # intervals does not see (the fix would not help within it)
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**26, max_scale=2.0**26)'
     assert advice.evidence == {"max_scale": 2.0**24, "headroom_bits": 3.2, "measurements": 2, "pinned": 2}
     huge = [_measure(0.9, 110.0)] * 2
     assert advise(run([(0, 2.0**24)], [], 20, underflow=huge))[0].fix == (
-        'AmpPlusPrecision("16-mixed", max_scale=2.0**64)'  # within what float32 holds
+        'AmpPlusPrecision("16-mixed", init_scale=2.0**64, max_scale=2.0**64)'  # within what float32 holds
     )
 
 
@@ -753,3 +754,25 @@ def test_a_scale_too_low_gets_the_scale_its_headroom_allows_never_healthy():
     # most measurements, not one
     mixed = [_low(30.0), {**_low(30.0), "underflow_fraction": 0.1}, {**_low(30.0), "underflow_fraction": 0.1}]
     assert "init_scale" not in codes(run([(0, 2.0**10)], [], 40, underflow=mixed))
+
+
+def test_the_settled_scale_leaves_out_a_backoff_from_a_nan_batch():
+    # six leading skips to 2**16, a calibration skip at 25 to 2**15, a NaN batch at 50 to 2**14, no growth
+    curve = [(0, 2.0**22)] + [(i + 1, 2.0 ** (21 - i)) for i in range(6)] + [(26, 2.0**15), (51, 2.0**14)]
+    origins = [{"phase": "input", "step": 50}]
+    advice = only_code(run(curve, [0, 1, 2, 3, 4, 5, 25, 50], 80, origins=origins), "init_scale")
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**15)'  # the batch's skip is no scale's
+    assert "to 2.0**15" in advice.message
+    told_by_scale = run(curve, [0, 1, 2, 3, 4, 5, 25, 50], 80, origins=[{"phase": "backward", "step": 50}])
+    assert only_code(told_by_scale, "init_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**14)'
+
+
+def test_leading_skips_do_not_hide_a_scale_too_low_after_them():
+    # the first 3 batches overflow (a loud start), then every measurement says the scale is far too low
+    curve = [(0, 2.0**16), (1, 2.0**15), (2, 2.0**14), (3, 2.0**13)]
+    low = [_low(27.0, scale=2.0**13, step=s) for s in range(5, 60, 5)]
+    advice = only_code(run(curve, [0, 1, 2], 60, underflow=low), "init_scale")
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**39, max_scale=2.0**39)'  # higher, not 2**13
+    assert "the scale is too low" in advice.message
+    quiet = [_low(27.0, scale=2.0**13, step=s) | {"underflow_fraction": 0.01} for s in range(5, 60, 5)]
+    assert only_code(run(curve, [0, 1, 2], 60, underflow=quiet), "init_scale").evidence["settled_scale"] == 2.0**13

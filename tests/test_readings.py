@@ -591,3 +591,33 @@ def test_a_scale_too_low_is_told_with_the_scale_the_headroom_allows_and_the_fix_
     assert max(m["underflow_fraction"] for m in fixed.measurements) < 0.5 * min(lost)  # measured: it helps
     healthy, quiet = _faint(1.0, AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=100))
     assert "init_scale" not in _codes(healthy)  # the look-alike: the same run at its own loss
+
+
+def test_a_scale_pinned_at_its_cap_gets_a_fix_that_helps_within_the_run_and_advise_tells_it_too(tmp_path, capsys):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_amp_plus import LossScaleMonitor
+    from lightning_amp_plus.__main__ import main
+
+    def pinned(plugin, logger=False):
+        torch.manual_seed(0)
+        monitor = GradUnderflowMonitor(every_n_steps=3)
+        advisor = AmpAdvisor(print_advice=False)
+        callbacks = [advisor, monitor, *([LossScaleMonitor()] if logger else [])]
+        make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=40, logger=logger, log_every_n_steps=3).fit(
+            Faint(1e-7)
+        )
+        return advisor, monitor
+
+    logger = CSVLogger(tmp_path, name="run")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**12, max_scale=2.0**12, growth_interval=100)
+    advisor, monitor = pinned(plugin, logger)
+    (advice,) = [a for a in advisor.advice if a.code == "max_scale"]
+    lost = [m["underflow_fraction"] for m in monitor.measurements]
+    _, fixed = pinned(_applied(advice.fix))
+    assert max(m["underflow_fraction"] for m in fixed.measurements) < 0.5 * min(lost)  # within the same 40 steps
+    capsys.readouterr()
+    assert main(["advise", logger.log_dir]) == 0
+    out = capsys.readouterr().out
+    assert "[max_scale]" in out  # the logged call's cap, read offline: not "init_scale ... too low"
+    assert f"    fix: {advice.fix}\n" in out

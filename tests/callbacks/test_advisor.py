@@ -317,22 +317,21 @@ class Tiny(TinyModel):
 
 
 def test_max_scale_when_the_cap_holds_the_scale_down_with_headroom_left():
-    """Without a float32 reference: the cap only is raised; the scaler grows into it (here every 2 clean updates)."""
+    """Without a float32 reference: the scale started and capped where the headroom allows, helping from the start."""
     plugin = AmpPlusPrecision("16-mixed", init_scale=16.0, max_scale=16.0, growth_interval=2)
     advisor, _ = fit(Tiny(optimizer="fused_sgd"), plugin, max_steps=8, log_every_n_steps=2)
     advice = only(advisor, "max_scale")
     assert advice.evidence["max_scale"] == 16.0
     assert advice.evidence["headroom_bits"] > 20
     new = 16.0 * 2.0 ** int(advice.evidence["headroom_bits"] - 1)
-    exponent = int(torch.tensor(new).log2())
-    assert (
-        advice.fix == f'AmpPlusPrecision("16-mixed", init_scale=2.0**4, growth_interval=2, max_scale=2.0**{exponent})'
-    )
+    e = int(torch.tensor(new).log2())
+    assert advice.fix == f'AmpPlusPrecision("16-mixed", init_scale=2.0**{e}, growth_interval=2, max_scale=2.0**{e})'
     before = [m["underflow_fraction"] for m in advisor.figures.underflow]
-    fixed, fixed_plugin = fit(Tiny(optimizer="fused_sgd"), applied(advice.fix), max_steps=40, log_every_n_steps=2)
+    fixed, fixed_plugin = fit(Tiny(optimizer="fused_sgd"), applied(advice.fix), max_steps=8, log_every_n_steps=2)
     after = [m["underflow_fraction"] for m in fixed.figures.underflow]
-    assert fixed_plugin.scaler.get_scale() > 2.0**12  # it grew into the room the cap now leaves
-    assert after[-1] < min(before) / 2  # and keeps what the cap made float16 lose
+    assert fixed_plugin.scaler.get_scale() > 2.0**12  # in the room the cap now leaves, within the same 8 steps
+    assert max(after) < min(before) / 2  # and keeps what the cap made float16 lose, from the first measurement
+    assert fixed_plugin.history.num_skipped == 0
     assert "bf16" not in codes(fixed)
 
 
@@ -1187,3 +1186,82 @@ def test_the_fused_fix_is_the_users_own_call_or_its_values():
     built = Built()
     ((_, entry),) = candidates([built.configure_optimizers()], built)
     assert entry["fused_call"] == "torch.optim.Adam(self.generator.parameters(), lr=0.003, fused=True)"  # the values
+
+
+def test_the_fused_fix_copies_only_a_call_that_built_the_optimizer_and_stays_valid_python():
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    from lightning_amp_plus.callbacks._fused import candidates
+
+    def fixes(module):
+        made = module.configure_optimizers()
+        made = made if isinstance(made, list) else [made]
+        found = [entry["fused_call"] for _, entry in candidates(made, module)]
+        for fix in found:  # each one pastes: valid Python that builds the optimizer fused
+            built = eval(fix.split("  #")[0], {"torch": torch, "self": module, "beta": 0.5})
+            assert built.defaults["fused"] is True
+        return found
+
+    class Base(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.gen, self.disc = nn.Linear(2, 2), nn.Linear(2, 1)
+            self.lr = 2e-4
+
+    def disc_optimizer(module):
+        return torch.optim.Adam(module.disc.parameters(), lr=1e-3)
+
+    class Gan(Base):
+        def configure_optimizers(self):  # the critic's is built in a helper: its call is not this one
+            return [torch.optim.Adam(self.gen.parameters(), lr=2e-4, betas=(0.5, 0.999)), disc_optimizer(self)]
+
+    assert fixes(Gan()) == [
+        "torch.optim.Adam(self.gen.parameters(), lr=2e-4, betas=(0.5, 0.999), fused=True)",
+        "torch.optim.Adam(self.disc.parameters(), fused=True)",  # its values (Adam's defaults), not the gen's call
+    ]
+
+    def tuned(module):
+        return torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.3)
+
+    class DeadBranch(Base):
+        def configure_optimizers(self):
+            if self.lr > 1:  # never runs
+                return torch.optim.AdamW(self.parameters(), lr=1.0, weight_decay=0.0)
+            return tuned(self)
+
+    (fix,) = fixes(DeadBranch())
+    assert "weight_decay=0.3" in fix  # the values it ran with, not the dead branch's
+    assert "lr=1.0" not in fix
+
+    class Unfused(Base):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=False, foreach=None)
+
+    assert fixes(Unfused()) == ["torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)"]
+
+    class Splat(Base):
+        def configure_optimizers(self):
+            settings = {"lr": self.lr, "foreach": True}
+            return torch.optim.AdamW(self.parameters(), **settings)  # may hold fused or foreach: not copied
+
+    (fix,) = fixes(Splat())
+    assert "**" not in fix
+    assert "foreach" not in fix
+
+    class Commented(Base):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(
+                [
+                    {"params": self.gen.parameters(), "weight_decay": 0.1},  # matrices
+                    {"params": self.disc.parameters(), "weight_decay": 0.0},  # biases
+                ],
+                lr=self.lr,
+                betas=(0.9,  # momentum
+                       0.95),
+            )  # fmt: skip
+
+    (fix,) = fixes(Commented())
+    assert "#" not in fix
+    assert "lr=self.lr" in fix
+    assert "betas=(0.9, 0.95)" in fix
