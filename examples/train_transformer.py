@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> str:
     first, last = sum(model.losses[:window]) / window, sum(model.losses[-window:]) / window
     print(
         f"steps: {history.num_steps}, applied: {plugin.applied_steps}, skipped: {history.skipped_steps},"
-        f" final loss scale: {plugin.loss_scale:g} (2^{math.log2(plugin.loss_scale):.0f});"
+        f" final loss scale: {plugin.loss_scale:.10g} (2^{math.log2(plugin.loss_scale):.0f});"
         f" loss {first:.3f} -> {last:.3f} (mean of the first and last {window} steps)"
     )
     png = plot_run(logger.log_dir, os.path.join(args.out, "loss_scale.png"))

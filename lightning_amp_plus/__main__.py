@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _advise(path: str) -> int:
     from lightning_amp_plus.advice import advise, figures_from_series, healthy_line, needs_live
-    from lightning_amp_plus.plot import naming, read_logged
+    from lightning_amp_plus.plot import holds, naming, read_logged
 
     try:
         with naming(path):
@@ -76,8 +76,7 @@ def _advise(path: str) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not figures.curve and figures.skipped is None:
-        keys = sorted(run.series)[:10]
-        why = f"no amp/ series found (keys: {keys}); log them with `LossScaleMonitor`"
+        why = f"no amp/ series found ({holds(run.path, run.series)}); log them with `LossScaleMonitor`"
         print(f"error: {run.path}: {why}.", file=sys.stderr)
         return 2
     if not _same_path(path, run.path):

@@ -310,7 +310,7 @@ def _from_series(series: dict[str, list[tuple[int, float]]], where: Optional[str
         bf16_key = next((k for k in sorted(series) for end in _BF16_KEYS if k.endswith(end)), None)
         if bf16_key is None:
             raise ValueError(
-                f"{f'{where}: ' if where else ''}no loss-scale series found (keys: {sorted(series)[:10]}); log it with"
+                f"{f'{where}: ' if where else ''}no loss-scale series found ({holds(where, series)}); log it with"
                 " `LossScaleMonitor`."
             )
         # a bf16-mixed run: `LossScaleMonitor` logs its skips but no scale, which does not exist there
@@ -357,6 +357,22 @@ def _not_utf8(path: str) -> str:
     except UnicodeDecodeError as error:
         return f"not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start}"
     return "not UTF-8 text"
+
+
+def holds(path: Optional[str], series: dict[str, list[tuple[int, float]]]) -> str:
+    """What a logged run holds, for an error that it lacks a series: its keys, or a CSV's columns where none has one.
+
+    Example:
+        >>> holds(None, {"loss": [(0, 1.0)], "acc": [(0, 0.5)]})
+        "keys: ['acc', 'loss']"
+    """
+    if series or path is None or not path.endswith(".csv") or not os.path.isfile(path):
+        return f"keys: {sorted(series)[:10]}"
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), None)
+    if not header:
+        return "the file is empty"
+    return f"its columns: {header[:10]}, none with a number at a step"
 
 
 def _read_csv_rows(path: str) -> dict[str, list[tuple[int, float]]]:

@@ -307,6 +307,7 @@ def test_the_logger_sections_say_what_a_fresh_machine_needs():
     sections = {s.split("\n", 1)[0]: s for s in page.split("\n## ")[1:]}
     assert "max_steps=" in sections["TensorBoard"]  # the snippet ends; without it, a fit runs 1000 epochs
     assert "pip install\nmlflow" in sections["MLflow"]  # `mlflow ui` is not in mlflow-skinny, the [test] extra's
+    assert "mlflow==$(" in sections["MLflow"]  # at the version that wrote the database (a newer schema is refused)
     assert "offline=True" in sections["Weights & Biases"]  # no login: wandb asks for a key
 
 

@@ -226,6 +226,10 @@ def _bad_inputs(tmp_path):
     case(
         "no_step", "metrics.csv", "no `step` column (its columns: ['epoch', 'loss', 'acc'])", "epoch,loss,acc\n0,1,.5\n"
     )
+    header = "its columns: ['step', 'amp/loss_scale'], none with a number at a step"
+    case("header_only", "metrics.csv", header, "step,amp/loss_scale\n")  # a fit that stopped before its first log
+    case("no_values", "metrics.csv", "its columns: ['step', 'val_loss'], none", "step,val_loss\n0,\n1,\n")
+    case("empty_file", "metrics.csv", "the file is empty", "")
     case("ragged", "metrics.csv", "more fields than the header", "step,amp/loss_scale\n0,8.0\n1,4.0,7\n")
     case("not_a_scale", "metrics.csv", "at step 1 is -4.0: not a loss scale", "step,amp/loss_scale\n1,-4.0\n")
     case("text_file", "notes.txt", "no metrics found", "hello\n")

@@ -55,11 +55,17 @@ class DeviceSkipProbe:
             self._told[step] = tell(calls, step)
 
     def records(
-        self, history: ScaleHistory, after: int, known: set[int], upto: Optional[int]
+        self,
+        history: ScaleHistory,
+        after: int,
+        known: set[int],
+        upto: Optional[int],
+        scale_now: Optional[Callable[[], float]] = None,
     ) -> tuple[list[tuple[dict[str, Any], int]], int]:
         """The skips in ``history`` after ``after``, not ``known``, up to ``upto``: records with streaks, last step.
 
         Those a fused optimizer decided on the device; ``upto`` default: all (a held flag's step waits for it).
+        ``scale_now``: the scaler's scale, read once the last recorded step's update is done (its new scale).
         """
         recorded = history.last_step if history.last_step is not None else -1
         last = recorded if upto is None else min(recorded, upto)
@@ -70,7 +76,9 @@ class DeviceSkipProbe:
         found = []
         for step in history.skipped_between(after + 1, last):
             if step not in known:
-                new_scale = history.scale_at(step + 1) if step < recorded else None
+                new_scale = (
+                    history.scale_at(step + 1) if step < recorded else scale_now() if scale_now is not None else None
+                )
                 told = self.take(step) or {}  # when its flag was read (nothing: it came too late)
                 found.append((skip_record(step, history.scale_at(step), new_scale, told), history.streak_at(step)))
         return found, last

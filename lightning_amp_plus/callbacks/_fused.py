@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ast
 import inspect
+import io
 import keyword
 import textwrap
 import time
+import tokenize
 from typing import Any, Optional
 
 import torch
@@ -121,9 +123,11 @@ def own_call(
 ) -> Optional[str]:
     """The user's own call of ``optimizer``'s class in ``configure_optimizers``, as written, with ``fused=True``.
 
-    ``lr=self.lr`` stays ``lr=self.lr``. The call is the one without ``fused=True`` in that method's source (the one
-    whose first argument is ``params`` where it has several); None when its source cannot be read or no one call
-    is it (then :func:`fused_call` writes the settings' values).
+    ``lr=self.lr`` stays ``lr=self.lr``; comments inside it go, and its ``fused=``/``foreach=`` make way for
+    ``fused=True``. The call is the one without ``fused=True`` in that method's source that can have built
+    ``optimizer``: its first argument ``params`` where that is known, its literal settings ``optimizer``'s (not a
+    branch that did not run, nor another optimizer's). None when its source cannot be read, no one call is it, or
+    it passes ``**settings`` (which may hold ``fused``): then :func:`fused_call` writes the settings' values.
     """
     method = getattr(type(module), "configure_optimizers", None) if module is not None else None
     if method is None:
@@ -136,11 +140,31 @@ def own_call(
     name = type(optimizer).__name__
 
     def text(node: ast.AST) -> str:
-        return " ".join((ast.get_source_segment(source, node) or "").split())
+        lines = (ast.get_source_segment(source, node) or "").splitlines()
+        try:  # a comment inside a call written over several lines would swallow the rest once they are joined
+            for token in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline):
+                if token.type == tokenize.COMMENT:  # it runs to the end of its line
+                    row, column = token.start
+                    lines[row - 1] = lines[row - 1][:column]
+        except (tokenize.TokenError, SyntaxError):
+            return ""
+        return " ".join(" ".join(lines).split())
 
-    def fused(call: ast.Call) -> bool:
-        return any(
-            k.arg == "fused" and not (isinstance(k.value, ast.Constant) and not k.value.value) for k in call.keywords
+    def literal(node: ast.AST) -> Any:
+        try:
+            return ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return _UNREAD
+
+    def built_it(call: ast.Call) -> bool:
+        if any(k.arg == "fused" and literal(k.value) not in (False, None) for k in call.keywords):
+            return False  # already fused: not the call the advice is about
+        if params is not None and not (call.args and text(call.args[0]) == params):
+            return False
+        return all(
+            literal(k.value) is _UNREAD or same_value(literal(k.value), optimizer.defaults[k.arg])
+            for k in call.keywords
+            if k.arg in optimizer.defaults and k.arg not in ("fused", "foreach")
         )
 
     calls = [
@@ -148,18 +172,20 @@ def own_call(
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
         and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)) == name
-        and not fused(node)
+        and built_it(node)
     ]
-    if len(calls) > 1 and params is not None:
-        calls = [c for c in calls if c.args and text(c.args[0]) == params]
-    if len(calls) != 1:
+    if len(calls) != 1 or any(k.arg is None for k in calls[0].keywords):
         return None
     call = calls[0]
     parts = [text(a) for a in call.args]
-    parts += [
-        f"{k.arg}={text(k.value)}" if k.arg else f"**{text(k.value)}" for k in call.keywords if k.arg != "foreach"
-    ]
+    parts += [f"{k.arg}={text(k.value)}" for k in call.keywords if k.arg not in ("fused", "foreach")]
+    if not all(parts):
+        return None
     return f"{text(call.func)}({', '.join([*parts, 'fused=True'])})"
+
+
+#: a setting whose value is not a literal (``self.lr``): not compared
+_UNREAD = object()
 
 
 def step_times(optimizer: torch.optim.Optimizer) -> Optional[dict[str, float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from lightning_amp_plus.origin import Origin, Phase
@@ -53,9 +54,9 @@ def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0
     born = describe_origin(record.get("origin"))
     if born:
         where = f"{born}; {where}"
-    scale = f"loss scale {record['scale']:g}"
+    scale = f"loss scale {number(record['scale'])}"
     if record["new_scale"] is not None:
-        scale += f" -> {record['new_scale']:g}"
+        scale += f" -> {number(record['new_scale'])}"
         if record["new_scale"] == record["scale"]:
             scale += _held(record["scale"], hysteresis, min_scale)
     return f"step {record['step']} skipped: {where}, {scale}"
@@ -64,11 +65,18 @@ def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0
 def _held(scale: float, hysteresis: int, min_scale: float) -> str:
     """Why a skip left the scale where it was."""
     if scale <= min_scale:
-        return f" (held at min_scale={min_scale:g})"
+        return f" (held at min_scale={number(min_scale)})"
     if hysteresis > 1:
         nth = _ordinal(hysteresis)
-        return f" (held by hysteresis={hysteresis}: it backs off from the {nth} overflow since the last growth)"
+        since = "since the last growth, one capped at max_scale too"
+        return f" (held by hysteresis={hysteresis}: it backs off from the {nth} overflow {since})"
     return ""
+
+
+def number(value: float) -> str:
+    """A scale as a line shows it: a whole number in full (``4194304``, not ``4.1943e+06``), else ``:g``."""
+    value = float(value)
+    return f"{value:.0f}" if math.isfinite(value) and value.is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
 def _ordinal(n: int) -> str:
@@ -105,14 +113,15 @@ def collapse_message(
     """
     if min_scale is not None:
         why = (
-            f"step {record['step']} overflowed while the loss scale already sat at min_scale={min_scale:g}"
+            f"step {record['step']} overflowed while the loss scale already sat at min_scale={number(min_scale)}"
             f" ({plural(consecutive, 'consecutive skipped step')})"
         )
     else:
         were = "was" if consecutive == 1 else "were"
         why = f"{plural(consecutive, 'consecutive optimizer step')} {were} skipped (max_consecutive_skips={limit})"
     offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
-    message = f"Mixed-precision training collapsed: {why}; loss scale {record['scale']:g}; last offenders: {offenders}."
+    scale = number(record["scale"])
+    message = f"Mixed-precision training collapsed: {why}; loss scale {scale}; last offenders: {offenders}."
     if cause is not None:
         return f"{message} {cause.message} HINT: {cause.fix}"
     return (

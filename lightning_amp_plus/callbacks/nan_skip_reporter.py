@@ -310,7 +310,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.origins.take_batch()  # the kept inputs are released when the batch ends (or kept by the probe)
         history = self._plugin.history
         if on_device and is_logging_step(history.last_step or 0, logging_interval(trainer)):
-            self._collect_device_skips()  # another callback may have flushed the history: not `pending` alone
+            self._collect_device_skips(updated=True)  # another callback may have flushed the history: not `pending`
 
     def _tell(self, calls: Optional[BatchCalls], step: int) -> dict[str, Any]:
         """A device-decided skip, once its flag is read: its origin and its offenders, from the gradients it left.
@@ -342,13 +342,19 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         reporter, ``AmpAdvisor``, must not raise in its place).
         """
         self._device_probe.look(self._tell, wait=True)
-        self._collect_device_skips(check=check)
+        self._collect_device_skips(check=check, updated=True)
 
-    def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True) -> None:
-        """Report the skips in the history not reported yet (decided on the device), up to ``upto`` (default: all)."""
+    def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True, updated: bool = False) -> None:
+        """Report the skips in the history not reported yet (decided on the device), up to ``upto`` (default: all).
+
+        ``updated``: the last recorded step's update is done, so its new scale is the scaler's (one read, only when
+        that step was skipped: its line says what the skip did to the scale).
+        """
         assert self._plugin is not None
+        scaler = self._plugin.scaler
+        scale_now = scaler.get_scale if updated and scaler is not None else None
         found, last = self._device_probe.records(
-            self._plugin.history, self._reported_upto, set(self._skipped_steps), upto
+            self._plugin.history, self._reported_upto, set(self._skipped_steps), upto, scale_now
         )
         for record, streak in found:
             self._add(record, streak, check=check)
@@ -412,7 +418,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def finish(self) -> None:
         """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
         self._device_probe.look(self._tell, wait=True)
-        self._collect_device_skips()
+        self._collect_device_skips(updated=True)
         self._check_unchecked()
         if self._num_skips:
             say(summary(self.report()))

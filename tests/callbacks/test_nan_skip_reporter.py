@@ -1050,7 +1050,8 @@ def test_a_held_scale_says_why(caplog):
     make_trainer(plugins=[plugin], callbacks=[NaNSkipReporter()], max_steps=5).fit(model)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines[0].endswith(
-        "loss scale 1024 -> 1024 (held by hysteresis=2: it backs off from the 2nd overflow since the last growth)"
+        "loss scale 1024 -> 1024 (held by hysteresis=2: it backs off from the 2nd overflow since the last growth,"
+        " one capped at max_scale too)"
     )
     assert lines[1].endswith("loss scale 1024 -> 512")  # the second backs off: no reason to give
     floor = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)
@@ -1060,3 +1061,25 @@ def test_a_held_scale_says_why(caplog):
         make_trainer(plugins=[floor], callbacks=[reporter], max_steps=3).fit(TinyModel(grad_poison={1: "net.0.weight"}))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert line.endswith("loss scale 1 -> 1 (held at min_scale=1)")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
+def test_a_skip_on_the_last_step_before_a_log_says_what_it_did_to_the_scale(caplog, optimizer):
+    """A fused optimizer's skip is read at the logging step: its line still ends with the new scale and why."""
+    model = TinyModel(optimizer=optimizer, grad_poison={3: "net.0.weight"})
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, hysteresis=2, growth_interval=100)
+    make_trainer(plugins=[plugin], callbacks=[NaNSkipReporter()], max_steps=6, log_every_n_steps=4).fit(model)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert line.startswith("step 3 skipped: ")
+    assert line.endswith(
+        "loss scale 1024 -> 1024 (held by hysteresis=2: it backs off from the 2nd overflow since the last growth,"
+        " one capped at max_scale too)"
+    )
+
+
+def test_a_scale_is_shown_in_full():
+    from lightning_amp_plus.callbacks._skip_text import number
+
+    assert number(2.0**22) == "4194304"  # as the docs show scales, not 4.1943e+06
+    assert number(0.5) == "0.5"
+    assert number(float("inf")) == "inf"
