@@ -739,7 +739,8 @@ def _leading_skips(figures: RunFigures) -> int:
     " applied); or, without a float32 reference, underflow >= 0.5 in most measurements while the weights' largest"
     " gradient leaves 2+ bits of headroom and the scale is below its cap: the scale is too low for these gradients",
     fix="`init_scale=` the scale it settled at (its lowest before it first grew); for a scale too low: the scale"
-    " each measurement's headroom allows, a doubling below overflow (`max_scale` too where that is above the cap)",
+    " each measurement's headroom allows, a doubling below overflow and below any scale the run's backward"
+    " overflowed at (`max_scale` too where that is above the cap, or the cap is not known)",
     look_alike="one calibration skip; high underflow with under 2 bits of headroom (`bf16`, or nothing to gain)",
 )
 def _init_scale(figures: RunFigures) -> Optional[Advice]:
@@ -796,16 +797,29 @@ def _scale_too_low(figures: RunFigures) -> Optional[Advice]:
     if not most(len(low), len(measured)):
         return None
     new = min(min(m["scale"] * 2.0 ** math.floor(m["headroom_bits"] - 1) for m in low), MAX_PROPOSED_SCALE)
+    # the run's own backward overflows measured what the weights' headroom cannot see (the activations' gradients)
+    overflowed = min((value_at(figures.curve, s) for s in _scaling_skips(figures)), default=math.inf)
+    new = min(new, overflowed / 2)
+    if new < 4 * max(m["scale"] for m in low):
+        return None  # under 2 bits to gain below the scale the run overflowed at: no higher scale to give
     last = low[-1]
-    change: dict[str, Any] = {"init_scale": new, **({"max_scale": new} if new > _cap(figures) else {})}
+    # the cap raised with it where it is below, or not known (a resumed run's may be its checkpoint's): pinned there,
+    # a higher init_scale alone would be brought down to it
+    capped = figures.knobs is None or new > _cap(figures)
+    change: dict[str, Any] = {"init_scale": new, **({"max_scale": new} if capped else {})}
+    below = (
+        f", a doubling below {_scale(overflowed)}, where this run's backward overflowed"
+        if math.isfinite(overflowed)
+        else "; where the activations' gradients, which only a float32 reference measures, overflow sooner, the"
+        " scaler backs off from there"
+    )
     return Advice(
         "init_scale",
         f"In {len(low)} of {len(measured)} measurements {100 * max(m['underflow_fraction'] for m in low):.0f}% of"
         f" the non-zero gradient elements sat below float16's smallest normal while the weights' largest gradient"
         f" left {last['headroom_bits']:.1f} bits of headroom (at loss scale {_scale(last['scale'])}, step"
         f" {last['step']}): the scale is too low for these gradients. {_scale(new)} keeps the largest a doubling"
-        " below overflow at every measurement; where the activations' gradients, which only a float32 reference"
-        " measures, overflow sooner, the scaler backs off from there.",
+        f" below overflow at every measurement{below}.",
         plugin_fix(figures, **change),
         {"measurements": len(measured), "low": len(low), "scale": last["scale"], "proposed_scale": new},
     )
@@ -1249,7 +1263,12 @@ def figures_from_series(
     call = parse_plugin_call((hparams or {}).get(prefix + PLUGIN_HPARAM))
     if call is not None:
         figures.plugin, figures.plugin_args = call
-        if figures.precision == "16-mixed" and "scaler" not in figures.plugin_args and figures.curve:
+        if (
+            figures.precision == "16-mixed"
+            and "scaler" not in figures.plugin_args
+            and bool(figures.curve)
+            and figures.curve[0][0] == 0
+        ):  # a fit from step 0: a resumed one's knobs may be its checkpoint's, which replace the call's
             given = knobs.knob_values({k: v for k, v in figures.plugin_args.items() if k in knobs.NAMES})
             # the run's own call: its knobs, the defaults where it left them out; the scale where the log starts
             figures.knobs = {**knobs.DEFAULTS, **given, "init_scale": figures.curve[0][1]}

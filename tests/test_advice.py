@@ -767,12 +767,40 @@ def test_the_settled_scale_leaves_out_a_backoff_from_a_nan_batch():
     assert only_code(told_by_scale, "init_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**14)'
 
 
-def test_leading_skips_do_not_hide_a_scale_too_low_after_them():
-    # the first 3 batches overflow (a loud start), then every measurement says the scale is far too low
+def test_a_scale_too_low_is_never_raised_to_where_the_runs_backward_overflowed():
+    # the weights' headroom says 2**36 fits; the run's own backward overflowed at 2**20: 2**19 is proposed
+    curve = [(0, 2.0**10), (10, 2.0**20), (21, 2.0**19)]
+    low = [_low(27.0, scale=2.0**10, step=s) for s in range(0, 10, 2)]
+    advice = only_code(run(curve, [20], 40, underflow=low), "init_scale")
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**19)'
+    assert "a doubling below 2.0**20, where this run's backward overflowed" in advice.message
+    # leading skips down to 2**13, then the scale too low by the weights' headroom: the skips measured 2**14 to
+    # overflow, so the settled scale is the advice, never a higher one
     curve = [(0, 2.0**16), (1, 2.0**15), (2, 2.0**14), (3, 2.0**13)]
     low = [_low(27.0, scale=2.0**13, step=s) for s in range(5, 60, 5)]
     advice = only_code(run(curve, [0, 1, 2], 60, underflow=low), "init_scale")
-    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**39, max_scale=2.0**39)'  # higher, not 2**13
-    assert "the scale is too low" in advice.message
-    quiet = [_low(27.0, scale=2.0**13, step=s) | {"underflow_fraction": 0.01} for s in range(5, 60, 5)]
-    assert only_code(run(curve, [0, 1, 2], 60, underflow=quiet), "init_scale").evidence["settled_scale"] == 2.0**13
+    assert advice.evidence["settled_scale"] == 2.0**13
+    # a NaN batch's skip measures no scale: it does not cap the proposal
+    nan_batch = run([(0, 2.0**10), (6, 2.0**9)], [5], 40, underflow=low, origins=[{"phase": "input", "step": 5}])
+    assert only_code(nan_batch, "init_scale").evidence["proposed_scale"] > 2.0**20
+
+
+def test_a_scale_too_low_whose_cap_is_not_known_raises_the_cap_with_it():
+    low = [_low(6.0, scale=2.0**10, step=s) for s in range(0, 9, 3)]
+    known = run([(0, 2.0**10)], [], 40, underflow=low)
+    assert only_code(known, "init_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**15)'
+    known.knobs = None  # offline, resumed: the cap may be the checkpoint's, where the scale may sit
+    assert only_code(known, "init_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**15, max_scale=2.0**15)'
+
+
+def test_offline_the_knobs_are_the_logged_calls_only_for_a_fit_logged_from_step_0():
+    from lightning_amp_plus.advice import PLUGIN_HPARAM, figures_from_series
+
+    hparams = {f"amp/{PLUGIN_HPARAM}": 'AmpPlusPrecision("16-mixed", max_scale=2.0**12, growth_interval=20)'}
+    fresh = figures_from_series({"amp/loss_scale": [(0, 4096.0), (9, 4096.0)]}, hparams)
+    assert fresh.knobs is not None
+    assert fresh.knobs["max_scale"] == 2.0**12
+    assert fresh.knobs["growth_interval"] == 20
+    assert fresh.knobs["hysteresis"] == 1  # the default, where the call leaves it out
+    resumed = figures_from_series({"amp/loss_scale": [(30, 4096.0), (39, 4096.0)]}, hparams)
+    assert resumed.knobs is None  # its checkpoint's knobs replace the call's: not known from the call

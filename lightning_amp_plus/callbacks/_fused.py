@@ -146,9 +146,11 @@ def own_call(
                 if token.type == tokenize.COMMENT:  # it runs to the end of its line
                     row, column = token.start
                     lines[row - 1] = lines[row - 1][:column]
+                elif token.start[0] != token.end[0] and token.type not in (tokenize.NL, tokenize.NEWLINE):
+                    return ""  # a string over several lines: joining them would change it
         except (tokenize.TokenError, SyntaxError):
             return ""
-        return " ".join(" ".join(lines).split())
+        return " ".join(line.strip() for line in lines if line.strip())  # what each line holds, as written
 
     def literal(node: ast.AST) -> Any:
         try:
@@ -156,16 +158,23 @@ def own_call(
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return _UNREAD
 
+    signature = inspect.signature(type(optimizer).__init__).parameters
+    order = [n for n in signature if n != "self"]
+
     def built_it(call: ast.Call) -> bool:
         if any(k.arg == "fused" and literal(k.value) not in (False, None) for k in call.keywords):
             return False  # already fused: not the call the advice is about
         if params is not None and not (call.args and text(call.args[0]) == params):
             return False
-        return all(
-            literal(k.value) is _UNREAD or same_value(literal(k.value), optimizer.defaults[k.arg])
-            for k in call.keywords
-            if k.arg in optimizer.defaults and k.arg not in ("fused", "foreach")
-        )
+        written = {**dict(zip(order, call.args, strict=False)), **{k.arg: k.value for k in call.keywords if k.arg}}
+        for setting, value in optimizer.defaults.items():
+            if setting in ("fused", "foreach") or setting not in signature:
+                continue
+            node = written.get(setting)
+            given = signature[setting].default if node is None else literal(node)
+            if given is not inspect.Parameter.empty and given is not _UNREAD and not _same_setting(given, value):
+                return False  # a setting it writes, or leaves at the class's default, that the optimizer has not
+        return True
 
     calls = [
         node
@@ -186,6 +195,21 @@ def own_call(
 
 #: a setting whose value is not a literal (``self.lr``): not compared
 _UNREAD = object()
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    """Whether an optimizer setting as written is the one it holds: numbers by value, a list as the tuple torch keeps.
+
+    Example:
+        >>> _same_setting([0.9, 0.95], (0.9, 0.95)), _same_setting(0, 0.0), _same_setting(False, 0)
+        (True, True, False)
+    """
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b, strict=True))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        return a == b
+    return same_value(a, b)
 
 
 def step_times(optimizer: torch.optim.Optimizer) -> Optional[dict[str, float]]:

@@ -74,9 +74,11 @@ def _held(scale: float, hysteresis: int, min_scale: float) -> str:
 
 
 def number(value: float) -> str:
-    """A scale as a line shows it: a whole number in full (``4194304``, not ``4.1943e+06``), else ``:g``."""
+    """A scale as a line shows it, exactly: a whole number in full (``4194304``, not ``4.1943e+06``)."""
     value = float(value)
-    return f"{value:.0f}" if math.isfinite(value) and value.is_integer() and abs(value) < 1e15 else f"{value:g}"
+    if not math.isfinite(value):
+        return f"{value:g}"
+    return f"{value:.0f}" if value.is_integer() else repr(value)  # exact either way (2**-20: 9.5367431640625e-07)
 
 
 def _ordinal(n: int) -> str:

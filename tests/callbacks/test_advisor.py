@@ -1265,3 +1265,30 @@ def test_the_fused_fix_copies_only_a_call_that_built_the_optimizer_and_stays_val
     assert "#" not in fix
     assert "lr=self.lr" in fix
     assert "betas=(0.9, 0.95)" in fix
+
+    class LeftOut(Base):
+        def configure_optimizers(self):  # the branch that ran builds it elsewhere, with weight_decay=0.3
+            if self.lr > 0:
+                return tuned(self)
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)  # never runs: its weight_decay is AdamW's 0.01
+
+    (fix,) = fixes(LeftOut())
+    assert "weight_decay=0.3" in fix
+
+    class Listed(Base):
+        def configure_optimizers(self):
+            sweep = torch.optim.AdamW(self.parameters(), lr=self.lr)  # noqa: F841 - a leftover, never returned
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=[0.9, 0.95])  # torch keeps a list
+
+    assert fixes(Listed()) == ["torch.optim.AdamW(self.parameters(), lr=self.lr, betas=[0.9, 0.95], fused=True)"]
+
+    class Spaced(Base):
+        def configure_optimizers(self):
+            return torch.optim.SGD(
+                self.parameters(),
+                lr=0.1,
+                dampening={"a  b": 0.0}["a  b"],
+            )
+
+    (fix,) = fixes(Spaced())
+    assert '{"a  b": 0.0}["a  b"]' in fix  # a string's spaces as written

@@ -1082,4 +1082,6 @@ def test_a_scale_is_shown_in_full():
 
     assert number(2.0**22) == "4194304"  # as the docs show scales, not 4.1943e+06
     assert number(0.5) == "0.5"
+    assert number(2.0**50) == "1125899906842624"
+    assert float(number(2.0**-20)) == 2.0**-20
     assert number(float("inf")) == "inf"
