@@ -20,7 +20,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -50,16 +50,28 @@ from lightning_amp_plus.sandbox import (
 Masks = Union[bool, Literal["inputs", "all"]]
 
 
-@dataclass
-class BatchCalls:
-    """One batch's record: the batch, its module calls, its losses and the random state it started with.
+class Call(NamedTuple):
+    """One recorded module call; ``torch_after``/``cuda_after``: torch's generators after it (the next one's start).
 
-    A call is ``(name, module, args, kwargs, output, versions, torch_state, cuda_state)``: the states are torch's
-    generators' after the call (the next call's start).
+    ``output`` is held weakly once the batch's loss is known; ``versions``: its tensors' version counters then.
     """
 
+    name: str
+    module: torch.nn.Module
+    args: Any
+    kwargs: Any
+    output: Any
+    versions: list[int]
+    torch_after: Tensor
+    cuda_after: Optional[Tensor]
+
+
+@dataclass
+class BatchCalls:
+    """One batch's record: the batch, its module calls, its losses and the random state it started with."""
+
     batch: Any = None
-    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
     losses: list[Tensor] = field(default_factory=list)
     start: Optional[tuple[Tensor, Optional[Tensor], Optional[list[tuple[Any, Any]]]]] = None
     index: int = -1
@@ -67,12 +79,18 @@ class BatchCalls:
     weak: int = 0  # the calls whose outputs are held weakly (those recorded before a backward)
     failed: Optional[str] = None  # why a call could not be recorded (then the origin is told unknown, with it)
 
-    def step_start(self) -> Optional[StepStart]:
-        """The random state the whole step started from (for a rerun of ``training_step``)."""
+    def step_start(self, index: int = 0, owned: bool = True, host: bool = True) -> Optional[StepStart]:
+        """The random state call ``index`` started from (0: the whole step's, for a rerun of ``training_step``).
+
+        Torch's as the call before it left them (or as the batch began); as the batch began, the streams the module
+        tree holds (``owned``: a replay's first call restores them) and Python's and numpy's (``host``: a rerun).
+        """
         if self.start is None:
             return None
-        torch_state, cuda_state, owned = self.start
-        return StepStart(torch_state, cuda_state, owned, self.host)
+        torch_state, cuda_state, streams = self.start
+        if index > 0:
+            torch_state, cuda_state = self.calls[index - 1].torch_after, self.calls[index - 1].cuda_after
+        return StepStart(torch_state, cuda_state, streams if owned else None, self.host if host else None)
 
 
 class OriginFinder:
@@ -130,17 +148,10 @@ class OriginFinder:
                 except Exception as error:  # noqa: BLE001 - what the call holds cannot be read: told, never raised
                     current.failed = f"reading the call of {name} raised {raised(error)}"
                     return
+                cuda_after = cuda_state() if cuda_state is not None else None
+                # a tuple made in C: a call recorded costs no Python call of its own
                 current.calls.append(
-                    (
-                        name,
-                        mod,
-                        args,
-                        kwargs,
-                        output,
-                        kept,
-                        cpu_state(),
-                        cuda_state() if cuda_state is not None else None,
-                    )
+                    tuple.__new__(Call, (name, mod, args, kwargs, output, kept, cpu_state(), cuda_after))
                 )
 
             with contextlib.suppress(RuntimeError):  # a module that refuses hooks is not recorded
@@ -177,8 +188,9 @@ class OriginFinder:
         calls = current.calls
         for index in range(current.weak, len(calls)):
             call = calls[index]
-            output = call[4]  # a tensor inline: this runs once a call, every batch
-            calls[index] = (*call[:4], weakref.ref(output) if type(output) is Tensor else _Weak(output), *call[5:])
+            output = call.output  # a tensor inline: this runs once a call, every batch
+            held = weakref.ref(output) if type(output) is Tensor else _Weak(output)
+            calls[index] = tuple.__new__(Call, (*call[:4], held, *call[5:]))
         current.weak = len(calls)
 
     def take_batch(self) -> Optional[BatchCalls]:
@@ -257,9 +269,9 @@ class OriginFinder:
         islands = list(born.islands)
         chain = self._chain(record, index)  # the calls that took in what it made: the islands cover them already
         for later in range(index + 1, len(record.calls)):
-            _, _, args, kwargs, held, _, _, _ = record.calls[later]
-            output = _alive(held)
-            if later in chain or nonfinite_kind((args, kwargs)) is not None:
+            call = record.calls[later]
+            output = _alive(call.output)
+            if later in chain or nonfinite_kind((call.args, call.kwargs)) is not None:
                 continue  # it took in what an earlier call made
             if output is not _GONE and nonfinite_kind(output) is None:
                 continue  # it made nothing (an output the step freed: the replay below tells)
@@ -316,7 +328,7 @@ class OriginFinder:
         """
         chain = self._chain(record, index)
         unseen = any(
-            nonfinite_kind((c[2], c[3]), masks="inputs") is not None
+            nonfinite_kind((c.args, c.kwargs), masks="inputs") is not None
             for later, c in enumerate(record.calls)
             if later > index and later not in chain
         )
@@ -336,25 +348,13 @@ class OriginFinder:
     def _chain(record: BatchCalls, index: int) -> list[int]:
         """Call ``index`` and every later call that took in, as the very tensor, what a call of the chain returned."""
         chain = [index]
-        made = {id(t) for t in tensors(_alive(record.calls[index][4]))}
+        made = {id(t) for t in tensors(_alive(record.calls[index].output))}
         for later in range(index + 1, len(record.calls)):
-            _, _, args, kwargs, held, _, _, _ = record.calls[later]
-            if any(id(t) in made for t in tensors((args, kwargs))):
+            call = record.calls[later]
+            if any(id(t) in made for t in tensors((call.args, call.kwargs))):
                 chain.append(later)
-                made.update(id(t) for t in tensors(_alive(held)))
+                made.update(id(t) for t in tensors(_alive(call.output)))
         return chain
-
-    def _start(self, record: BatchCalls, index: int, first: bool) -> Optional[StepStart]:
-        """The random state call ``index`` started from (the module tree's own streams: for the first call replayed).
-
-        Torch's as the call before it left them (or as the batch began); the streams the tree holds as the batch began.
-        """
-        if record.start is None:
-            return None
-        torch_state, cuda_state, owned = record.start
-        if index > 0:
-            torch_state, cuda_state = record.calls[index - 1][6], record.calls[index - 1][7]
-        return StepStart(torch_state, cuda_state, owned if first else None)
 
     def _replay(self, record: BatchCalls, indices: list[int], islands: list[str]) -> _Replayed:
         """The calls ``indices`` again, sandboxed, each from its own start, every module in them hooked.
@@ -367,8 +367,8 @@ class OriginFinder:
         calls = [record.calls[i] for i in indices]
         result = _Replayed()
 
-        frontier = [(c[0], resolve_module(c[1])) for c in calls]  # a compiled module replays eagerly
-        roots = (*(inner for _, inner in frontier), *((c[2], c[3]) for c in calls))  # what the replay's code reaches
+        frontier = [(c.name, resolve_module(c.module)) for c in calls]  # a compiled module replays eagerly
+        roots = (*(inner for _, inner in frontier), *((c.args, c.kwargs) for c in calls))  # what its code reaches
         owned = [stream for stream, _ in (record.start[2] or [])] if record.start is not None else []  # set below
 
         def run() -> None:
@@ -381,10 +381,10 @@ class OriginFinder:
                 replaced: dict[int, Tensor] = {}
                 try:
                     watch.install(islands)
-                    for position, (index, (_, args, kwargs, held)) in enumerate(
-                        zip(indices, [(c[1], c[2], c[3], c[4]) for c in calls], strict=True)
+                    for position, (index, (_, _, args, kwargs, held, *_)) in enumerate(
+                        zip(indices, calls, strict=True)
                     ):
-                        start = self._start(record, index, first=position == 0)
+                        start = record.step_start(index, owned=position == 0, host=False)
                         if start is not None:
                             start.restore()
                         given = map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))

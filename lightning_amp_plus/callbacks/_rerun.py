@@ -214,7 +214,7 @@ def _feeding_islands(
     Tried: each module called before the own code took in inf/nan, the latest first (at most ``_ISLAND_TRIES``), then
     the latest ``MAX_ISLANDS`` together: each try is a rerun of the step, on skipped updates only.
     """
-    first = next((i for i, c in enumerate(record.calls) if nonfinite_kinds((c[2], c[3]), masks="inputs")), None)
+    first = next((i for i, c in enumerate(record.calls) if nonfinite_kinds((c.args, c.kwargs), masks="inputs")), None)
     feeding: dict[str, torch.nn.Module] = {}
     for name, called, *_ in record.calls[:first]:
         feeding.setdefault(name, called)
