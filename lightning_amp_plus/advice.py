@@ -284,6 +284,14 @@ def _cap(figures: RunFigures) -> float:
     return math.inf if cap is None else float(cap)
 
 
+def _overflowed(figures: RunFigures) -> float:
+    """The lowest scale this run's backward overflowed at (inf: none), a bound no scale fix goes to.
+
+    The run's own overflows measured what the weights' headroom cannot see: the activations' gradients.
+    """
+    return min((value_at(figures.curve, s) for s in _scaling_skips(figures)), default=math.inf)
+
+
 def _at_max(figures: RunFigures, measurement: dict[str, Any]) -> bool:
     return figures.knobs is not None and measurement["scale"] >= _cap(figures)
 
@@ -746,7 +754,7 @@ def _leading_skips(figures: RunFigures) -> int:
 def _init_scale(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve:
         return None
-    too_low = _scale_too_low(figures)  # measured after the skips: the settled scale would be lower still
+    too_low = _scale_too_low(figures)  # measured, and never above where the run overflowed: told first
     leading = _leading_skips(figures)
     if too_low is not None or leading < 2 or leading >= figures.num_updates:
         return too_low  # one skip is calibration; all skipped: the scale never settled (others say)
@@ -797,8 +805,7 @@ def _scale_too_low(figures: RunFigures) -> Optional[Advice]:
     if not most(len(low), len(measured)):
         return None
     new = min(min(m["scale"] * 2.0 ** math.floor(m["headroom_bits"] - 1) for m in low), MAX_PROPOSED_SCALE)
-    # the run's own backward overflows measured what the weights' headroom cannot see (the activations' gradients)
-    overflowed = min((value_at(figures.curve, s) for s in _scaling_skips(figures)), default=math.inf)
+    overflowed = _overflowed(figures)
     new = min(new, overflowed / 2)
     if new < 4 * max(m["scale"] for m in low):
         return None  # under 2 bits to gain below the scale the run overflowed at: no higher scale to give
@@ -857,7 +864,8 @@ def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, 
     " largest gradient at the weights and at each module's output, a doubling below overflow) and keeps them;"
     " without a reference: the scale pinned at `max_scale` with 2+ bits of the weights' headroom",
     fix="with the reference: `max_scale=`, `init_scale=` that scale (a dead run, `loss * 1e-14`, trains again);"
-    " without: `init_scale=` and `max_scale=` the scale the headroom allows, a doubling below overflow",
+    " without: `init_scale=` and `max_scale=` the scale the headroom allows, a doubling below overflow and below"
+    " any scale the run's backward overflowed at",
     look_alike="an embedding run whose zeros are structural",
     blind="the reference offline",
     measured=lambda f: f.underflow is not None and f.knobs is not None,  # needs the measurements and the cap
@@ -898,7 +906,9 @@ def _max_scale_pinned(figures: RunFigures, measured: list[dict[str, Any]]) -> Op
     assert figures.knobs is not None
     max_scale = figures.knobs["max_scale"]
     room = min(m["headroom_bits"] for m in pinned)
-    new = min(max_scale * 2.0 ** math.floor(room - 1), max(MAX_PROPOSED_SCALE, max_scale))
+    new = min(max_scale * 2.0 ** math.floor(room - 1), max(MAX_PROPOSED_SCALE, max_scale), _overflowed(figures) / 2)
+    if new <= max_scale:
+        return None  # the run's backward overflowed just above the cap: no higher scale to give
     return Advice(
         "max_scale",
         f"The scale sits at max_scale={_scale(max_scale)} while"

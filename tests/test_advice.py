@@ -804,3 +804,14 @@ def test_offline_the_knobs_are_the_logged_calls_only_for_a_fit_logged_from_step_
     assert fresh.knobs["hysteresis"] == 1  # the default, where the call leaves it out
     resumed = figures_from_series({"amp/loss_scale": [(30, 4096.0), (39, 4096.0)]}, hparams)
     assert resumed.knobs is None  # its checkpoint's knobs replace the call's: not known from the call
+
+
+def test_a_pinned_scale_is_not_raised_where_the_runs_backward_overflowed():
+    pinned = [_measure(0.9, 10.0, scale=2.0**12)] * 3
+    figures = run([(0, 2.0**12)], [], 200, underflow=pinned)
+    figures.knobs = {**figures.knobs, "max_scale": 2.0**12}
+    assert only_code(figures, "max_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**21, max_scale=2.0**21)'
+    # the same run once overflowed in backward at the cap: no scale above it is measured to fit
+    overflowed = run([(0, 2.0**12), (6, 2.0**11), (106, 2.0**12)], [5], 200, underflow=pinned)
+    overflowed.knobs = {**overflowed.knobs, "max_scale": 2.0**12}
+    assert "max_scale" not in codes(overflowed)
