@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 from typing import Any
 
@@ -45,3 +46,11 @@ class KnobsRepr:
     def __repr__(self) -> str:
         given = getattr(self, "_given", {})
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in given.items())})"
+
+
+def number(value: float) -> str:
+    """A scale as a line shows it, exactly: a whole number in full (``4194304``, not ``4.1943e+06``)."""
+    value = float(value)
+    if not math.isfinite(value):
+        return f"{value:g}"
+    return f"{value:.0f}" if value.is_integer() else repr(value)  # exact either way (2**-20: 9.5367431640625e-07)

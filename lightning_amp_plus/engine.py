@@ -25,7 +25,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_amp_plus._compat import Deprecated
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._log import global_rank, say
-from lightning_amp_plus._repr import same_value
+from lightning_amp_plus._repr import number, same_value
 from lightning_amp_plus._validation import check_bool, check_choice, check_device, check_int
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.history import ScaleHistory
@@ -434,7 +434,7 @@ class AmpEngine:
         self._streak_warned = True
         if global_rank() != 0:
             return
-        scale = f", loss scale {self.scaler.get_scale():g}" if self.scaler is not None else ""
+        scale = f", loss scale {number(self.scaler.get_scale())}" if self.scaler is not None else ""
         warn_at_user(
             f"{streak} optimizer updates in a row were skipped (inf/nan gradients){scale}: the weights have"
             " not changed since. HINT: check the loss and inputs for inf/nan, lower the learning rate, or add"
@@ -521,7 +521,7 @@ class AmpEngine:
             if self.scaler is None:
                 what = f"its loss scaler's state (scale {scaler_state.get('scale')!r}) is dropped"
             else:
-                what = f"the loss scale starts at init_scale={self.scaler.get_scale():g}"
+                what = f"the loss scale starts at init_scale={number(self.scaler.get_scale())}"
             say(
                 f"`{where}`: resuming a {saved} state under {self.precision}: {what}; the scale history continues"
                 " (its curve shows the switch)."

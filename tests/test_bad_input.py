@@ -492,3 +492,12 @@ def test_the_new_switches_take_a_bool_only(cls, name):
 
     with pytest.raises(TypeError, match=rf"^`{cls}\({name}=1\)` is invalid: expected a bool, got int\.$"):
         getattr(lightning_amp_plus, cls)(**{name: 1})
+
+
+def test_the_streak_warning_shows_the_scale_in_full():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**30, max_scale=2.0**30, warn_skip_streak=10)
+    model = TinyModel(poison={s: "nan" for s in range(12)})
+    with pytest.warns(AmpPlusWarning, match=r"in a row were skipped") as caught:
+        make_trainer(plugins=[plugin], max_steps=12).fit(model)
+    (streak,) = [str(w.message) for w in caught if "in a row were skipped" in str(w.message)]
+    assert "loss scale 1048576:" in streak  # 2**30 halved ten times, exactly (not 1.04858e+06)

@@ -27,6 +27,8 @@ from lightning_amp_plus.scaler import steps_on_device
 FUSED: dict[str, Optional[tuple[str, ...]]] = {"SGD": None, "Adam": None, "AdamW": None, "Adagrad": ("cpu",)}
 #: timed steps of each variant, alternating, after one warm-up each (medians and the gain's quartile are kept)
 TIMED_STEPS = 9
+#: the settings a fix drops to write `fused=True` (torch refuses `fused` and `foreach` together)
+_MADE_WAY = ("fused", "foreach")
 #: parameter elements timed at most (a larger model is timed on its first parameters, scaled to the whole)
 TIMED_ELEMENTS = 2**24
 
@@ -112,7 +114,7 @@ def fused_call(optimizer: torch.optim.Optimizer, params: Optional[str] = None) -
     kept = [
         f"{name}={value!r}"
         for name, value in optimizer.defaults.items()
-        if name not in ("fused", "foreach") and name in defaults and not same_value(value, defaults[name])
+        if name not in _MADE_WAY and name in defaults and not same_value(value, defaults[name])
     ]
     note = "" if params is not None else "  # params: the parameters (or groups) your call passes"
     return f"torch.optim.{cls.__name__}({', '.join([params or 'params', *kept, 'fused=True'])}){note}"
@@ -168,7 +170,7 @@ def own_call(
             return False
         written = {**dict(zip(order, call.args, strict=False)), **{k.arg: k.value for k in call.keywords if k.arg}}
         for setting, value in optimizer.defaults.items():
-            if setting in ("fused", "foreach") or setting not in signature:
+            if setting in _MADE_WAY or setting not in signature:
                 continue
             node = written.get(setting)
             given = signature[setting].default if node is None else literal(node)
@@ -187,7 +189,7 @@ def own_call(
         return None
     call = calls[0]
     parts = [text(a) for a in call.args]
-    parts += [f"{k.arg}={text(k.value)}" for k in call.keywords if k.arg not in ("fused", "foreach")]
+    parts += [f"{k.arg}={text(k.value)}" for k in call.keywords if k.arg not in _MADE_WAY]
     if not all(parts):
         return None
     return f"{text(call.func)}({', '.join([*parts, 'fused=True'])})"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
+from lightning_amp_plus._repr import number
 from lightning_amp_plus.origin import Origin, Phase
 
 
@@ -71,14 +71,6 @@ def _held(scale: float, hysteresis: int, min_scale: float) -> str:
         since = "since the last growth, one capped at max_scale too"
         return f" (held by hysteresis={hysteresis}: it backs off from the {nth} overflow {since})"
     return ""
-
-
-def number(value: float) -> str:
-    """A scale as a line shows it, exactly: a whole number in full (``4194304``, not ``4.1943e+06``)."""
-    value = float(value)
-    if not math.isfinite(value):
-        return f"{value:g}"
-    return f"{value:.0f}" if value.is_integer() else repr(value)  # exact either way (2**-20: 9.5367431640625e-07)
 
 
 def _ordinal(n: int) -> str:

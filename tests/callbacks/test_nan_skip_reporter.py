@@ -1078,7 +1078,7 @@ def test_a_skip_on_the_last_step_before_a_log_says_what_it_did_to_the_scale(capl
 
 
 def test_a_scale_is_shown_in_full():
-    from lightning_amp_plus.callbacks._skip_text import number
+    from lightning_amp_plus._repr import number
 
     assert number(2.0**22) == "4194304"  # as the docs show scales, not 4.1943e+06
     assert number(0.5) == "0.5"
