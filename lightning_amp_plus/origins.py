@@ -36,9 +36,7 @@ from lightning_amp_plus.sandbox import (
     attempt,
     capture,
     copied_inputs,
-    give_back,
     global_streams,
-    holds_state,
     no_logging,
     raised,
     reach,
@@ -247,9 +245,9 @@ class OriginFinder:
                     Phase.FORWARD, OWN_CODE, "inf" if "inf" in taken else "nan", batch_too=bool(taken & in_batch)
                 )
             if output is _GONE or nonfinite_kind(output) is not None:
-                born = self._inside(record, index)
+                born = self._measured(record, index)
                 if born is not None:  # else: finite, or only masks (-inf by design) left the call
-                    return self._with_later_births(record, index, born)
+                    return born
                 if output is not _GONE:
                     by_design.update(id(t) for t in tensors(output))
         if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
@@ -259,245 +257,212 @@ class OriginFinder:
             return None  # an earlier micro-batch of the update may have made them: not recorded
         return Origin(Phase.BACKWARD)
 
-    def _with_later_births(self, record: BatchCalls, index: int, born: Origin) -> Origin:
-        """``born`` with the islands of every later call that also made inf/nan from finite inputs (on its own).
+    def _measured(self, record: BatchCalls, index: int) -> Optional[Origin]:
+        """The module inside call ``index`` that made its non-finite output, and the islands that fix it, by replay.
 
-        An island fix must cover each module whose float16 output overflows in the step, not only the first.
+        Replayed with it: every later call that made inf/nan from finite inputs on its own (an island fix must cover
+        each), and every later call that took in what one of those returned (as the very tensor, ``x = layer(x)``:
+        given the replay's value). A module is born in where its inputs were finite and its output not, no module
+        inside it so. Each one found is run in float32 in the next replay (as ``fp32_modules`` runs it): still
+        non-finite, no precision avoids it (``-inf`` alone that float32 makes too: a mask or a bias by design, no
+        origin); finite, it stays an island, and the replays go on until none is born in: the islands (``()``: more
+        than :data:`MAX_ISLANDS`, one float32 does not fix, or a value finite in float32 that does not fit float16
+        while the LightningModule's own code passed something made of it to a later call, which may cast it back).
+        The first replay must compute what the step did: its output, or, where the step freed that, the random state
+        the call left behind.
         """
-        if not born.islands:
-            return born
-        islands = list(born.islands)
-        chain = self._chain(record, index)  # the calls that took in what it made: the islands cover them already
-        for later in range(index + 1, len(record.calls)):
-            call = record.calls[later]
-            output = _alive(call.output)
-            if later in chain or nonfinite_kind((call.args, call.kwargs)) is not None:
-                continue  # it took in what an earlier call made
-            if output is not _GONE and nonfinite_kind(output) is None:
-                continue  # it made nothing (an output the step freed: the replay below tells)
-            also = self._inside(record, later)
-            if also is None:
-                continue
-            if not also.islands:  # not contained, or not measured (a NaN, a replay unlike the step)
-                return born.but(islands=())
-            islands.extend(i for i in also.islands if i not in islands)
-        return born.but(islands=tuple(islands))
-
-    def _inside(self, record: BatchCalls, index: int) -> Optional[Origin]:
-        """Replay call ``index`` to name the module inside it that made its non-finite output (if it made one).
-
-        The replay must compute what the step did: its output, or, where the step freed that, the random state the
-        call left behind.
-        """
-        name, _, args, kwargs, held, _, torch_after, cuda_after = record.calls[index]
-        output = _alive(held)
-        first = self._replay(record, [index], islands=[])
-        if first.error is not None:
-            return unknown(f"the replay of {name} raised {first.error}")
-        if output is _GONE:
-            if nonfinite_kind(first.outputs[0]) is None:
-                return None  # it made nothing non-finite (its output was freed: replayed to see)
-            after = first.after
-            alike = after is not None and torch.equal(after[0], torch_after)
-            alike = alike and (
-                cuda_after is None or (after is not None and after[1] is not None and torch.equal(after[1], cuda_after))
-            )
-        else:
-            alike = same_values(first.outputs[0], output)
-        if not alike:
-            return Origin(
-                Phase.FORWARD,
-                within=name,
-                kind=nonfinite_kind(first.outputs[0] if output is _GONE else output),
-                reason=f"nondeterministic: the replay of {name} computed other values than the step",
-            )
-        born = first.found
-        if born is not None and born.float32 is Verdict.FINITE:
-            islands = self._islands(record, index, born.name)
-            return born.but(islands=tuple(islands) if islands is not None else ())
-        return born
-
-    def _islands(self, record: BatchCalls, index: int, module: str) -> Optional[list[str]]:
-        """The modules that must run in float32, ``module`` first, for what the call made to stay finite (measured).
-
-        The replay follows what the call returned into every later call that took it in as it came (``x =
-        layer(x)``), so an island whose float32 output the next module casts back to float16 is seen to move the
-        overflow there, and that module joins. None when more than :data:`MAX_ISLANDS` are needed, or when the
-        value, finite in float32, does not fit float16 while the LightningModule's own code passed something made
-        of it to a later call (where it may be cast to float16 again: an island cannot be shown to fix it).
-        """
-        chain = self._chain(record, index)
+        calls, name = record.calls, record.calls[index].name
+        chain = self._reached(record, [index])
+        seeds = [
+            later
+            for later, c in enumerate(calls)
+            if later > index
+            and later not in chain
+            and nonfinite_kind((c.args, c.kwargs)) is None
+            and (_alive(c.output) is _GONE or nonfinite_kind(_alive(c.output)) is not None)
+        ]
+        positions = self._reached(record, [index, *seeds])
         unseen = any(
             nonfinite_kind((c.args, c.kwargs), masks="inputs") is not None
-            for later, c in enumerate(record.calls)
-            if later > index and later not in chain
+            for later, c in enumerate(calls)
+            if later > index and later not in positions
         )
-        islands = [module]
-        while len(islands) <= MAX_ISLANDS:
-            again = self._replay(record, chain, islands)
-            if again.error is not None:
-                return None
-            if again.found is None and nonfinite_kind(again.outputs, masks=True) is None:
-                return islands if not unseen or fits_float16(again.outputs) else None
-            if again.found is None or again.found.float32 is not Verdict.FINITE or again.found.name in islands:
-                return None
-            islands.append(again.found.name)
-        return None
+        islands: list[str] = []  # run in float32 in the next replay, in the order found
+        first: dict[str, tuple[int, Optional[str], bool]] = {}  # module -> the call, kind, +inf/nan it was born with
+        design: set[str] = set()  # modules whose -inf float32 makes too
+        contained = True
+        for round in range(2 * MAX_ISLANDS + 4):
+            replayed = self._replay(record, positions, islands, design)
+            ours = [m for m in islands if first[m][0] == index]
+            if index in replayed.errors:
+                if not ours:
+                    return unknown(f"the replay of {name} raised {replayed.errors[index]}")
+                return Origin(Phase.FORWARD, ours[0], first[ours[0]][1], Verdict.UNKNOWN)
+            if round == 0:
+                held = _alive(calls[index].output)
+                if held is _GONE and nonfinite_kind(replayed.outputs[index]) is None:
+                    return None  # it made nothing non-finite (its output was freed: replayed to see)
+                odd = [i for i in positions if i not in replayed.errors and not _alike(calls[i], replayed, i)]
+                if index in odd:
+                    return Origin(
+                        Phase.FORWARD,
+                        within=name,
+                        kind=nonfinite_kind(replayed.outputs[index] if held is _GONE else held),
+                        reason=f"nondeterministic: the replay of {name} computed other values than the step",
+                    )
+                contained = not odd
+            contained = contained and not replayed.errors
+            tried = list(islands)
+            born: dict[str, tuple[int, str, str, bool]] = {}
+            for birth in replayed.births:
+                born.setdefault(birth[1], birth)  # a module's first birth in the replay
+            for position, module, kind, real in born.values():
+                if module not in islands:
+                    islands.append(module)
+                    first[module] = (position, kind, real)
+                elif not (real or first[module][2]):
+                    islands.remove(module)  # -inf alone, which float32 makes too: by design
+                    design.add(module)
+                elif ours and module == ours[0]:
+                    return Origin(Phase.FORWARD, module, first[module][1], Verdict.NONFINITE)
+                else:
+                    contained = False  # float32 does not fix it
+            ours = [m for m in islands if first[m][0] == index]
+            if not ours:
+                if not any(birth[0] == index for birth in replayed.births):
+                    return None  # finite, or only masks (-inf by design) left the call
+            elif ours[0] in tried and (not contained or not replayed.births or len(islands) > MAX_ISLANDS):
+                outputs = [replayed.outputs.get(i) for i in chain]
+                fixed = contained and not replayed.births and len(islands) <= MAX_ISLANDS
+                fixed = fixed and nonfinite_kind(outputs, masks=True) is None and (not unseen or fits_float16(outputs))
+                islands = [ours[0], *(m for m in islands if m != ours[0])] if fixed else []
+                return Origin(Phase.FORWARD, ours[0], first[ours[0]][1], Verdict.FINITE, islands=tuple(islands))
+        return unknown(f"the replays of {name} found no end")
 
     @staticmethod
-    def _chain(record: BatchCalls, index: int) -> list[int]:
-        """Call ``index`` and every later call that took in, as the very tensor, what a call of the chain returned."""
-        chain = [index]
-        made = {id(t) for t in tensors(_alive(record.calls[index].output))}
-        for later in range(index + 1, len(record.calls)):
+    def _reached(record: BatchCalls, seeds: list[int]) -> list[int]:
+        """``seeds`` and every later call that took in, as the very tensor, what a call reached returned."""
+        reached: list[int] = []
+        made: set[int] = set()
+        for later in range(seeds[0], len(record.calls)):
             call = record.calls[later]
-            if any(id(t) in made for t in tensors((call.args, call.kwargs))):
-                chain.append(later)
+            if later in seeds or any(id(t) in made for t in tensors((call.args, call.kwargs))):
+                reached.append(later)
                 made.update(id(t) for t in tensors(_alive(call.output)))
-        return chain
+        return reached
 
-    def _replay(self, record: BatchCalls, indices: list[int], islands: list[str]) -> _Replayed:
-        """The calls ``indices`` again, sandboxed, each from its own start, every module in them hooked.
+    def _replay(self, record: BatchCalls, positions: list[int], islands: list[str], design: set[str]) -> _Replayed:
+        """The calls ``positions`` again, sandboxed, each from its own start, every module in them watched.
 
-        A later call takes in what an earlier one of them returned in place of what it recorded (``islands``: the
-        modules run in float32, as ``AmpPlusPrecision(fp32_modules=...)`` runs them).
+        A call takes in what an earlier one returned in this replay where it took in what that one recorded;
+        ``islands`` run in float32, as ``AmpPlusPrecision(fp32_modules=...)`` runs them; ``design``: modules whose
+        ``-inf`` is by design.
         """
         model = self._module
         assert model is not None
-        calls = [record.calls[i] for i in indices]
-        result = _Replayed()
-
+        calls = [record.calls[i] for i in positions]
         frontier = [(c.name, resolve_module(c.module)) for c in calls]  # a compiled module replays eagerly
         roots = (*(inner for _, inner in frontier), *((c.args, c.kwargs) for c in calls))  # what its code reaches
-        owned = [stream for stream, _ in (record.start[2] or [])] if record.start is not None else []  # set below
+        owned = [stream for stream, _ in (record.start[2] or [])] if record.start is not None else []
+        replayed = _Replayed()
 
         def run() -> None:
-            with (
-                sandboxed(roots, self._device_type, grad=True, streams=owned) as box,
-                no_logging(model),
-                torch.enable_grad(),
-            ):
-                watch = _FirstBorn(frontier, self._device_type, box.streams)
+            with sandboxed(roots, self._device_type, grad=True, streams=owned), no_logging(model), torch.enable_grad():
+                watch = _Watch(frontier, self._device_type, islands, design)
                 replaced: dict[int, Tensor] = {}
                 try:
-                    watch.install(islands)
-                    for position, (index, (_, _, args, kwargs, held, *_)) in enumerate(
-                        zip(indices, calls, strict=True)
-                    ):
-                        start = record.step_start(index, owned=position == 0, host=False)
+                    for index, call, (_, module) in zip(positions, calls, frontier, strict=True):
+                        start = record.step_start(index, owned=index == positions[0], host=False)
                         if start is not None:
                             start.restore()
-                        given = map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
+                        given = map_tensors(lambda t: replaced.get(id(t), t), (call.args, call.kwargs))
+                        watch.position, watch.open = index, []
                         with self._forward_context():
-                            output = frontier[position][1](*copied_inputs(given[0]), **copied_inputs(given[1]))
-                        if position == 0:  # the random state the call left: the step's, if the replay was alike
-                            cuda = (
-                                torch.cuda.default_generators[torch.cuda.current_device()] if self._cuda_state else None
-                            )
-                            result.after = (torch.default_generator.get_state(), cuda.get_state() if cuda else None)
-                        result.outputs.append(output)
-                        replaced.update(zip(map(id, tensors(_alive(held))), tensors(output), strict=False))
+                            output, error = attempt(_called, module, given)
+                        cuda = self._cuda_state() if self._cuda_state is not None else None
+                        replayed.after[index] = (torch.default_generator.get_state(), cuda)
+                        replayed.outputs[index] = output
+                        if error is not None:
+                            replayed.errors[index] = error
+                            continue
+                        replaced.update(zip(map(id, tensors(_alive(call.output))), tensors(output), strict=False))
                 finally:
                     watch.remove()
-                result.found = watch.found
+                replayed.births = watch.births
 
-        _, result.error = attempt(run)
-        return result
+        _, error = attempt(run)
+        if error is not None:
+            replayed.errors.setdefault(positions[0], error)
+        return replayed
 
 
 @dataclass
 class _Replayed:
-    """What a replay of calls gave: their outputs, the first module that made inf/nan in them, or what it raised."""
+    """What a replay gave, by call: outputs, what one raised, torch's random state after; and the modules born in."""
 
-    outputs: list[Any] = field(default_factory=list)
-    found: Optional[Origin] = None
-    error: Optional[str] = None
-    after: Optional[tuple[Tensor, Optional[Tensor]]] = None  # torch's random state after the first call
+    outputs: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    after: dict[int, tuple[Tensor, Optional[Tensor]]] = field(default_factory=dict)
+    births: list[tuple[int, str, str, bool]] = field(default_factory=list)  # call, module, kind, +inf or nan
 
 
-class _FirstBorn:
-    """Hooks on every module inside one call: the first whose inputs were finite and whose output was not.
+def _called(module: torch.nn.Module, given: tuple[Any, Any]) -> Any:
+    return module(*copied_inputs(given[0]), **copied_inputs(given[1]))
 
-    That module is recomputed in float32 on the inputs it had, from the random state it started with (and the
-    replay's state put back after): an fp16 overflow is finite there; ``-inf`` that float32 makes too is a mask by
-    design, not an origin.
+
+def _alike(call: Call, replayed: _Replayed, index: int) -> bool:
+    """Whether a replay computed what the step did: the call's output, or (freed) the random state it left."""
+    held = _alive(call.output)
+    if held is not _GONE:
+        return same_values(replayed.outputs[index], held)
+    after, cuda = replayed.after[index]
+    return torch.equal(after, call.torch_after) and (
+        call.cuda_after is None or (cuda is not None and torch.equal(cuda, call.cuda_after))
+    )
+
+
+class _Watch:
+    """Hooks on every module inside the replayed calls: each born in (inputs finite, output not, none inside it so).
+
+    ``islands`` run in float32 (as ``AmpPlusPrecision(fp32_modules)``); a ``design`` module's ``-inf`` is no birth.
     """
 
-    def __init__(self, frontier: list[tuple[str, torch.nn.Module]], device_type: str, streams: list[Any]) -> None:
-        self.found: Optional[Origin] = None
+    def __init__(
+        self, frontier: list[tuple[str, torch.nn.Module]], device_type: str, islands: list[str], design: set[str]
+    ) -> None:
+        self.births: list[tuple[int, str, str, bool]] = []
+        self.position = -1  # the call replayed
+        self.open: list[int] = []  # the births found when each module now running started
         self._names: dict[int, str] = {}
-        self._modules: list[torch.nn.Module] = []
+        self._design = design
+        self._handles: list[Any] = []
         for name, inner in frontier:
             for sub, module in inner.named_modules():
-                if id(module) not in self._names:
-                    self._names[id(module)] = clean_name(f"{name}.{sub}" if sub else name)
-                    self._modules.append(module)
-        self._device_type = device_type
-        self._streams = [*global_streams(device_type), *streams]
-        self._starts: dict[int, list[tuple[Any, list[tuple[Any, Any]], Any]]] = {}
-        self._handles: list[Any] = []
-        self._recomputing = False
-
-    def install(self, islands: list[str]) -> None:
-        """Hook every module; run those named in ``islands`` in float32 (as ``AmpPlusPrecision(fp32_modules)``)."""
-        for module in self._modules:
-            if self._names[id(module)] in islands and "forward" not in vars(module):
-                module.forward = fp32_forward(module.forward, self._device_type)  # type: ignore[method-assign]
-            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+                if id(module) in self._names:
+                    continue
+                self._names[id(module)] = clean_name(f"{name}.{sub}" if sub else name)
+                if self._names[id(module)] in islands and "forward" not in vars(module):
+                    module.forward = fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
+                self._handles.append(module.register_forward_pre_hook(self._pre))
+                self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
 
     def remove(self) -> None:
         for handle in self._handles:
-            handle.remove()
-        self._handles = []  # the island wrappers go with the sandbox (it puts every attribute back)
+            handle.remove()  # the island wrappers go with the sandbox (it puts every attribute back)
 
-    def _pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if self.found is None and not self._recomputing:
-            # a recompute starts where the call did: its random state, and a copy of an argument the call may change
-            before = attempt(lambda: copied_inputs((args, kwargs)))[0] if holds_state((args, kwargs)) else None
-            self._starts.setdefault(id(module), []).append((versions(args, kwargs), capture(self._streams), before))
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        self.open.append(len(self.births))
 
     def _post(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self._recomputing:
-            return
-        starts = self._starts.get(id(module))
-        kept, start, before = starts.pop() if starts else (None, None, None)
-        if self.found is not None or start is None:
-            return
+        if len(self.births) > (self.open.pop() if self.open else len(self.births)):
+            return  # a module inside it was born in: it passed them on
         kind = nonfinite_kind(output)
         if kind is None or nonfinite_kind((args, kwargs), masks="inputs") is not None:
             return
-        inputs = before  # copies taken before the call, when an argument holds state (a cache the call appends to)
-        if inputs is None and versions(args, kwargs) == kept and not holds_state((args, kwargs)):
-            inputs = (args, kwargs)  # else it changed its own inputs: they are not what it was called with
+        name = self._names[id(module)]
         real = nonfinite_kind(output, masks="all") is not None  # +inf or nan: never by design
-        masks: Masks = "all" if real else False
-        float32 = Verdict.UNKNOWN if inputs is None else self._float32(module, inputs[0], inputs[1], start, masks)
-        if not real and float32 is not Verdict.FINITE:
-            return  # -inf alone, which float32 makes too: by design (a mask, a position bias)
-        self.found = Origin(Phase.FORWARD, self._names[id(module)], kind, float32)
-
-    def _float32(
-        self, module: torch.nn.Module, args: Any, kwargs: Any, start: list[tuple[Any, Any]], masks: Masks
-    ) -> Verdict:
-        """``module`` on the same inputs in float32 (unknown: it raised)."""
-        now = capture(self._streams)
-        self._recomputing = True
-        try:
-            give_back(start)
-            with torch.autocast(self._device_type, enabled=False), torch.no_grad():
-                output, error = attempt(lambda: module(*_up(args), **_up(kwargs)))
-        finally:
-            self._recomputing = False
-            give_back(now)
-        if error is not None:
-            return Verdict.UNKNOWN
-        return Verdict.FINITE if nonfinite_kind(output, masks=masks) is None else Verdict.NONFINITE
-
-
-def _up(value: Any) -> Any:
-    """A call's arguments copied, half floats made float32 (a recompute never writes what the replay goes on with)."""
-    return map_tensors(lambda t: t.detach().float() if t.is_floating_point() else t.detach().clone(), value)
+        if real or name not in self._design:
+            self.births.append((self.position, name, kind, real))
 
 
 def _from_batch(batch: Any, took: list[Tensor]) -> bool:
