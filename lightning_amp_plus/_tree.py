@@ -21,15 +21,16 @@ import torch
 _WIDE = 1024
 #: containers inside containers deeper than this are leaves (a structure that holds itself ends there)
 _DEEPEST = 32
+_RESULTS = (UserDict, SimpleNamespace)
 
-Node = tuple[list[Any], Callable[[list[Any]], Any]]
 
-
-def _node(value: Any, inside: int) -> Optional[Node]:
+def _node(value: Any, inside: int, depth: int) -> Optional[tuple[list[Any], Callable[[list[Any]], Any]]]:
     """``value``'s children and how to build one like it around new ones; None for a leaf.
 
-    ``inside``: how many result objects (``UserDict``, ``SimpleNamespace``) enclose it.
+    ``inside``: how many result objects (``UserDict``, ``SimpleNamespace``) enclose it; ``depth``: containers.
     """
+    if isinstance(value, torch.Tensor) or depth >= _DEEPEST:
+        return None
     if isinstance(value, (list, tuple)):
         return list(value), lambda items: rebuilt(value, items)
     if isinstance(value, dict):
@@ -37,37 +38,38 @@ def _node(value: Any, inside: int) -> Optional[Node]:
         return [value[k] for k in keys], lambda items: _dict_like(value, keys, items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = [f.name for f in dataclasses.fields(value)]
-        return [getattr(value, n, None) for n in names], lambda items: _with_fields(value, names, items)
-    if inside < 2 and isinstance(value, (UserDict, SimpleNamespace)):
+        return [getattr(value, n, None) for n in names], lambda items: _attributes_like(value, names, items)
+    if inside < 2 and isinstance(value, _RESULTS):
         store = value.data if isinstance(value, UserDict) else vars(value)
         keys = [k for k, v in store.items() if not (isinstance(v, (list, tuple, dict)) and len(v) > _WIDE)]
-        return [store[k] for k in keys], lambda items: _result_like(value, keys, items)
+        return [store[k] for k in keys], lambda items: _attributes_like(value, keys, items)
     return None
 
 
-def _deeper(value: Any, inside: int) -> int:
-    return inside + 1 if isinstance(value, (UserDict, SimpleNamespace)) else inside
-
-
-def tensors(value: Any, _inside: int = 0, _depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``, in order, through every container :func:`_node` knows."""
-    if isinstance(value, torch.Tensor):
+def _leaves(value: Any, inside: int = 0, depth: int = 0) -> Iterator[Any]:
+    """Every leaf in ``value``, tensors and the rest, in order."""
+    node = _node(value, inside, depth)
+    if node is None:
         yield value
         return
-    node = _node(value, _inside) if _depth < _DEEPEST else None
-    if node is not None:
-        inside = _deeper(value, _inside)
-        for child in node[0]:
-            yield from tensors(child, inside, _depth + 1)
+    for child in node[0]:
+        yield from _leaves(child, inside + isinstance(value, _RESULTS), depth + 1)
+
+
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``, in order, through every container :func:`_node` knows."""
+    return (leaf for leaf in _leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+def leaves(value: Any) -> Iterator[Any]:
+    """Every leaf in ``value`` that is no tensor (plain values, and objects that may hold state)."""
+    return (leaf for leaf in _leaves(value) if not isinstance(leaf, torch.Tensor))
 
 
 def values(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor in ``value`` as :func:`tensors` finds them, a nested tensor as its components (to read values)."""
     for tensor in tensors(value):
-        if tensor.is_nested:
-            yield from tensor.unbind()
-        else:
-            yield tensor
+        yield from (tensor.unbind() if tensor.is_nested else (tensor,))
 
 
 def map_tensors(
@@ -92,34 +94,19 @@ def map_tensors(
     """
     if isinstance(value, torch.Tensor):
         return fn(value)
-    node = _node(value, _inside) if _depth < _DEEPEST else None
+    node = _node(value, _inside, _depth)
     if node is None:
         return value if other is None else other(value)
-    children, build = node
-    inside = _deeper(value, _inside)
-    items = [map_tensors(fn, child, other, fresh=fresh, _inside=inside, _depth=_depth + 1) for child in children]
-    return value if not fresh and all(a is b for a, b in zip(items, children, strict=True)) else build(items)
-
-
-def leaves(value: Any, _inside: int = 0, _depth: int = 0) -> Iterator[Any]:
-    """Every leaf in ``value`` that is no tensor (plain values, and objects that may hold state)."""
-    if isinstance(value, torch.Tensor):
-        return
-    node = _node(value, _inside) if _depth < _DEEPEST else None
-    if node is None:
-        yield value
-        return
-    inside = _deeper(value, _inside)
-    for child in node[0]:
-        yield from leaves(child, inside, _depth + 1)
+    inside = _inside + isinstance(value, _RESULTS)
+    items = [map_tensors(fn, c, other, fresh=fresh, _inside=inside, _depth=_depth + 1) for c in node[0]]
+    return value if not fresh and all(a is b for a, b in zip(items, node[0], strict=True)) else node[1](items)
 
 
 def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
     """A list or tuple of ``value``'s class holding ``items``, made without calling the user's constructor.
 
-    A plain list or tuple, or a named tuple (its fields positionally), is built as usual; another subclass (its own
-    ``__new__`` may take its fields, ``Pair(out, aux)``, or take an iterable and mean something else) is made by
-    ``tuple.__new__`` / ``list.__new__`` with ``value``'s attributes copied.
+    A named tuple is built from its fields; another subclass (whose ``__new__`` may take its fields, ``Pair(out,
+    aux)``, or an iterable meaning something else) by ``tuple.__new__`` / ``list.__new__``, its attributes copied.
 
     Example:
         >>> class Pair(tuple):
@@ -146,11 +133,10 @@ def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
 
 def _dict_like(value: dict[Any, Any], keys: list[Any], items: list[Any]) -> dict[Any, Any]:
     """A dict of ``value``'s class with ``keys`` -> ``items``; its attributes (a model output's fields) follow."""
-    cls: Any = type(value)
-    if cls is dict:
+    if type(value) is dict:
         return dict(zip(keys, items, strict=True))
     base: Any = OrderedDict if isinstance(value, OrderedDict) else dict
-    made = base.__new__(cls)
+    made = base.__new__(type(value))
     if isinstance(value, defaultdict):
         made.default_factory = value.default_factory
     for key, item in zip(keys, items, strict=True):
@@ -161,28 +147,20 @@ def _dict_like(value: dict[Any, Any], keys: list[Any], items: list[Any]) -> dict
     return made
 
 
-def _with_fields(value: Any, names: list[str], items: list[Any]) -> Any:
-    """A dataclass like ``value`` with ``names`` -> ``items`` (frozen ones too), made without its ``__init__``."""
-    made = object.__new__(type(value))
+def _attributes_like(value: Any, names: list[Any], items: list[Any]) -> Any:
+    """A dataclass, ``SimpleNamespace`` or ``UserDict`` like ``value``, ``names`` -> ``items``, without its code."""
+    made = (SimpleNamespace if isinstance(value, SimpleNamespace) else object).__new__(type(value))
     if hasattr(value, "__dict__"):
         made.__dict__.update(vars(value))
     for cls in type(value).__mro__:
         for slot in getattr(cls, "__slots__", ()):
             if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
                 object.__setattr__(made, slot, getattr(value, slot))
-    for name, item in zip(names, items, strict=True):
-        object.__setattr__(made, name, item)
-    return made
-
-
-def _result_like(value: Any, keys: list[str], items: list[Any]) -> Any:
-    """A ``UserDict`` or ``SimpleNamespace`` like ``value`` with ``keys`` -> ``items`` (no code of its class run)."""
-    made = (SimpleNamespace if isinstance(value, SimpleNamespace) else object).__new__(type(value))
-    made.__dict__.update(vars(value))
     if isinstance(value, UserDict):
-        made.__dict__["data"] = {**value.data, **dict(zip(keys, items, strict=True))}
+        made.__dict__["data"] = {**value.data, **dict(zip(names, items, strict=True))}
     else:
-        made.__dict__.update(zip(keys, items, strict=True))
+        for name, item in zip(names, items, strict=True):
+            object.__setattr__(made, name, item)
     return made
 
 

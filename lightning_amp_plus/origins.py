@@ -1,17 +1,12 @@
 """OriginFinder: where a skipped update's inf/nan were born, read from what the step computed.
 
-One component that :class:`~lightning_amp_plus.NaNSkipReporter` holds (and, through it, ``AmpAdvisor``). On every
-training batch it keeps, by reference, the calls of the modules the LightningModule calls (its children; the children
-of a container such as ``nn.ModuleList``): their inputs, their outputs, and torch's random state after each. On a
-skipped update it reads them: the first call whose inputs were finite and whose output was not is where the values
-were born, and only that call is replayed, in a :func:`~lightning_amp_plus.sandbox.sandboxed` copy of the model from
-the random state it started from, with every module inside it hooked, to name the module inside. The replay must
-give back the very output the step computed; when it does not (a module that draws from a stream the step's start
-did not record), the origin says so instead of naming a module. The module found is recomputed in float32 (an fp16
-overflow is finite there; a NaN the model makes in any precision is not), and for an overflow the replay is run
-again with that module in float32, and then the next one the value overflows in, until the call's output is finite:
-the islands a fix needs, measured. ``training_step`` is never run again, and nothing here raises into training: a
-replay that fails is told (``{"phase": "unknown", "reason": ...}``).
+Held by :class:`~lightning_amp_plus.NaNSkipReporter` (and, through it, ``AmpAdvisor``). Each training batch it keeps, by
+reference, the calls of the modules the LightningModule calls: inputs, outputs, torch's random state after each. On a
+skip it finds the first call whose finite inputs gave a non-finite output and replays that call, sandboxed
+(:func:`~lightning_amp_plus.sandbox.sandboxed`), from the random state it started from, every module inside watched;
+then again with each module found run in float32, until nothing is born: the module, its float32 verdict and the
+islands a fix needs, measured. The replay must give back what the step computed, else the origin says so.
+``training_step`` is never run again, and nothing here raises into training: a replay that fails is told.
 """
 
 from __future__ import annotations
@@ -49,10 +44,7 @@ Masks = Union[bool, Literal["inputs", "all"]]
 
 
 class Call(NamedTuple):
-    """One recorded module call; ``torch_after``/``cuda_after``: torch's generators after it (the next one's start).
-
-    ``output`` is held weakly once the batch's loss is known; ``versions``: its tensors' version counters then.
-    """
+    """One recorded module call; ``output`` held weakly once the loss is known, ``versions`` its tensors' then."""
 
     name: str
     module: torch.nn.Module
@@ -60,7 +52,7 @@ class Call(NamedTuple):
     kwargs: Any
     output: Any
     versions: list[int]
-    torch_after: Tensor
+    torch_after: Tensor  # torch's generators after the call: the next call's start
     cuda_after: Optional[Tensor]
 
 
@@ -78,11 +70,7 @@ class BatchCalls:
     failed: Optional[str] = None  # why a call could not be recorded (then the origin is told unknown, with it)
 
     def step_start(self, index: int = 0, owned: bool = True, host: bool = True) -> Optional[StepStart]:
-        """The random state call ``index`` started from (0: the whole step's, for a rerun of ``training_step``).
-
-        Torch's as the call before it left them (or as the batch began); as the batch began, the streams the module
-        tree holds (``owned``: a replay's first call restores them) and Python's and numpy's (``host``: a rerun).
-        """
+        """The random state call ``index`` started from (0: the step's); ``owned``/``host``: the tree's, the host's."""
         if self.start is None:
             return None
         torch_state, cuda_state, streams = self.start
@@ -91,16 +79,32 @@ class BatchCalls:
         return StepStart(torch_state, cuda_state, streams if owned else None, self.host if host else None)
 
 
-class OriginFinder:
-    """Tell where a skipped update's non-finite values were born (Trainer; see the module docstring).
+def cuda_state(device_type: str) -> Optional[Callable[[], Tensor]]:
+    """The current CUDA generator's ``get_state`` where ``device_type`` is CUDA's; None elsewhere."""
+    cuda = device_type == "cuda" and torch.cuda.is_available()
+    return torch.cuda.default_generators[torch.cuda.current_device()].get_state if cuda else None
 
-    Use :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training
-    batch, and :meth:`origin` on a skip (what recording costs: the Performance page).
+
+def batch_record(
+    batch: Any, index: int, cuda: Optional[Callable[[], Tensor]], owned: list[Any], host: bool
+) -> BatchCalls:
+    """A batch's record as it starts: torch's random state (CUDA's, by ``cuda``), the ``owned`` streams', the host's."""
+    start = (
+        torch.default_generator.get_state(),
+        cuda() if cuda is not None else None,
+        capture(owned) if owned else None,
+    )
+    return BatchCalls(batch, start=start, index=index, host=capture(global_streams()[1:]) if host else None)
+
+
+class OriginFinder:
+    """Tell where a skipped update's non-finite values were born (see the module docstring).
+
+    :meth:`attach` at fit start, :meth:`start_batch` / :meth:`add_loss` / :meth:`take_batch` around each training
+    batch, :meth:`origin` on a skip (what recording costs: the Performance page).
 
     Example:
-        >>> import torch
-        >>> finder = OriginFinder()
-        >>> finder.origin(BatchCalls(batch=torch.tensor([float("nan")]))).to_dict()
+        >>> OriginFinder().origin(BatchCalls(batch=torch.tensor([float("nan")]))).to_dict()
         {'phase': 'input'}
     """
 
@@ -114,23 +118,21 @@ class OriginFinder:
         self._owned: list[Any] = []
         self._cuda_state: Optional[Callable[[], Tensor]] = None
 
-    # ------------------------------------------------------------------ recording
     def attach(self, module: torch.nn.Module, forward_context: Callable[[], Any], accumulating: bool = False) -> None:
         """Record the calls of ``module``'s call frontier; replays run under ``forward_context`` (autocast).
 
-        ``accumulating``: updates span several micro-batches, of which only the last is recorded, so a finite
-        replay cannot say "backward".
+        ``accumulating``: only the last micro-batch of an update is recorded, so a finite one cannot say "backward".
         """
         self.detach()
         if getattr(module, "_compiler_ctx", None) is not None:
             return  # compiled as a whole: a hook would be traced into its graph and change what it computes
-        self._module = module
-        self._forward_context = forward_context
-        self._accumulating = accumulating
-        self._device_type = _device_type(module)
+        self._module, self._forward_context, self._accumulating = module, forward_context, accumulating
+        device = getattr(module, "device", None)
+        if not isinstance(device, torch.device):
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self._device_type = device.type
         self._owned = reach(module).streams  # each batch starts them where the step does: a replay draws alike
-        cuda = self._device_type == "cuda" and torch.cuda.is_available()
-        self._cuda_state = torch.cuda.default_generators[torch.cuda.current_device()].get_state if cuda else None
+        self._cuda_state = cuda_state(self._device_type)
         cpu_state = torch.default_generator.get_state
         for name, called in call_frontier(module):
             if isinstance(called, torch.jit.ScriptModule):
@@ -159,19 +161,11 @@ class OriginFinder:
         """Stop recording; forget the batch."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
-        self._current = None
+        self._handles, self._current = [], None
 
     def start_batch(self, batch: Any, index: int = -1, host: bool = False) -> None:
-        """Record this training batch's calls from now on, and the random state it starts with.
-
-        ``host``: Python's and numpy's global random state too (a rerun of ``training_step`` draws from them).
-        """
-        owned = capture(self._owned) if self._owned else None
-        cuda_state = self._cuda_state
-        start = (torch.default_generator.get_state(), cuda_state() if cuda_state is not None else None, owned)
-        kept = capture(global_streams()[1:]) if host else None  # torch's is in `start`
-        self._current = BatchCalls(batch=batch, start=start, index=index, host=kept)
+        """Record this batch's calls from now on, and the random state it starts with (``host``: Python's, numpy's)."""
+        self._current = batch_record(batch, index, self._cuda_state, self._owned, host)
 
     def add_loss(self, loss: Tensor) -> None:
         """A loss of this batch (a GAN backpropagates two), just before its backward.
@@ -201,20 +195,13 @@ class OriginFinder:
         """The batch being recorded (None between batches)."""
         return self._current
 
-    # ------------------------------------------------------------------ telling
     def origin(self, record: Optional[BatchCalls] = None) -> Optional[Origin]:
-        """Where ``record``'s (default: this batch's) non-finite values were born; None when it cannot be told.
+        """Where ``record``'s (default: this batch's) inf/nan were born (:class:`~lightning_amp_plus.origin.Origin`).
 
-        * :attr:`Phase.INPUT`: the batch held inf/nan, and they reached the model (a module's inputs or the loss);
-        * :attr:`Phase.FORWARD`: the first module (in execution order) whose inputs were finite and whose output was
-          not (:data:`OWN_CODE`: the LightningModule's own code between its modules), with ``kind`` and ``float32``:
-          its output recomputed in float32 (finite: an fp16 overflow; non-finite: no precision avoids it), and for
-          an overflow ``islands``: the modules that had to run in float32 for the call's output to be finite,
-          measured by replay (``()``: none do within :data:`MAX_ISLANDS`). When the replay could not be made to
-          compute what the step computed, ``module`` is None, ``within`` names the call and ``reason`` says why;
-        * :attr:`Phase.LOSS`: every recorded module output finite, the loss not;
-        * :attr:`Phase.BACKWARD`: forward and loss finite;
-        * :attr:`Phase.UNKNOWN`, with its ``reason``: it could not be told (the replay raised, say).
+        Read in order: the batch's inf/nan reaching a call (:attr:`Phase.INPUT`); inf/nan a call took in that no call
+        made (:data:`OWN_CODE`); the first call whose finite inputs gave a non-finite output, replayed
+        (:attr:`Phase.FORWARD`: the module, ``float32``, ``islands``; ``within`` and ``reason`` where the replay
+        computed other values); the loss (:attr:`Phase.LOSS`); else :attr:`Phase.BACKWARD`. None: not told.
         """
         record = record if record is not None else self._current
         if record is None or record.batch is None:
@@ -239,17 +226,14 @@ class OriginFinder:
             if from_batch and from_batch <= in_batch and _from_batch(record.batch, took):
                 return Origin(Phase.INPUT)
             taken = nonfinite_kinds(took, masks="inputs")
-            if taken:  # made before this call by the LightningModule's own code
-                # the batch holding that kind too is said: the step may have spread it
-                return Origin(
-                    Phase.FORWARD, OWN_CODE, "inf" if "inf" in taken else "nan", batch_too=bool(taken & in_batch)
-                )
+            if taken:  # made by the own code before this call; the batch holding that kind too is said (it may spread)
+                kind = "inf" if "inf" in taken else "nan"
+                return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=bool(taken & in_batch))
             if output is _GONE or nonfinite_kind(output) is not None:
                 born = self._measured(record, index)
                 if born is not None:  # else: finite, or only masks (-inf by design) left the call
                     return born
-                if output is not _GONE:
-                    by_design.update(id(t) for t in tensors(output))
+                by_design.update(map(id, tensors(output)))  # nothing where it was freed
         if any(nonfinite_kind(loss.detach()) is not None for loss in record.losses):
             # the batch holding inf/nan is said: it may have reached the loss (a target), not told apart
             return Origin(Phase.LOSS, batch_too=nonfinite_kind(record.batch) is not None)
@@ -260,19 +244,16 @@ class OriginFinder:
     def _measured(self, record: BatchCalls, index: int) -> Optional[Origin]:
         """The module inside call ``index`` that made its non-finite output, and the islands that fix it, by replay.
 
-        Replayed with it: every later call that made inf/nan from finite inputs on its own (an island fix must cover
-        each), and every later call that took in what one of those returned (as the very tensor, ``x = layer(x)``:
-        given the replay's value). A module is born in where its inputs were finite and its output not, no module
-        inside it so. Each one found is run in float32 in the next replay (as ``fp32_modules`` runs it): still
-        non-finite, no precision avoids it (``-inf`` alone that float32 makes too: a mask or a bias by design, no
-        origin); finite, it stays an island, and the replays go on until none is born in: the islands (``()``: more
-        than :data:`MAX_ISLANDS`, one float32 does not fix, or a value finite in float32 that does not fit float16
-        while the LightningModule's own code passed something made of it to a later call, which may cast it back).
-        The first replay must compute what the step did: its output, or, where the step freed that, the random state
-        the call left behind.
+        Replayed with it: each later call that made inf/nan from finite inputs on its own (an island fix must cover
+        each) and each later call that took in, as the very tensor, what one of those returned (``x = layer(x)``:
+        given the replay's value). A module is born in where its inputs were finite and its output not (and no
+        module's inside it). Each module found runs in float32 in the next replay: non-finite still, no precision
+        avoids it (``-inf`` alone: a mask or a bias by design, no origin); finite, it stays an island, until nothing
+        is born: the islands. ``()`` where more than :data:`MAX_ISLANDS` are needed, float32 does not fix one, or a
+        value finite in float32 does not fit float16 while the own code passed something made of it to a later call.
         """
         calls, name = record.calls, record.calls[index].name
-        chain = self._reached(record, [index])
+        chain = _reached(record, [index])
         seeds = [
             later
             for later, c in enumerate(calls)
@@ -281,40 +262,37 @@ class OriginFinder:
             and nonfinite_kind((c.args, c.kwargs)) is None
             and (_alive(c.output) is _GONE or nonfinite_kind(_alive(c.output)) is not None)
         ]
-        positions = self._reached(record, [index, *seeds])
-        unseen = any(
+        positions = _reached(record, [index, *seeds])
+        unseen = any(  # the own code fed inf/nan to a later call: it may cast a float32 island's value back
             nonfinite_kind((c.args, c.kwargs), masks="inputs") is not None
             for later, c in enumerate(calls)
             if later > index and later not in positions
         )
         islands: list[str] = []  # run in float32 in the next replay, in the order found
-        first: dict[str, tuple[int, Optional[str], bool]] = {}  # module -> the call, kind, +inf/nan it was born with
+        first: dict[str, tuple[int, str, bool]] = {}  # module -> the call, kind and +inf/nan it was first born with
         design: set[str] = set()  # modules whose -inf float32 makes too
         contained = True
         for round in range(2 * MAX_ISLANDS + 4):
-            replayed = self._replay(record, positions, islands, design)
+            replay = self._replay(record, positions, islands, design)
             ours = [m for m in islands if first[m][0] == index]
-            if index in replayed.errors:
+            if index in replay.errors:
                 if not ours:
-                    return unknown(f"the replay of {name} raised {replayed.errors[index]}")
+                    return unknown(f"the replay of {name} raised {replay.errors[index]}")
                 return Origin(Phase.FORWARD, ours[0], first[ours[0]][1], Verdict.UNKNOWN)
             if round == 0:
                 held = _alive(calls[index].output)
-                if held is _GONE and nonfinite_kind(replayed.outputs[index]) is None:
+                if held is _GONE and nonfinite_kind(replay.outputs[index]) is None:
                     return None  # it made nothing non-finite (its output was freed: replayed to see)
-                odd = [i for i in positions if i not in replayed.errors and not _alike(calls[i], replayed, i)]
+                odd = [i for i in positions if i not in replay.errors and not replay.alike(calls[i], i)]
                 if index in odd:
-                    return Origin(
-                        Phase.FORWARD,
-                        within=name,
-                        kind=nonfinite_kind(replayed.outputs[index] if held is _GONE else held),
-                        reason=f"nondeterministic: the replay of {name} computed other values than the step",
-                    )
+                    kind = nonfinite_kind(replay.outputs[index] if held is _GONE else held)
+                    reason = f"nondeterministic: the replay of {name} computed other values than the step"
+                    return Origin(Phase.FORWARD, within=name, kind=kind, reason=reason)
                 contained = not odd
-            contained = contained and not replayed.errors
+            contained = contained and not replay.errors
             tried = list(islands)
             born: dict[str, tuple[int, str, str, bool]] = {}
-            for birth in replayed.births:
+            for birth in replay.births:
                 born.setdefault(birth[1], birth)  # a module's first birth in the replay
             for position, module, kind, real in born.values():
                 if module not in islands:
@@ -328,35 +306,21 @@ class OriginFinder:
                 else:
                     contained = False  # float32 does not fix it
             ours = [m for m in islands if first[m][0] == index]
-            if not ours:
-                if not any(birth[0] == index for birth in replayed.births):
-                    return None  # finite, or only masks (-inf by design) left the call
-            elif ours[0] in tried and (not contained or not replayed.births or len(islands) > MAX_ISLANDS):
-                outputs = [replayed.outputs.get(i) for i in chain]
-                fixed = contained and not replayed.births and len(islands) <= MAX_ISLANDS
+            if not ours and not any(birth[0] == index for birth in replay.births):
+                return None  # finite, or only masks (-inf by design) left the call
+            if ours and ours[0] in tried and (not contained or not replay.births or len(islands) > MAX_ISLANDS):
+                outputs = [replay.outputs.get(i) for i in chain]
+                fixed = contained and not replay.births and len(islands) <= MAX_ISLANDS
                 fixed = fixed and nonfinite_kind(outputs, masks=True) is None and (not unseen or fits_float16(outputs))
-                islands = [ours[0], *(m for m in islands if m != ours[0])] if fixed else []
-                return Origin(Phase.FORWARD, ours[0], first[ours[0]][1], Verdict.FINITE, islands=tuple(islands))
+                found = (ours[0], *(m for m in islands if m != ours[0])) if fixed else ()
+                return Origin(Phase.FORWARD, ours[0], first[ours[0]][1], Verdict.FINITE, islands=found)
         return unknown(f"the replays of {name} found no end")
 
-    @staticmethod
-    def _reached(record: BatchCalls, seeds: list[int]) -> list[int]:
-        """``seeds`` and every later call that took in, as the very tensor, what a call reached returned."""
-        reached: list[int] = []
-        made: set[int] = set()
-        for later in range(seeds[0], len(record.calls)):
-            call = record.calls[later]
-            if later in seeds or any(id(t) in made for t in tensors((call.args, call.kwargs))):
-                reached.append(later)
-                made.update(id(t) for t in tensors(_alive(call.output)))
-        return reached
-
-    def _replay(self, record: BatchCalls, positions: list[int], islands: list[str], design: set[str]) -> _Replayed:
+    def _replay(self, record: BatchCalls, positions: list[int], islands: list[str], design: set[str]) -> _Replay:
         """The calls ``positions`` again, sandboxed, each from its own start, every module in them watched.
 
         A call takes in what an earlier one returned in this replay where it took in what that one recorded;
-        ``islands`` run in float32, as ``AmpPlusPrecision(fp32_modules=...)`` runs them; ``design``: modules whose
-        ``-inf`` is by design.
+        ``islands`` run in float32, as ``AmpPlusPrecision(fp32_modules=...)`` runs them.
         """
         model = self._module
         assert model is not None
@@ -364,94 +328,96 @@ class OriginFinder:
         frontier = [(c.name, resolve_module(c.module)) for c in calls]  # a compiled module replays eagerly
         roots = (*(inner for _, inner in frontier), *((c.args, c.kwargs) for c in calls))  # what its code reaches
         owned = [stream for stream, _ in (record.start[2] or [])] if record.start is not None else []
-        replayed = _Replayed()
+        replay = _Replay(design)
 
         def run() -> None:
             with sandboxed(roots, self._device_type, grad=True, streams=owned), no_logging(model), torch.enable_grad():
-                watch = _Watch(frontier, self._device_type, islands, design)
                 replaced: dict[int, Tensor] = {}
-                try:
+                with replay.watching(frontier, self._device_type, islands):
                     for index, call, (_, module) in zip(positions, calls, frontier, strict=True):
                         start = record.step_start(index, owned=index == positions[0], host=False)
                         if start is not None:
                             start.restore()
                         given = map_tensors(lambda t: replaced.get(id(t), t), (call.args, call.kwargs))
-                        watch.position, watch.open = index, []
+                        replay.position, replay.open = index, []
                         with self._forward_context():
                             output, error = attempt(_called, module, given)
                         cuda = self._cuda_state() if self._cuda_state is not None else None
-                        replayed.after[index] = (torch.default_generator.get_state(), cuda)
-                        replayed.outputs[index] = output
+                        replay.after[index] = (torch.default_generator.get_state(), cuda)
+                        replay.outputs[index] = output
                         if error is not None:
-                            replayed.errors[index] = error
+                            replay.errors[index] = error
                             continue
                         replaced.update(zip(map(id, tensors(_alive(call.output))), tensors(output), strict=False))
-                finally:
-                    watch.remove()
-                replayed.births = watch.births
 
         _, error = attempt(run)
         if error is not None:
-            replayed.errors.setdefault(positions[0], error)
-        return replayed
+            replay.errors.setdefault(positions[0], error)
+        return replay
 
 
-@dataclass
-class _Replayed:
-    """What a replay gave, by call: outputs, what one raised, torch's random state after; and the modules born in."""
-
-    outputs: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    after: dict[int, tuple[Tensor, Optional[Tensor]]] = field(default_factory=dict)
-    births: list[tuple[int, str, str, bool]] = field(default_factory=list)  # call, module, kind, +inf or nan
+def _reached(record: BatchCalls, seeds: list[int]) -> list[int]:
+    """``seeds`` and every later call that took in, as the very tensor, what a call reached returned."""
+    reached: list[int] = []
+    made: set[int] = set()
+    for later in range(seeds[0], len(record.calls)):
+        call = record.calls[later]
+        if later in seeds or any(id(t) in made for t in tensors((call.args, call.kwargs))):
+            reached.append(later)
+            made.update(id(t) for t in tensors(_alive(call.output)))
+    return reached
 
 
 def _called(module: torch.nn.Module, given: tuple[Any, Any]) -> Any:
     return module(*copied_inputs(given[0]), **copied_inputs(given[1]))
 
 
-def _alike(call: Call, replayed: _Replayed, index: int) -> bool:
-    """Whether a replay computed what the step did: the call's output, or (freed) the random state it left."""
-    held = _alive(call.output)
-    if held is not _GONE:
-        return same_values(replayed.outputs[index], held)
-    after, cuda = replayed.after[index]
-    return torch.equal(after, call.torch_after) and (
-        call.cuda_after is None or (cuda is not None and torch.equal(cuda, call.cuda_after))
-    )
+class _Replay:
+    """One replay of calls: by call, its output, what it raised and torch's random state after; and the births.
 
-
-class _Watch:
-    """Hooks on every module inside the replayed calls: each born in (inputs finite, output not, none inside it so).
-
-    ``islands`` run in float32 (as ``AmpPlusPrecision(fp32_modules)``); a ``design`` module's ``-inf`` is no birth.
+    A birth: a module whose inputs were finite and whose output was not, no module inside it so (a ``design``
+    module's ``-inf`` is none).
     """
 
-    def __init__(
-        self, frontier: list[tuple[str, torch.nn.Module]], device_type: str, islands: list[str], design: set[str]
-    ) -> None:
-        self.births: list[tuple[int, str, str, bool]] = []
+    def __init__(self, design: set[str]) -> None:
+        self.outputs: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}
+        self.after: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
+        self.births: list[tuple[int, str, str, bool]] = []  # call, module, kind, +inf or nan
         self.position = -1  # the call replayed
-        self.open: list[int] = []  # the births found when each module now running started
-        self._names: dict[int, str] = {}
+        self.open: list[int] = []  # the births found when each module running started
         self._design = design
-        self._handles: list[Any] = []
+        self._names: dict[int, str] = {}
+
+    def alike(self, call: Call, index: int) -> bool:
+        """Whether it computed what the step did: the call's output, or (freed) the random state it left."""
+        held = _alive(call.output)
+        if held is not _GONE:
+            return same_values(self.outputs[index], held)
+        after, cuda = self.after[index]
+        return torch.equal(after, call.torch_after) and (
+            call.cuda_after is None or (cuda is not None and torch.equal(cuda, call.cuda_after))
+        )
+
+    @contextlib.contextmanager
+    def watching(
+        self, frontier: list[tuple[str, torch.nn.Module]], device_type: str, islands: list[str]
+    ) -> Iterator[None]:
+        """Every module inside ``frontier`` hooked; those in ``islands`` in float32 (the sandbox puts them back)."""
+        handles: list[Any] = []
         for name, inner in frontier:
             for sub, module in inner.named_modules():
-                if id(module) in self._names:
-                    continue
-                self._names[id(module)] = clean_name(f"{name}.{sub}" if sub else name)
-                if self._names[id(module)] in islands and "forward" not in vars(module):
-                    module.forward = fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
-                self._handles.append(module.register_forward_pre_hook(self._pre))
-                self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()  # the island wrappers go with the sandbox (it puts every attribute back)
-
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        self.open.append(len(self.births))
+                if id(module) not in self._names:
+                    self._names[id(module)] = clean_name(f"{name}.{sub}" if sub else name)
+                    if self._names[id(module)] in islands and "forward" not in vars(module):
+                        module.forward = fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
+                    handles.append(module.register_forward_pre_hook(lambda *_: self.open.append(len(self.births))))
+                    handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _post(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if len(self.births) > (self.open.pop() if self.open else len(self.births)):
@@ -466,13 +432,12 @@ class _Watch:
 
 
 def _from_batch(batch: Any, took: list[Tensor]) -> bool:
-    """Whether the non-finite values a call took in can be the batch's (its kinds checked before).
+    """Whether the inf/nan a call took in can be the batch's (its kinds checked before).
 
-    Yes when one is a batch tensor holding them, or a view of one. Else, per sample: every sample (first dimension)
-    where the call's tensors hold them must be one where the batch does, as the batch's values carried on by the
-    step's own code keep to their samples; NaN-coded labels at some samples do not make the own code's overflow, at
-    every sample, the batch's. A tensor of another first dimension cannot be compared: not shown the batch's (the
-    origin is then the step's own code, told with ``"batch": "nonfinite"``).
+    Yes when one is a batch tensor holding them, or a view of one; else when every sample (first dimension) where the
+    call's tensors hold them is one where the batch does: the batch's values carried on keep to their samples (NaN
+    labels at some samples do not make an overflow at every sample the batch's). A tensor of another first dimension
+    (flattened) cannot be compared: not shown the batch's.
     """
     bad = [t for t in values(batch) if t.is_floating_point() and _kinds(t, True)]
     shared = {t.untyped_storage().data_ptr() for t in bad}
@@ -483,16 +448,13 @@ def _from_batch(batch: Any, took: list[Tensor]) -> bool:
         if t.dim():
             rows.setdefault(t.shape[0], set()).update(_bad_rows(t))
     told = [t for t in values(took) if t.is_floating_point() and t.dim() and _kinds(t, True)]
-    if not told or any(t.shape[0] not in rows for t in told):
-        return False  # no sample to compare (flattened, another first dimension): not shown to be the batch's
-    return all(_bad_rows(t) <= rows[t.shape[0]] for t in told)
+    return bool(told) and all(t.shape[0] in rows and _bad_rows(t) <= rows[t.shape[0]] for t in told)
 
 
 def _bad_rows(tensor: Tensor) -> set[int]:
     """The samples (first dimension) where ``tensor`` holds a non-finite value an additive mask does not explain."""
     inf, nan = _counted(tensor.detach(), True)
-    bad = (inf | nan).reshape(tensor.shape[0], -1).any(1)
-    return {int(i) for i in bad.nonzero().flatten().tolist()}
+    return set((inf | nan).reshape(tensor.shape[0], -1).any(1).nonzero().flatten().tolist())
 
 
 #: how much an origin tells, most first: a rank that saw the inf/nan born outranks one whose forward was finite
@@ -502,29 +464,22 @@ _TELLING = [Phase.INPUT, Phase.LOSS, Phase.FORWARD, Phase.BACKWARD, Phase.UNKNOW
 def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
     """The origin of one skipped update from every rank's: the most telling one, with the ``rank`` that saw it.
 
-    With DDP every rank skips the update (its gradients are averaged), yet only the rank whose batch, loss or forward
-    made the inf/nan can tell where they were born; the others see a finite forward and would say "backward".
+    With DDP every rank skips the update, yet only the rank whose batch, loss or forward made the inf/nan can tell
+    where; the others see a finite forward and would say "backward".
 
     Example:
         >>> job_origin([Origin(Phase.BACKWARD), Origin(Phase.INPUT)]).to_dict()
         {'phase': 'input', 'rank': 1}
-        >>> job_origin([None, None]) is None
-        True
     """
-    told = [(rank, o) for rank, o in enumerate(per_rank) if o]
-    if not told:
-        return None
-    if len(per_rank) == 1:
-        return told[0][1]
-    rank, origin = min(told, key=lambda pair: (_TELLING.index(pair[1].phase), pair[0]))
+    told = [(_TELLING.index(o.phase), rank, o) for rank, o in enumerate(per_rank) if o]
+    if len(per_rank) == 1 or not told:
+        return told[0][2] if told else None
+    _, rank, origin = min(told, key=lambda found: found[:2])
     return origin.but(rank=rank)
 
 
 def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
-    """The modules ``module``'s own code calls: its children, and a container's children in its place.
-
-    A container (``nn.ModuleList``, ``nn.ModuleDict``, any module without a ``forward`` of its own) is never called
-    itself: its children are.
+    """The modules ``module``'s own code calls: its children, a container's (never called itself) in its place.
 
     Example:
         >>> from torch import nn
@@ -534,33 +489,21 @@ def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[s
         ['layers.0', 'layers.1', 'head']
     """
     for name, child in module.named_children():
-        qualified = f"{prefix}{name}"
-        if isinstance(child, torch.jit.ScriptModule):
-            yield qualified, child  # called whole (its class's `forward` is scripted, not Python)
-            continue
-        container = type(child).forward is torch.nn.Module.forward and "forward" not in vars(child)
-        if container and not is_compiled_wrapper(child):  # `_forward_unimplemented`: never called itself
-            yield from call_frontier(child, f"{qualified}.")
+        # a container (`_forward_unimplemented`); a scripted module's class `forward` is scripted: called whole
+        scripted = isinstance(child, torch.jit.ScriptModule)
+        container = not scripted and type(child).forward is torch.nn.Module.forward and "forward" not in vars(child)
+        if container and not is_compiled_wrapper(child):
+            yield from call_frontier(child, f"{prefix}{name}.")
         else:
-            yield qualified, child
-
-
-def _device_type(module: torch.nn.Module) -> str:
-    device = getattr(module, "device", None)
-    if isinstance(device, torch.device):
-        return device.type
-    first = next(iter(module.parameters()), None)
-    return first.device.type if first is not None else "cpu"
+            yield f"{prefix}{name}", child
 
 
 def nonfinite_kind(value: Any, masks: Masks = False) -> Optional[str]:
-    """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (nested lists, tuples, dicts) holding one.
+    """``"inf"`` or ``"nan"`` for the first floating tensor in ``value`` (any container) holding one.
 
     With ``masks``, an additive mask's ``-inf`` does not count: a tensor whose finite values take two values at most
-    (0 / ``-inf``; 0 / -1e4 / ``-inf``), as attention masks hold by design. ``masks="inputs"`` (what a call takes in):
-    besides, ``-inf`` counts only in a half-precision tensor (a float16 sum or product that overflowed; float32 does
-    not overflow there, its ``-inf`` is a mask or a bias by design). ``masks="all"``: no ``-inf`` counts (a module's
-    output, whose float32 recompute tells an overflow from a mask or a bias by design).
+    (0 / ``-inf``; 0 / -1e4 / ``-inf``). ``masks="inputs"`` (what a call takes in): besides, ``-inf`` counts only in
+    a half-precision tensor (float32's ``-inf`` is a mask or a bias by design). ``masks="all"``: no ``-inf`` counts.
     """
     for tensor in values(value):
         kinds = _kinds(tensor, masks)
@@ -599,45 +542,33 @@ def _mask_like(tensor: Tensor) -> bool:
 
 def fits_float16(value: Any) -> bool:
     """Whether every floating tensor in ``value`` fits float16's range (below 65504 in magnitude, ``-inf`` aside)."""
-    for tensor in values(value):
-        if tensor.is_floating_point():
-            finite = tensor[torch.isfinite(tensor)]
-            if finite.numel() and bool(finite.abs().max() >= 65504.0):
-                return False
-    return True
+    return not any(
+        t.is_floating_point() and bool((torch.isfinite(t) & (t.abs() >= 65504.0)).any()) for t in values(value)
+    )
 
 
 def same_values(replayed: Any, recorded: Any) -> bool:
     """Whether a replay computed what the step did: alike tensors, inf/nan in the same places, the rest equal.
 
-    Equal up to a relative 1e-3, for kernels whose float sums are not bitwise repeatable (atomics on a GPU); a replay
-    that drew other random numbers (other dropout masks, another layer dropped) differs far beyond that.
+    Floats equal up to a relative 1e-3 (:func:`torch.testing.assert_close`), for kernels whose sums are not bitwise
+    repeatable (atomics on a GPU); a replay that drew other random numbers (dropout masks) differs far beyond that.
     """
-    a, b = list(values(replayed)), list(values(recorded))
-    if len(a) != len(b):
+    try:
+        for x, y in zip(values(replayed), values(recorded), strict=True):
+            x, y = x.detach(), y.detach().to(x.device)
+            if x.is_floating_point():
+                torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-6, equal_nan=True)
+            elif x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+    except (AssertionError, ValueError):  # another value, dtype or shape; another number of tensors
         return False
-    for x, y in zip(a, b, strict=True):
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        if not x.is_floating_point():
-            if not torch.equal(x, y.to(x.device)):
-                return False
-            continue
-        x, y = x.detach(), y.detach().to(x.device)
-        for test in (torch.isnan, torch.isposinf, torch.isneginf):
-            if not torch.equal(test(x), test(y)):
-                return False
-        finite = torch.isfinite(x)
-        if not torch.allclose(x[finite].float(), y[finite].float(), rtol=1e-3, atol=1e-6):
-            return False
     return True
 
 
 def versions(args: Any, kwargs: Any, output: Any = None) -> list[int]:
-    """How many version counters a call's arguments hold, then theirs, then its output's.
+    """How many version counters a call's arguments hold, then theirs, then its output's (-1: an inference tensor).
 
-    An in-place change later shows as another number. An inference tensor (``torch.inference_mode``) has none: it
-    counts as -1 (it cannot be changed in place after).
+    An in-place change later shows as another number.
     """
     found = [0]
     for arg in args:  # flat arguments, the common case, without a nested walk
@@ -660,11 +591,7 @@ _GONE = object()
 
 
 class _Weak:
-    """A call's output held weakly: the tensors in it (in :func:`tensors` order), each a weak reference.
-
-    The step frees what only it held (the logits of a model's output dict), as it would without the finder; what a
-    reading needs of an output is its tensors.
-    """
+    """A call's output held weakly: its tensors (in :func:`tensors` order), each a weak reference."""
 
     __slots__ = ("refs",)
 
@@ -675,8 +602,8 @@ class _Weak:
 def _alive(held: Any) -> Any:
     """What a record holds: the output (its tensors, when held weakly), or :data:`_GONE` if the step freed one."""
     if isinstance(held, weakref.ref):
-        output = held()
-        return _GONE if output is None else output
+        held = held()
+        return _GONE if held is None else held
     if isinstance(held, _Weak):
         found = [ref() for ref in held.refs]
         return _GONE if any(t is None for t in found) else found

@@ -499,10 +499,10 @@ def test_a_bf16_runs_own_code_islands_are_measured_under_bf16_and_the_fix_trains
     tried = []
     real = _rerun._finite_as
 
-    def spy(module, batch, batch_idx, start, device_type, dtype=None, islands=()):
+    def spy(module, record, device_type, dtype=None, islands=()):
         if islands:
             tried.append(dtype)
-        return real(module, batch, batch_idx, start, device_type, dtype, islands)
+        return real(module, record, device_type, dtype, islands)
 
     monkeypatch.setattr(_rerun, "_finite_as", spy)
     reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)

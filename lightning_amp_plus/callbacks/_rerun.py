@@ -1,25 +1,17 @@
-"""The opt-in reruns of a batch's ``training_step``, sandboxed: the float32 reference, and where in backward.
+"""The opt-in reruns of a batch's ``training_step``, sandboxed: the float32 reference, and what no replay reads.
 
-``GradUnderflowMonitor(exact=True)`` compares the run's scaled float16 gradients with the batch's float32 ones
-(:func:`float32_gradients`): an element whose true gradient is zero is structural (an embedding row the batch did not
-use); one whose true gradient is not zero while the float16 one is zero or subnormal was lost to float16.
-``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch whose forward and loss were finite at the skip's scale
-and watches its backward node by node (:func:`backward_origin`): the first op whose gradient came out non-finite from
-a finite one, the module it ran in, and whether float32 makes it too; and a batch whose inf/nan were born in the
-LightningModule's own code between module calls (which no replay reads) in float32 (:func:`told_by_rerun`).
-
-Both run the user's ``training_step`` a second time, which is why they are off unless asked for by name: inside
+``GradUnderflowMonitor(exact=True)`` compares the run's float16 gradients with the batch's float32 ones
+(:func:`float32_gradients`). ``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch for where in backward its
+inf/nan were born, and for an own-code origin's verdicts and islands (:func:`told_by_rerun`). Both run the user's
+``training_step`` again, which is why they are off unless asked for by name: inside
 :func:`~lightning_amp_plus.sandbox.sandboxed` every parameter and buffer is a stand-in and every random stream is given
-back, but what the step does outside the model (a file written, an environment stepped, a logger called directly) the
-sandbox cannot undo.
+back, but what the step does outside the model (a file written, an environment stepped) the sandbox cannot undo.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -34,27 +26,10 @@ from lightning_amp_plus.callbacks._common import all_reduce_, distributed
 from lightning_amp_plus.islands import fp32_forward
 from lightning_amp_plus.origin import OWN_CODE, Origin, Phase, Verdict
 from lightning_amp_plus.origins import BatchCalls, nonfinite_kinds
-from lightning_amp_plus.sandbox import StepStart, attempt, capture, copied_inputs, no_logging, sandboxed
+from lightning_amp_plus.sandbox import Box, attempt, copied_inputs, no_logging, sandboxed
 
-
-class BatchState:
-    """A measured batch kept for its reference: a copy of the batch, its index, and the random state it started with.
-
-    ``owned``: the random streams the model holds (``reach(module).streams``), recorded with the global ones.
-    """
-
-    def __init__(self, batch: Any, batch_idx: int, device_type: str, owned: list[Any]) -> None:
-        self.batch = copied_inputs(batch)  # the step may change its batch in place; the reference sees it as it came
-        self.batch_idx = batch_idx
-        cuda = device_type == "cuda" and torch.cuda.is_available()
-        numpy = sys.modules.get("numpy")
-        host = [random._inst, *([numpy.random.mtrand._rand] if numpy is not None else [])]  # type: ignore[attr-defined]
-        self.start = StepStart(
-            torch.default_generator.get_state(),
-            torch.cuda.default_generators[torch.cuda.current_device()].get_state() if cuda else None,
-            owned=capture(owned),
-            host=capture(host),
-        )
+#: modules tried one at a time as the island that makes an own-code precision loss finite (each a rerun)
+_ISLAND_TRIES = 6
 
 
 def announce(who: str, when: str) -> None:
@@ -72,101 +47,41 @@ def why_no_reference(trainer: pl.Trainer, sharded: bool) -> Optional[str]:
         return "manual optimization (the training step steps the optimizers itself)"
     if trainer.accumulate_grad_batches > 1:
         return "gradient accumulation (an update spans several batches)"
-    if sharded:
-        return "a sharded model (every rank holds a shard)"
-    return None
+    return "a sharded model (every rank holds a shard)" if sharded else None
 
 
 def float32_gradients(
-    module: pl.LightningModule, state: BatchState, params: list[torch.nn.Parameter], device_type: str
+    module: pl.LightningModule, record: BatchCalls, params: list[torch.nn.Parameter], device_type: str
 ) -> tuple[Optional[list[Optional[Tensor]]], Optional[str]]:
-    """``params``' gradients of the batch's loss recomputed in float32, or None and why not.
+    """``params``' gradients of ``record``'s batch recomputed in float32 (from its random state), or None and why not.
 
-    Same random state as the batch had (dropout masks alike), no logging, in a sandbox: the run's parameters,
-    buffers, random streams and ``.grad`` are untouched, and what the step raises is returned as text. Averaged over
-    ranks when several train (as DDP averages ``.grad``); every rank calls this at the same measured steps. The
-    last entry is the largest gradient that reached any module's output (the activations' gradients, which a
-    scale must fit too, and which can be far larger than the weights').
+    Averaged over ranks when several train (as DDP averages ``.grad``: every rank calls this at the same steps). The
+    last entry is the largest gradient that reached any module's output (the activations', which a scale must fit
+    too, and which can be far larger than the weights').
     """
-
-    def run() -> Optional[list[Optional[Tensor]]]:
-        off = torch.autocast(device_type, enabled=False)
-        rerun = _rerun(module, state.batch, state.batch_idx, state.start, device_type, off)
-        with _activation_gradients(module) as largest, rerun as (loss, box):
-            if loss is None:
-                return None
-            targets = [box.stand_in(p) for p in params]
-            grads = list(torch.autograd.grad(loss.float(), targets, allow_unused=True))
-            return [*grads, torch.stack(largest).max() if largest else None]
-
-    found, error = attempt(run)
-    if error is not None:
-        error = f"the float32 reference's `training_step` raised {error}"
-    elif found is None:
-        error = "the float32 reference's `training_step` returned no loss that requires grad"
-    grads = None if found is None else found[:-1]
-    activations = None if found is None else found[-1]
-    if distributed():  # every rank joins the sum, told or not: a rank without a reference adds zeros
-        world = torch.distributed.get_world_size()
-        failed = torch.tensor([0.0 if grads is not None else 1.0], device=params[0].device)
-        all_reduce_(failed)
-        values = grads or [None] * len(params)
-        summed = [
-            all_reduce_(torch.zeros_like(p) if g is None else g.float()) for p, g in zip(params, values, strict=True)
-        ]
-        peak = torch.zeros(1, device=params[0].device) if activations is None else activations.reshape(1).clone()
-        all_reduce_(peak, op="max")
-        if float(failed.item()) > 0:
-            return None, error or "the float32 reference failed on another rank"
-        return [*(g / world for g in summed), peak.reshape(())], None
-    return (None if grads is None else [*grads, activations]), error
-
-
-@contextlib.contextmanager
-def _activation_gradients(module: torch.nn.Module) -> Iterator[list[Tensor]]:
-    """The largest gradient that reaches each module's output in the rerun (a list, filled during its backward)."""
     largest: list[Tensor] = []
 
-    def keep(grad: Tensor) -> None:
-        largest.append(grad.detach().abs().max().float())
-
-    def watch(mod: torch.nn.Module, args: Any, output: Any) -> None:
+    def keep(mod: torch.nn.Module, args: Any, output: Any) -> None:
         for tensor in tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
-                tensor.register_hook(keep)
+                tensor.register_hook(lambda grad: largest.append(grad.detach().abs().max().float()))
 
-    handles = [m.register_forward_hook(watch) for m in module.modules()]
-    try:
-        yield largest
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def backward_origin(
-    module: pl.LightningModule,
-    batch: Any,
-    batch_idx: int,
-    start: StepStart,
-    device_type: str,
-    forward_context: Callable[[], Any],
-    scale: float,
-) -> Origin:
-    """Where in backward a skipped update's inf/nan were born, by rerunning its step twice, sandboxed.
-
-    At the skip's ``scale`` under ``forward_context`` (autocast): the first autograd node whose output gradient was
-    non-finite while the gradient it received was finite, named by its op (``SqrtBackward0``) and the module whose
-    forward made it (:data:`OWN_CODE`: the LightningModule's own code, the loss say). Then in float32, unscaled:
-    ``float32`` finite when every gradient is finite there (float16's range: bf16, an island or a lower scale fixes
-    it), non-finite when not (the model's own: no precision fixes it). A rerun that raised or did not make them says
-    so in ``reason``.
-    """
-    found, error = attempt(_watched_backward, module, batch, batch_idx, start, device_type, forward_context, scale)
-    if error is not None:
-        return Origin(Phase.BACKWARD, reason=f"the rerun of the step raised {error}")
-    if found is None:
-        return Origin(Phase.BACKWARD, reason="the rerun's backward was finite: it did not make them again")
-    return found.but(float32=_finite_as(module, batch, batch_idx, start, device_type))
+    grads, error = attempt(_gradients, module, record, device_type, None, (), params, keep)
+    if error is not None or grads is None:
+        told = f"raised {error}" if error is not None else "returned no loss that requires grad"
+        grads, error = None, f"the float32 reference's `training_step` {told}"
+    peak = torch.stack(largest).max() if largest and grads is not None else None
+    if not distributed():
+        return (None if grads is None else [*grads, peak]), error
+    # every rank joins the sums, told or not: a rank without a reference adds zeros
+    failed = all_reduce_(torch.tensor([0.0 if grads is not None else 1.0], device=params[0].device))
+    given = grads or [None] * len(params)
+    summed = [all_reduce_(torch.zeros_like(p) if g is None else g.float()) for p, g in zip(params, given, strict=True)]
+    peak = all_reduce_(torch.zeros(1, device=params[0].device) if peak is None else peak.reshape(1).clone(), op="max")
+    if float(failed.item()) > 0:
+        return None, error or "the float32 reference failed on another rank"
+    world = torch.distributed.get_world_size()
+    return [*(g / world for g in summed), peak.reshape(())], None
 
 
 def told_by_rerun(
@@ -174,139 +89,123 @@ def told_by_rerun(
 ) -> Origin:
     """An origin a replay could not read, told by rerunning the batch's step, sandboxed; else the origin as it was.
 
-    A backward origin: where in backward (:func:`backward_origin`, at the update's ``scale``). A forward origin in
-    the LightningModule's own code (:data:`OWN_CODE`, code between module calls no replay reads): its ``float32``
-    verdict, the step rerun in float32 (finite: float16 overflowed there; non-finite: the code makes them in any
-    precision), and then ``bf16``: the step rerun under bfloat16 autocast (finite: float16's range; non-finite: its
-    precision, which bfloat16 has less of; then ``islands``: the modules whose outputs the code took in that, run in
-    float32, make the step finite under the run's autocast dtype, measured by rerunning it so; ``()`` when none do).
-    Only when the batch's record (and, for backward, the scale) is known.
+    A backward origin (at the update's ``scale``): the first autograd node whose output gradient was non-finite
+    while the gradient it received was finite, named by its op (``SqrtBackward0``) and the module whose forward made
+    it (:data:`OWN_CODE`: the loss, say), with ``float32``: every gradient finite in float32, unscaled (float16's
+    range: bf16, an island or a lower scale fixes it) or not (no precision does). An own-code forward origin (code
+    between module calls): ``float32``, then ``bf16`` (bfloat16 autocast: finite, float16's range; non-finite, its
+    precision, which bfloat16 has less of), then ``islands``: the modules whose outputs the code took in that, in
+    float32, make the step finite under the run's own autocast dtype (``()``: none do). A rerun that raised or did
+    not make them again says so in ``reason``. Only when the batch's record (and, for backward, the scale) is known.
     """
-    start = record.step_start() if record is not None else None
-    if record is None or start is None:
+    if record is None or record.step_start() is None:
         return origin
     module = trainer.lightning_module
     if origin.phase is Phase.FORWARD and origin.own_code and origin.float32 is None:
-        told = origin.but(float32=_finite_as(module, record.batch, record.index, start, device_type))
+        told = origin.but(float32=_finite_as(module, record, device_type))
         if told.float32 is Verdict.FINITE:  # float16 fails there: its range (bf16 holds it) or its precision (not)
-            bf16 = _finite_as(module, record.batch, record.index, start, device_type, torch.bfloat16)
-            told = told.but(bf16=bf16)
-            if bf16 is not Verdict.FINITE:
+            told = told.but(bf16=_finite_as(module, record, device_type, torch.bfloat16))
+            if told.bf16 is not Verdict.FINITE:
                 half = torch.bfloat16 if trainer.precision_plugin.precision == "bf16-mixed" else torch.float16
-                islands = _feeding_islands(module, record, start, device_type, half)
-                told = told.but(islands=tuple(islands or ()))
+                told = told.but(islands=tuple(_feeding_islands(module, record, device_type, half)))
         return told
     if origin != Origin(Phase.BACKWARD) or scale is None:
         return origin
-    context = trainer.precision_plugin.forward_context
-    return backward_origin(module, record.batch, record.index, start, device_type, context, scale)
+    owners: dict[Any, str] = {}
+    born: list[Origin] = []
+
+    def watch_graph(loss: Tensor) -> list[Any]:
+        return [node.register_hook(_first_born(node, owners, born)) for node in _graph([loss.grad_fn])]
+
+    context = trainer.precision_plugin.forward_context()
+    watch = _owner(module, owners)
+    _, error = attempt(lambda: _gradients(module, record, device_type, context, (), None, watch, scale, watch_graph))
+    if error is not None:
+        return Origin(Phase.BACKWARD, reason=f"the rerun of the step raised {error}")
+    if not born:
+        return Origin(Phase.BACKWARD, reason="the rerun's backward was finite: it did not make them again")
+    return born[0].but(float32=_finite_as(module, record, device_type))
 
 
-#: modules tried one at a time as the island that makes an own-code precision loss finite (each a rerun)
-_ISLAND_TRIES = 6
-
-
-def _feeding_islands(
-    module: pl.LightningModule, record: BatchCalls, start: StepStart, device_type: str, half: torch.dtype
-) -> Optional[list[str]]:
-    """The islands that make the step finite under the run's ``half`` autocast, measured by rerunning it so; or None.
+def _feeding_islands(module: pl.LightningModule, record: BatchCalls, device_type: str, half: torch.dtype) -> list[str]:
+    """The islands that make the step finite under the run's ``half`` autocast, measured by rerunning it so.
 
     Tried: each module called before the own code took in inf/nan, the latest first (at most ``_ISLAND_TRIES``), then
     the latest ``MAX_ISLANDS`` together: each try is a rerun of the step, on skipped updates only.
     """
-    first = next((i for i, c in enumerate(record.calls) if nonfinite_kinds((c.args, c.kwargs), masks="inputs")), None)
-    feeding: dict[str, torch.nn.Module] = {}
-    for name, called, *_ in record.calls[:first]:
-        feeding.setdefault(name, called)
+    calls = record.calls
+    first = next((i for i, c in enumerate(calls) if nonfinite_kinds((c.args, c.kwargs), masks="inputs")), None)
+    feeding = {c.name: c.module for c in calls[:first]}
     names = list(feeding)
     tries = [[n] for n in reversed(names[-_ISLAND_TRIES:])] + ([names[-MAX_ISLANDS:]] if len(names) > 1 else [])
     for islands in tries:
-        chosen = [feeding[n] for n in islands]
-        if _finite_as(module, record.batch, record.index, start, device_type, half, chosen) is Verdict.FINITE:
+        if _finite_as(module, record, device_type, half, [feeding[n] for n in islands]) is Verdict.FINITE:
             return islands
-    return None
-
-
-@contextlib.contextmanager
-def _rerun(
-    module: pl.LightningModule,
-    batch: Any,
-    batch_idx: int,
-    start: StepStart,
-    device_type: str,
-    forward: Any,
-    islands: Sequence[torch.nn.Module] = (),
-) -> Iterator[tuple[Optional[Tensor], Any]]:
-    """The batch's ``training_step`` rerun in a sandbox, its forward under ``forward`` (a context: autocast or not).
-
-    Yields its loss (None: it returned none that requires grad) and the sandbox's box; ``islands`` run in float32
-    meanwhile (as ``fp32_modules`` would). Backward, the caller's, runs outside ``forward``, as Lightning runs it.
-    """
-    wrapped = [m for m in islands if "forward" not in vars(m)]
-    with sandboxed(module, device_type, start=start, grad=True) as box, no_logging(module), torch.enable_grad():
-        for m in wrapped:  # put back by the sandbox, with every attribute
-            m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
-        with forward:
-            output = module.training_step(copied_inputs(batch), batch_idx)
-        loss = output.get("loss") if isinstance(output, dict) else output
-        yield (loss if isinstance(loss, Tensor) and loss.requires_grad else None), box
+    return []
 
 
 def _finite_as(
     module: pl.LightningModule,
-    batch: Any,
-    batch_idx: int,
-    start: StepStart,
+    record: BatchCalls,
     device_type: str,
     dtype: Optional[torch.dtype] = None,
     islands: Sequence[torch.nn.Module] = (),
 ) -> Verdict:
-    """Are the step's gradients finite rerun in float32 (``dtype`` None) or under ``dtype`` autocast (unknown: raised).
+    """Whether the step's gradients are finite rerun under ``dtype`` autocast (None: float32), ``islands`` in float32.
 
-    ``islands`` run in float32 meanwhile (as ``fp32_modules`` would).
+    Unknown: it raised, or made no loss.
     """
-
-    def run() -> Optional[bool]:
-        forward = torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
-        with _rerun(module, batch, batch_idx, start, device_type, forward, islands) as (loss, _):
-            if loss is None:
-                return None
-            grads = torch.autograd.grad(loss.float(), _params(module), allow_unused=True)
-            return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
-
-    finite, error = attempt(run)
-    if error is not None or finite is None:
+    forward = torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
+    grads, error = attempt(_gradients, module, record, device_type, forward, islands)
+    if error is not None or grads is None:
         return Verdict.UNKNOWN
-    return Verdict.FINITE if finite else Verdict.NONFINITE
+    return Verdict.FINITE if all(bool(torch.isfinite(g).all()) for g in grads if g is not None) else Verdict.NONFINITE
 
 
-def _watched_backward(
+def _gradients(
     module: pl.LightningModule,
-    batch: Any,
-    batch_idx: int,
-    start: StepStart,
+    record: BatchCalls,
     device_type: str,
-    forward_context: Callable[[], Any],
-    scale: float,
-) -> Optional[Origin]:
-    context = forward_context()
-    with _node_owners(module) as owners, _rerun(module, batch, batch_idx, start, device_type, context) as (loss, _):
-        if loss is None:
+    forward: Any = None,
+    islands: Sequence[torch.nn.Module] = (),
+    params: Optional[list[torch.nn.Parameter]] = None,
+    watch: Optional[Callable[[torch.nn.Module, Any, Any], None]] = None,
+    scale: float = 1.0,
+    before: Optional[Callable[[Tensor], list[Any]]] = None,
+) -> Optional[list[Optional[Tensor]]]:
+    """The gradients of ``record``'s ``training_step`` rerun in a sandbox from its random state; None: no loss.
+
+    Its forward under ``forward`` (autocast; None: float32), ``islands`` in float32 (as ``fp32_modules``), ``watch``
+    a forward hook on every module, the loss times ``scale``; ``before(loss)`` hooks the graph, removed after. Of
+    ``params`` (their stand-ins; default: every parameter that requires grad).
+    """
+    start = record.step_start()
+    forward = forward if forward is not None else torch.autocast(device_type, enabled=False)
+    with contextlib.ExitStack() as stack:
+        box: Box = stack.enter_context(sandboxed(module, device_type, start=start, grad=True))
+        stack.enter_context(no_logging(module))
+        stack.enter_context(torch.enable_grad())
+        for m in islands:
+            if "forward" not in vars(m):  # put back by the sandbox, with every attribute
+                m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
+        if watch is not None:
+            stack.callback(_removed, [m.register_forward_hook(watch) for m in module.modules()])
+        with forward:
+            output = module.training_step(copied_inputs(record.batch), record.index)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, Tensor) or not loss.requires_grad:
             return None
         scaled = loss.float() * scale
-        born: list[Origin] = []
-        handles = [node.register_hook(_first_born(node, owners, born)) for node in _graph([scaled.grad_fn])]
-        try:
-            torch.autograd.grad(scaled, _params(module), allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return born[0] if born else None
+        if before is not None:
+            stack.callback(_removed, before(scaled))
+        targets: list[Tensor] = [p for p in module.parameters() if p.requires_grad]  # inside the sandbox: stand-ins
+        targets = [box.stand_in(p) for p in params] if params is not None else targets
+        return list(torch.autograd.grad(scaled, targets, allow_unused=True))
 
 
-def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters that require grad (inside a sandbox: the stand-ins)."""
-    return [p for p in module.parameters() if p.requires_grad]
+def _removed(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _graph(starts: list[Any], stops: Any = ()) -> list[Any]:
@@ -323,11 +222,11 @@ def _graph(starts: list[Any], stops: Any = ()) -> list[Any]:
 
 
 def _first_born(node: Any, owners: dict[Any, str], born: list[Origin]) -> Callable[..., None]:
+    """A node hook: the first node whose output gradient came out non-finite from a finite one, into ``born``."""
+
     def hook(grad_inputs: tuple[Optional[Tensor], ...], grad_outputs: tuple[Optional[Tensor], ...]) -> None:
-        if born:
-            return
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grad_outputs):
-            return  # it received them non-finite: made before it
+        if born or not all(g is None or bool(torch.isfinite(g).all()) for g in grad_outputs):
+            return  # found, or it received them non-finite: made before it
         made = [g for g in grad_inputs if g is not None and not bool(torch.isfinite(g).all())]
         if made:
             kind = "nan" if any(bool(torch.isnan(g).any()) for g in made) else "inf"
@@ -336,24 +235,16 @@ def _first_born(node: Any, owners: dict[Any, str], born: list[Origin]) -> Callab
     return hook
 
 
-@contextlib.contextmanager
-def _node_owners(module: torch.nn.Module) -> Iterator[dict[Any, str]]:
-    """Each autograd node the rerun makes, with the module whose own forward made it (inner modules first)."""
-    owners: dict[Any, str] = {}
+def _owner(module: torch.nn.Module, owners: dict[Any, str]) -> Callable[[torch.nn.Module, Any, Any], None]:
+    """A forward hook: each autograd node a module's own forward makes, into ``owners`` (inner modules first)."""
     names = {id(m): clean_name(n) for n, m in module.named_modules() if n}
 
     def own(mod: torch.nn.Module, args: Any, output: Any) -> None:
         name = names.get(id(mod))
-        if name is None:
-            return
-        stops = {t.grad_fn for t in tensors(args) if t.grad_fn is not None}
-        # through a child's nodes too (`return self.o(h)`): the nodes between are this module's own
-        for node in _graph([t.grad_fn for t in tensors(output)], stops):
-            owners.setdefault(node, name)  # an inner module's forward ran first: it keeps its own nodes
+        if name is not None:
+            stops = {t.grad_fn for t in tensors(args) if t.grad_fn is not None}
+            # through a child's nodes too (`return self.o(h)`): the nodes between are this module's own
+            for node in _graph([t.grad_fn for t in tensors(output)], stops):
+                owners.setdefault(node, name)  # an inner module's forward ran first: it keeps its own nodes
 
-    handles = [m.register_forward_hook(own) for m in module.modules()]
-    try:
-        yield owners
-    finally:
-        for handle in handles:
-            handle.remove()
+    return own

@@ -29,10 +29,11 @@ from lightning_amp_plus.callbacks._common import (
     parameters_and_names,
     shards_gradients,
 )
-from lightning_amp_plus.callbacks._rerun import BatchState, announce, float32_gradients, why_no_reference
+from lightning_amp_plus.callbacks._rerun import announce, float32_gradients, why_no_reference
 from lightning_amp_plus.engine import UpdateListener
+from lightning_amp_plus.origins import BatchCalls, batch_record, cuda_state
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
-from lightning_amp_plus.sandbox import reach
+from lightning_amp_plus.sandbox import copied_inputs, reach
 from lightning_amp_plus.syncs import to_host
 
 FP16_SMALLEST_NORMAL = 2.0**-14  # below it float16 has fewer than 11 significant bits, down to none at 2**-25
@@ -259,7 +260,7 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self.exact = check_bool(owner, "exact", exact)
         self.measurements: list[dict[str, Any]] = []
         self.no_reference: Optional[str] = None  # why this fit's measurements have no float32 reference
-        self._batch_state: Optional[tuple[int, BatchState]] = None  # the measured batch, for its reference
+        self._batch_state: Optional[tuple[int, BatchCalls]] = None  # the measured batch, for its reference
         self._losses: list[Tensor] = []  # the measured batch's losses: their graph tells what float16 held
         self._activations: Optional[Tensor] = None  # the reference's largest gradient at a module's output
         self._measuring = False  # this batch is measured
@@ -323,7 +324,9 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         if self._measuring and self.no_reference is None:
             assert step is not None
             assert self._plugin is not None
-            self._batch_state = (step, BatchState(batch, batch_idx, self._plugin.device or "cpu", self._owned))
+            cuda = cuda_state(self._plugin.device or "cpu")
+            # a copy: the step may change its batch in place; the reference sees it as it came
+            self._batch_state = (step, batch_record(copied_inputs(batch), batch_idx, cuda, self._owned, host=True))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
