@@ -1,12 +1,10 @@
 """OriginFinder: where a skipped update's inf/nan were born, read from what the step computed.
 
-Held by :class:`~lightning_amp_plus.NaNSkipReporter` (and, through it, ``AmpAdvisor``). Each training batch it keeps, by
-reference, the calls of the modules the LightningModule calls: inputs, outputs, torch's random state after each. On a
-skip it finds the first call whose finite inputs gave a non-finite output and replays that call, sandboxed
-(:func:`~lightning_amp_plus.sandbox.sandboxed`), from the random state it started from, every module inside watched;
-then again with each module found run in float32, until nothing is born: the module, its float32 verdict and the
-islands a fix needs, measured. The replay must give back what the step computed, else the origin says so.
-``training_step`` is never run again, and nothing here raises into training: a replay that fails is told.
+Each training batch it keeps, by reference, the calls of the modules the LightningModule calls (inputs, outputs,
+torch's random state after each). On a skip it replays, sandboxed, the first call whose finite inputs gave a
+non-finite output, from the random state it started from, every module inside watched, then again with each module
+found in float32 until nothing is born: the module, its float32 verdict and the islands, measured. ``training_step``
+is never run again, and nothing here raises into training: a replay that fails is told.
 """
 
 from __future__ import annotations
@@ -121,7 +119,7 @@ class OriginFinder:
     def attach(self, module: torch.nn.Module, forward_context: Callable[[], Any], accumulating: bool = False) -> None:
         """Record the calls of ``module``'s call frontier; replays run under ``forward_context`` (autocast).
 
-        ``accumulating``: only the last micro-batch of an update is recorded, so a finite one cannot say "backward".
+        ``accumulating``: only an update's last micro-batch is recorded: a finite one cannot say "backward".
         """
         self.detach()
         if getattr(module, "_compiler_ctx", None) is not None:
@@ -170,8 +168,8 @@ class OriginFinder:
     def add_loss(self, loss: Tensor) -> None:
         """A loss of this batch (a GAN backpropagates two), just before its backward.
 
-        From here the calls' outputs are held weakly: an output only the step held (the logits) is freed as it would
-        be without the finder; one a later call took as input stays, held by that call's record.
+        From here the calls' outputs are held weakly: one only the step held (the logits) is freed as without the
+        finder.
         """
         current = self._current
         if current is None:
@@ -244,30 +242,13 @@ class OriginFinder:
     def _measured(self, record: BatchCalls, index: int) -> Optional[Origin]:
         """The module inside call ``index`` that made its non-finite output, and the islands that fix it, by replay.
 
-        Replayed with it: each later call that made inf/nan from finite inputs on its own (an island fix must cover
-        each) and each later call that took in, as the very tensor, what one of those returned (``x = layer(x)``:
-        given the replay's value). A module is born in where its inputs were finite and its output not (and no
-        module's inside it). Each module found runs in float32 in the next replay: non-finite still, no precision
-        avoids it (``-inf`` alone: a mask or a bias by design, no origin); finite, it stays an island, until nothing
-        is born: the islands. ``()`` where more than :data:`MAX_ISLANDS` are needed, float32 does not fix one, or a
-        value finite in float32 does not fit float16 while the own code passed something made of it to a later call.
+        Each module born in (inputs finite, output not) runs in float32 in the next replay: non-finite still, no
+        precision avoids it (``-inf`` alone: a mask or a bias by design, no origin); finite, it stays an island, until
+        nothing is born. ``()`` where more than :data:`MAX_ISLANDS` are needed, float32 does not fix one, or a value
+        finite in float32 does not fit float16 while the own code passed something made of it to a later call.
         """
         calls, name = record.calls, record.calls[index].name
-        chain = _reached(record, [index])
-        seeds = [
-            later
-            for later, c in enumerate(calls)
-            if later > index
-            and later not in chain
-            and nonfinite_kind((c.args, c.kwargs)) is None
-            and (_alive(c.output) is _GONE or nonfinite_kind(_alive(c.output)) is not None)
-        ]
-        positions = _reached(record, [index, *seeds])
-        unseen = any(  # the own code fed inf/nan to a later call: it may cast a float32 island's value back
-            nonfinite_kind((c.args, c.kwargs), masks="inputs") is not None
-            for later, c in enumerate(calls)
-            if later > index and later not in positions
-        )
+        chain, positions, unseen = _reached(record, index)
         islands: list[str] = []  # run in float32 in the next replay, in the order found
         first: dict[str, tuple[int, str, bool]] = {}  # module -> the call, kind and +inf/nan it was first born with
         design: set[str] = set()  # modules whose -inf float32 makes too
@@ -319,8 +300,7 @@ class OriginFinder:
     def _replay(self, record: BatchCalls, positions: list[int], islands: list[str], design: set[str]) -> _Replay:
         """The calls ``positions`` again, sandboxed, each from its own start, every module in them watched.
 
-        A call takes in what an earlier one returned in this replay where it took in what that one recorded;
-        ``islands`` run in float32, as ``AmpPlusPrecision(fp32_modules=...)`` runs them.
+        A call takes what the replay returned where it took what was recorded; ``islands`` run in float32.
         """
         model = self._module
         assert model is not None
@@ -331,24 +311,28 @@ class OriginFinder:
         replay = _Replay(design)
 
         def run() -> None:
-            with sandboxed(roots, self._device_type, grad=True, streams=owned), no_logging(model), torch.enable_grad():
-                replaced: dict[int, Tensor] = {}
-                with replay.watching(frontier, self._device_type, islands):
-                    for index, call, (_, module) in zip(positions, calls, frontier, strict=True):
-                        start = record.step_start(index, owned=index == positions[0], host=False)
-                        if start is not None:
-                            start.restore()
-                        given = map_tensors(lambda t: replaced.get(id(t), t), (call.args, call.kwargs))
-                        replay.position, replay.open = index, []
-                        with self._forward_context():
-                            output, error = attempt(_called, module, given)
-                        cuda = self._cuda_state() if self._cuda_state is not None else None
-                        replay.after[index] = (torch.default_generator.get_state(), cuda)
-                        replay.outputs[index] = output
-                        if error is not None:
-                            replay.errors[index] = error
-                            continue
-                        replaced.update(zip(map(id, tensors(_alive(call.output))), tensors(output), strict=False))
+            replaced: dict[int, Tensor] = {}
+            with (
+                sandboxed(roots, self._device_type, grad=True, streams=owned),
+                no_logging(model),
+                torch.enable_grad(),
+                replay.watching(frontier, self._device_type, islands),
+            ):
+                for index, call, (_, module) in zip(positions, calls, frontier, strict=True):
+                    start = record.step_start(index, owned=index == positions[0], host=False)
+                    if start is not None:
+                        start.restore()
+                    given = map_tensors(lambda t: replaced.get(id(t), t), (call.args, call.kwargs))
+                    replay.position, replay.open = index, []
+                    with self._forward_context():
+                        output, error = attempt(_called, module, given)
+                    cuda = self._cuda_state() if self._cuda_state is not None else None
+                    replay.after[index] = (torch.default_generator.get_state(), cuda)
+                    replay.outputs[index] = output
+                    if error is not None:
+                        replay.errors[index] = error
+                        continue
+                    replaced.update(zip(map(id, tensors(_alive(call.output))), tensors(output), strict=False))
 
         _, error = attempt(run)
         if error is not None:
@@ -356,16 +340,28 @@ class OriginFinder:
         return replay
 
 
-def _reached(record: BatchCalls, seeds: list[int]) -> list[int]:
-    """``seeds`` and every later call that took in, as the very tensor, what a call reached returned."""
-    reached: list[int] = []
-    made: set[int] = set()
-    for later in range(seeds[0], len(record.calls)):
-        call = record.calls[later]
-        if later in seeds or any(id(t) in made for t in tensors((call.args, call.kwargs))):
-            reached.append(later)
-            made.update(id(t) for t in tensors(_alive(call.output)))
-    return reached
+def _reached(record: BatchCalls, index: int) -> tuple[list[int], list[int], bool]:
+    """Call ``index``'s chain, the calls a replay of it covers, and whether the own code fed inf/nan to others.
+
+    The chain: it and each later call that took in, as the very tensor, what one of it returned. Covered: the chain
+    and each later call born in on its own, with its chain (an island fix must cover each). The own code feeding
+    another later call may cast an island's float32 value back.
+    """
+    chain, replayed, unseen = [index], [index], False
+    ours = {id(t) for t in tensors(_alive(record.calls[index].output))}
+    made = set(ours)
+    for later, call in enumerate(record.calls[index + 1 :], index + 1):
+        took, output = {id(t) for t in tensors((call.args, call.kwargs))}, _alive(call.output)
+        if took & ours:
+            chain.append(later)
+            ours.update(map(id, tensors(output)))
+        alone = nonfinite_kind((call.args, call.kwargs)) is None and (output is _GONE or nonfinite_kind(output))
+        if took & made or alone:
+            replayed.append(later)
+            made.update(map(id, tensors(output)))
+        elif nonfinite_kind((call.args, call.kwargs), masks="inputs") is not None:
+            unseen = True
+    return chain, replayed, unseen
 
 
 def _called(module: torch.nn.Module, given: tuple[Any, Any]) -> Any:
@@ -373,10 +369,9 @@ def _called(module: torch.nn.Module, given: tuple[Any, Any]) -> Any:
 
 
 class _Replay:
-    """One replay of calls: by call, its output, what it raised and torch's random state after; and the births.
+    """One replay: by call, its output, what it raised, torch's random state after; and the modules born in.
 
-    A birth: a module whose inputs were finite and whose output was not, no module inside it so (a ``design``
-    module's ``-inf`` is none).
+    Born in: inputs finite, output not, no module inside it so (a ``design`` module's ``-inf`` is none).
     """
 
     def __init__(self, design: set[str]) -> None:
@@ -394,10 +389,7 @@ class _Replay:
         held = _alive(call.output)
         if held is not _GONE:
             return same_values(self.outputs[index], held)
-        after, cuda = self.after[index]
-        return torch.equal(after, call.torch_after) and (
-            call.cuda_after is None or (cuda is not None and torch.equal(cuda, call.cuda_after))
-        )
+        return same_values(self.after[index], (call.torch_after, call.cuda_after))
 
     @contextlib.contextmanager
     def watching(
@@ -432,14 +424,12 @@ class _Replay:
 
 
 def _from_batch(batch: Any, took: list[Tensor]) -> bool:
-    """Whether the inf/nan a call took in can be the batch's (its kinds checked before).
+    """Whether the inf/nan a call took in can be the batch's.
 
-    Yes when one is a batch tensor holding them, or a view of one; else when every sample (first dimension) where the
-    call's tensors hold them is one where the batch does: the batch's values carried on keep to their samples (NaN
-    labels at some samples do not make an overflow at every sample the batch's). A tensor of another first dimension
-    (flattened) cannot be compared: not shown the batch's.
+    Yes for a batch tensor holding them (or a view of one), or when every sample (first dimension) holding them is one
+    where the batch does; a tensor of another first dimension (flattened) cannot be compared: no.
     """
-    bad = [t for t in values(batch) if t.is_floating_point() and _kinds(t, True)]
+    bad = [t for t in values(batch) if t.is_floating_point() and nonfinite_kinds(t, True)]
     shared = {t.untyped_storage().data_ptr() for t in bad}
     if any(t.untyped_storage().data_ptr() in shared for t in values(took)):
         return True
@@ -447,7 +437,7 @@ def _from_batch(batch: Any, took: list[Tensor]) -> bool:
     for t in bad:
         if t.dim():
             rows.setdefault(t.shape[0], set()).update(_bad_rows(t))
-    told = [t for t in values(took) if t.is_floating_point() and t.dim() and _kinds(t, True)]
+    told = [t for t in values(took) if t.is_floating_point() and t.dim() and nonfinite_kinds(t, True)]
     return bool(told) and all(t.shape[0] in rows and _bad_rows(t) <= rows[t.shape[0]] for t in told)
 
 
@@ -462,10 +452,7 @@ _TELLING = [Phase.INPUT, Phase.LOSS, Phase.FORWARD, Phase.BACKWARD, Phase.UNKNOW
 
 
 def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
-    """The origin of one skipped update from every rank's: the most telling one, with the ``rank`` that saw it.
-
-    With DDP every rank skips the update, yet only the rank whose batch, loss or forward made the inf/nan can tell
-    where; the others see a finite forward and would say "backward".
+    """One skipped update's origin from every rank's: the most telling, with its ``rank`` (the others say backward).
 
     Example:
         >>> job_origin([Origin(Phase.BACKWARD), Origin(Phase.INPUT)]).to_dict()
@@ -506,7 +493,7 @@ def nonfinite_kind(value: Any, masks: Masks = False) -> Optional[str]:
     a half-precision tensor (float32's ``-inf`` is a mask or a bias by design). ``masks="all"``: no ``-inf`` counts.
     """
     for tensor in values(value):
-        kinds = _kinds(tensor, masks)
+        kinds = nonfinite_kinds(tensor, masks)
         if kinds:
             return "inf" if "inf" in kinds else "nan"
     return None
@@ -514,14 +501,8 @@ def nonfinite_kind(value: Any, masks: Masks = False) -> Optional[str]:
 
 def nonfinite_kinds(value: Any, masks: Masks = False) -> set[str]:
     """Every kind (``"inf"``, ``"nan"``) the floating tensors in ``value`` hold, read as :func:`nonfinite_kind`."""
-    return {kind for tensor in values(value) for kind in _kinds(tensor, masks)}
-
-
-def _kinds(tensor: Tensor, masks: Masks) -> set[str]:
-    if not tensor.is_floating_point():
-        return set()
-    inf, nan = _counted(tensor, masks)
-    return {kind for kind, found in (("inf", inf), ("nan", nan)) if bool(found.any())}
+    counted = [_counted(t, masks) for t in values(value) if t.is_floating_point()]
+    return {kind for pair in counted for kind, found in zip(("inf", "nan"), pair, strict=True) if bool(found.any())}
 
 
 def _counted(tensor: Tensor, masks: Masks) -> tuple[Tensor, Tensor]:
@@ -550,8 +531,7 @@ def fits_float16(value: Any) -> bool:
 def same_values(replayed: Any, recorded: Any) -> bool:
     """Whether a replay computed what the step did: alike tensors, inf/nan in the same places, the rest equal.
 
-    Floats equal up to a relative 1e-3 (:func:`torch.testing.assert_close`), for kernels whose sums are not bitwise
-    repeatable (atomics on a GPU); a replay that drew other random numbers (dropout masks) differs far beyond that.
+    Floats to a relative 1e-3 (:func:`torch.testing.assert_close`): a GPU's sums are not bitwise repeatable.
     """
     try:
         for x, y in zip(values(replayed), values(recorded), strict=True):
@@ -566,10 +546,7 @@ def same_values(replayed: Any, recorded: Any) -> bool:
 
 
 def versions(args: Any, kwargs: Any, output: Any = None) -> list[int]:
-    """How many version counters a call's arguments hold, then theirs, then its output's (-1: an inference tensor).
-
-    An in-place change later shows as another number.
-    """
+    """How many version counters a call's arguments hold, then theirs, then its output's (-1: an inference tensor)."""
     found = [0]
     for arg in args:  # flat arguments, the common case, without a nested walk
         if isinstance(arg, Tensor):
