@@ -26,7 +26,7 @@ from lightning_amp_plus.callbacks._common import all_reduce_, distributed
 from lightning_amp_plus.islands import fp32_forward
 from lightning_amp_plus.origin import OWN_CODE, Origin, Phase, Verdict
 from lightning_amp_plus.origins import BatchCalls, nonfinite_kinds
-from lightning_amp_plus.sandbox import Box, attempt, copied_inputs, no_logging, sandboxed
+from lightning_amp_plus.sandbox import attempt, copied_inputs, no_logging, sandboxed
 
 #: modules tried one at a time as the island that makes an own-code precision loss finite (each a rerun)
 _ISLAND_TRIES = 6
@@ -66,7 +66,8 @@ def float32_gradients(
             if tensor.requires_grad and tensor.is_floating_point():
                 tensor.register_hook(lambda grad: largest.append(grad.detach().abs().max().float()))
 
-    grads, error = attempt(_gradients, module, record, device_type, None, (), params, keep)
+    off = torch.autocast(device_type, enabled=False)
+    grads, error = attempt(_gradients, module, record, device_type, off, (), params, keep)
     if error is not None or grads is None:
         told = f"raised {error}" if error is not None else "returned no loss that requires grad"
         grads, error = None, f"the float32 reference's `training_step` {told}"
@@ -89,14 +90,11 @@ def told_by_rerun(
 ) -> Origin:
     """An origin a replay could not read, told by rerunning the batch's step, sandboxed; else the origin as it was.
 
-    A backward origin (at the update's ``scale``): the first autograd node whose output gradient was non-finite
-    while the gradient it received was finite, named by its op (``SqrtBackward0``) and the module whose forward made
-    it (:data:`OWN_CODE`: the loss, say), with ``float32``: every gradient finite in float32, unscaled (float16's
-    range: bf16, an island or a lower scale fixes it) or not (no precision does). An own-code forward origin (code
-    between module calls): ``float32``, then ``bf16`` (bfloat16 autocast: finite, float16's range; non-finite, its
-    precision, which bfloat16 has less of), then ``islands``: the modules whose outputs the code took in that, in
-    float32, make the step finite under the run's own autocast dtype (``()``: none do). A rerun that raised or did
-    not make them again says so in ``reason``. Only when the batch's record (and, for backward, the scale) is known.
+    Backward (at the update's ``scale``): the first autograd node whose output gradient came out non-finite from a
+    finite one, by op (``SqrtBackward0``) and the module whose forward made it, and ``float32``: the gradients
+    rerun in float32. The own code: ``float32``, then ``bf16`` (finite: float16's range; not: its precision), then
+    the ``islands`` that make the step finite under the run's own autocast dtype (``()``: none). ``reason``: a rerun
+    raised or did not make them again.
     """
     if record is None or record.step_start() is None:
         return origin
@@ -166,25 +164,25 @@ def _gradients(
     module: pl.LightningModule,
     record: BatchCalls,
     device_type: str,
-    forward: Any = None,
+    forward: Any,
     islands: Sequence[torch.nn.Module] = (),
     params: Optional[list[torch.nn.Parameter]] = None,
     watch: Optional[Callable[[torch.nn.Module, Any, Any], None]] = None,
     scale: float = 1.0,
     before: Optional[Callable[[Tensor], list[Any]]] = None,
 ) -> Optional[list[Optional[Tensor]]]:
-    """The gradients of ``record``'s ``training_step`` rerun in a sandbox from its random state; None: no loss.
+    """``params``' (default: every trained one's) gradients of ``record``'s step rerun, sandboxed; None: no loss.
 
-    Its forward under ``forward`` (autocast; None: float32), ``islands`` in float32 (as ``fp32_modules``), ``watch``
-    a forward hook on every module, the loss times ``scale``; ``before(loss)`` hooks the graph, removed after. Of
-    ``params`` (their stand-ins; default: every parameter that requires grad).
+    Its forward under ``forward`` (autocast or not), ``islands`` in float32 (as ``fp32_modules``), ``watch`` a forward
+    hook on every module, the loss times ``scale``; ``before(loss)`` hooks the graph. Hooks are removed after.
     """
     start = record.step_start()
-    forward = forward if forward is not None else torch.autocast(device_type, enabled=False)
-    with contextlib.ExitStack() as stack:
-        box: Box = stack.enter_context(sandboxed(module, device_type, start=start, grad=True))
-        stack.enter_context(no_logging(module))
-        stack.enter_context(torch.enable_grad())
+    with (
+        sandboxed(module, device_type, start=start, grad=True) as box,
+        no_logging(module),
+        torch.enable_grad(),
+        contextlib.ExitStack() as stack,
+    ):
         for m in islands:
             if "forward" not in vars(m):  # put back by the sandbox, with every attribute
                 m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
