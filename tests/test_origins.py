@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
-from lightning_amp_plus.origin import Origin, Phase
+from lightning_amp_plus.origin import Origin, Phase, Verdict
 from lightning_amp_plus.origins import OriginFinder, call_frontier
 from lightning_amp_plus.sandbox import sandboxed
 from tests.helpers.models import TinyModel
@@ -610,3 +610,120 @@ def test_no_islands_are_claimed_where_the_own_code_carries_the_float32_value_on(
     plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["net.a"])
     make_trainer(plugins=[plugin], max_steps=4).fit(_CarriedOnModel())
     assert plugin.history.num_skipped == 4  # measured: the island the rule refuses would not have helped
+
+
+class _Tower(nn.Module):
+    """Its linear layer overflows float16 (8e4 or more); its own code scales that into float16's range (8 and up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.lin.weight.fill_(1e4)
+            self.lin.bias.zero_()
+
+    def forward(self, x):
+        return self.lin(x.abs() + 1.0) * 1e-4
+
+
+class _NaNs(nn.Module):
+    def forward(self, x):
+        return torch.log(-(x.abs() + 1.0)).sum(1, keepdim=True)  # NaN in any precision
+
+
+class _Towers(nn.Module):
+    """``a`` and ``other`` each make inf/nan from the batch on their own; ``head`` takes the own code's sum."""
+
+    def __init__(self, other):
+        super().__init__()
+        self.a, self.other, self.head = _Tower(), other, nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.head(self.a(x) + self.other(x))
+
+
+class _TowersModel(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.net = _Towers(_Tower())
+
+
+def test_islands_cover_every_later_call_that_overflows_on_its_own():
+    told = _told(_Towers(_Tower()), torch.randn(4, 8), lambda model, x: model(x).float().sum())
+    assert (told.module, told.kind, told.float32.value) == ("a.lin", "inf", "finite")
+    assert told.islands == ("a.lin", "other.lin")  # the second tower's overflow too: one island would not do
+    runs = {}
+    for islands in (["net.a.lin"], ["net.a.lin", "net.other.lin"]):
+        plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=islands)
+        make_trainer(plugins=[plugin], max_steps=4).fit(_TowersModel())
+        runs[len(islands)] = plugin.history.num_skipped
+    assert runs == {1: 4, 2: 0}  # measured: the first island alone skips every step, both end the skips
+
+
+def test_no_islands_are_claimed_beside_a_later_call_that_makes_nan_in_any_precision():
+    told = _told(_Towers(_NaNs()), torch.randn(4, 8), lambda model, x: model(x).float().sum())
+    assert told == Origin(Phase.FORWARD, "a.lin", "inf", Verdict.FINITE, islands=())
+
+
+class _Counting(nn.Module):
+    """Scales its output by how often it was called: a replay computes other values than the step did."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+        self.calls = 0
+        with torch.no_grad():
+            self.lin.weight[0].fill_(1e5)  # the first output overflows float16, the second stays finite
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x.abs()) * self.calls
+
+
+def test_a_replay_that_computes_other_values_names_no_module():
+    model, kept = nn.Module(), []
+    model.counting = _Counting()
+
+    def step(model, x):
+        kept.append(model.counting(x))  # held past the step: the replay is compared with it
+        return kept[-1].float().sum()
+
+    told = _told(model, torch.randn(4, 8), step)
+    assert (told.phase, told.module, told.within, told.kind) == (Phase.FORWARD, None, "counting", "inf")
+    assert told.reason.startswith("nondeterministic")
+
+
+class _Fed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+
+    def forward(self, h, extra):
+        return self.lin(h) + self.lin(extra)
+
+
+class _FedOn(nn.Module):
+    """``b`` takes ``a``'s output and the own code's ``a(x) * 1e5``, which overflows float16 in ``b`` whatever ``a``
+    runs in: an island on ``a`` cannot be shown to fix ``b``'s output (the replay does not rerun the own code)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Tower(), _Fed()
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h, h * 1e5)
+
+
+class _FedOnModel(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.net = _FedOn()
+
+
+def test_no_islands_are_claimed_where_a_later_call_of_the_chain_stays_non_finite():
+    told = _told(_FedOn(), torch.randn(4, 8), lambda model, x: model(x).float().sum())
+    assert (told.module, told.float32.value, told.islands) == ("a.lin", "finite", ())
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=["net.a.lin"])
+    make_trainer(plugins=[plugin], max_steps=4).fit(_FedOnModel())
+    assert plugin.history.num_skipped == 4  # measured: the island the replay could not show to help does not
