@@ -1,10 +1,8 @@
 """The one container walker: what the diagnostics hold, copy, cast, substitute or compare goes through :func:`_node`.
 
-A container is a list or tuple (named tuples and other subclasses too), a dict (``OrderedDict``, ``defaultdict``, a
-model's output dict), a dataclass, or, as a result object, a ``UserDict`` (transformers' ``BatchEncoding``) or a
-``SimpleNamespace``: those two levels deep at most, leaving out tables of more than ``_WIDE`` items they carry.
-Containers are rebuilt as they came without calling the user's code (no constructor, no ``__setitem__``). Anything
-else is a leaf: a tensor, a plain value, or an object that may hold state (a key/value cache).
+Containers: lists and tuples, dicts, dataclasses (their subclasses too), and, two levels deep at most, ``UserDict``
+(``BatchEncoding``) and ``SimpleNamespace`` result objects; rebuilt as they came without the user's code (no
+constructor, no ``__setitem__``). Anything else is a leaf: a tensor, a plain value, or an object that may hold state.
 """
 
 from __future__ import annotations
@@ -107,14 +105,6 @@ def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
 
     A named tuple is built from its fields; another subclass (whose ``__new__`` may take its fields, ``Pair(out,
     aux)``, or an iterable meaning something else) by ``tuple.__new__`` / ``list.__new__``, its attributes copied.
-
-    Example:
-        >>> class Pair(tuple):
-        ...     def __new__(cls, a, b=None):
-        ...         return super().__new__(cls, (a, b))
-        >>> made = rebuilt(Pair(1, 2), [3, 4])
-        >>> type(made).__name__, tuple(made)
-        ('Pair', (3, 4))
     """
     cls: Any = type(value)
     if cls is tuple or cls is list:

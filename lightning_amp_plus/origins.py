@@ -179,7 +179,7 @@ class OriginFinder:
         for index in range(current.weak, len(calls)):
             call = calls[index]
             output = call.output  # a tensor inline: this runs once a call, every batch
-            held = weakref.ref(output) if type(output) is Tensor else _Weak(output)
+            held = weakref.ref(output) if type(output) is Tensor else _Weak(map(weakref.ref, tensors(output)))
             calls[index] = tuple.__new__(Call, (*call[:4], held, *call[5:]))
         current.weak = len(calls)
 
@@ -567,13 +567,8 @@ def versions(args: Any, kwargs: Any, output: Any = None) -> list[int]:
 _GONE = object()
 
 
-class _Weak:
+class _Weak(tuple[Any, ...]):
     """A call's output held weakly: its tensors (in :func:`tensors` order), each a weak reference."""
-
-    __slots__ = ("refs",)
-
-    def __init__(self, output: Any) -> None:
-        self.refs = [weakref.ref(t) for t in tensors(output)]
 
 
 def _alive(held: Any) -> Any:
@@ -582,6 +577,6 @@ def _alive(held: Any) -> Any:
         held = held()
         return _GONE if held is None else held
     if isinstance(held, _Weak):
-        found = [ref() for ref in held.refs]
+        found = [ref() for ref in held]
         return _GONE if any(t is None for t in found) else found
     return held
