@@ -244,8 +244,9 @@ class OriginFinder:
 
         Each module born in (inputs finite, output not) runs in float32 in the next replay: non-finite still, no
         precision avoids it (``-inf`` alone: a mask or a bias by design, no origin); finite, it stays an island, until
-        nothing is born. ``()`` where more than :data:`MAX_ISLANDS` are needed, float32 does not fix one, or a value
-        finite in float32 does not fit float16 while the own code passed something made of it to a later call.
+        nothing is born. ``()`` where more than :data:`MAX_ISLANDS` are needed, float32 does not fix another call's, or
+        the own code passed something made of the calls replayed to a later call (what it makes there is not replayed).
+        A module the call's float32 value reaches that is non-finite in float32 too is the origin, ``NONFINITE``.
         """
         calls, name = record.calls, record.calls[index].name
         chain, positions, unseen = _reached(record, index)
@@ -282,17 +283,18 @@ class OriginFinder:
                 elif not (real or first[module][2]):
                     islands.remove(module)  # -inf alone, which float32 makes too: by design
                     design.add(module)
-                elif ours and module == ours[0]:
+                elif ours and module == ours[0] or first[module][0] in chain:
+                    # non-finite in float32 too, at the origin or where the call's float32 value flows: no precision
                     return Origin(Phase.FORWARD, module, first[module][1], Verdict.NONFINITE)
                 else:
-                    contained = False  # float32 does not fix it
+                    contained = False  # another call's, which float32 does not fix
             ours = [m for m in islands if first[m][0] == index]
             if not ours and not any(birth[0] == index for birth in replay.births):
                 return None  # finite, or only masks (-inf by design) left the call
             if ours and ours[0] in tried and (not contained or not replay.births or len(islands) > MAX_ISLANDS):
                 outputs = [replay.outputs.get(i) for i in chain]
                 fixed = contained and not replay.births and len(islands) <= MAX_ISLANDS
-                fixed = fixed and nonfinite_kind(outputs, masks=True) is None and (not unseen or fits_float16(outputs))
+                fixed = fixed and nonfinite_kind(outputs, masks=True) is None and not unseen
                 found = (ours[0], *(m for m in islands if m != ours[0])) if fixed else ()
                 return Origin(Phase.FORWARD, ours[0], first[ours[0]][1], Verdict.FINITE, islands=found)
         return unknown(f"the replays of {name} found no end")
@@ -519,13 +521,6 @@ def _mask_like(tensor: Tensor) -> bool:
     """Whether ``tensor``'s ``-inf`` is an additive mask's: its finite values (if any) two values at most (0, -1e4)."""
     finite = tensor[torch.isfinite(tensor)]
     return not finite.numel() or bool(((finite == finite.min()) | (finite == finite.max())).all())
-
-
-def fits_float16(value: Any) -> bool:
-    """Whether every floating tensor in ``value`` fits float16's range (below 65504 in magnitude, ``-inf`` aside)."""
-    return not any(
-        t.is_floating_point() and bool((torch.isfinite(t) & (t.abs() >= 65504.0)).any()) for t in values(value)
-    )
 
 
 def same_values(replayed: Any, recorded: Any) -> bool:

@@ -632,14 +632,14 @@ class _NaNs(nn.Module):
 
 
 class _Towers(nn.Module):
-    """``a`` and ``other`` each make inf/nan from the batch on their own; ``head`` takes the own code's sum."""
+    """``a`` and ``other`` each make inf/nan from the batch on their own."""
 
     def __init__(self, other):
         super().__init__()
-        self.a, self.other, self.head = _Tower(), other, nn.Linear(1, 1)
+        self.a, self.other = _Tower(), other
 
     def forward(self, x):
-        return self.head(self.a(x) + self.other(x))
+        return self.a(x) + self.other(x)
 
 
 class _TowersModel(TinyModel):
@@ -727,3 +727,54 @@ def test_no_islands_are_claimed_where_a_later_call_of_the_chain_stays_non_finite
     plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=["net.a.lin"])
     make_trainer(plugins=[plugin], max_steps=4).fit(_FedOnModel())
     assert plugin.history.num_skipped == 4  # measured: the island the replay could not show to help does not
+
+
+class _Amplified(nn.Module):
+    """``a``'s float32 output fits float16 (8 and up), but the own code scales it by 1e4 for ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Tower(), nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.b(self.a(x) * 1e4)
+
+
+class _AmplifiedModel(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.net = _Amplified()
+
+
+def test_no_islands_are_claimed_where_the_own_code_feeds_a_later_call():
+    told = _told(_Amplified(), torch.randn(4, 8), lambda model, x: model(x).float().sum())
+    assert (told.module, told.float32.value, told.islands) == ("a.lin", "finite", ())
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=["net.a.lin"])
+    make_trainer(plugins=[plugin], max_steps=4).fit(_AmplifiedModel())
+    assert plugin.history.num_skipped == 4  # measured: the island alone does not help (b overflows instead)
+
+
+class _Exp(nn.Module):
+    def forward(self, h):
+        return torch.exp(h * 1e-3).sum(-1, keepdim=True)  # exp(80) and more: inf in float32 too
+
+
+class _ExpAfter(nn.Module):
+    """``a`` overflows float16 (finite in float32, 8e4 and up); ``b`` takes its output and overflows float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), _Exp()
+        with torch.no_grad():
+            self.a.weight.fill_(1e4)
+            self.a.bias.zero_()
+
+    def forward(self, x):
+        return self.b(self.a(x.abs() + 1.0))
+
+
+def test_where_the_float32_value_flows_into_inf_in_float32_too_that_module_is_the_origin():
+    model, x = _ExpAfter(), torch.randn(4, 8)
+    assert not torch.isfinite(model(x)).all()  # independently: the model in float32 makes inf
+    told = _told(model, x, lambda model, x: model(x).float().sum())
+    assert told == Origin(Phase.FORWARD, "b", "inf", Verdict.NONFINITE)  # no precision avoids it: not bf16's
