@@ -506,11 +506,9 @@ def _structure(value: Any) -> Any:
     if not isinstance(value, _MUTABLE):
         return value
     copy: Any = copy_module.copy(value)  # the same class: a defaultdict keeps its factory, a deque its maxlen
-    if isinstance(value, dict):
-        copy.clear()
-        copy.update({k: _structure(v) for k, v in value.items()})
-    else:
-        _restore_into(copy, [_structure(v) for v in value])
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    content = {k: _structure(v) for k, v in items}
+    _restore_into(copy, content if isinstance(value, dict) else list(content.values()))
     return copy
 
 
@@ -529,14 +527,15 @@ def _unchanged(current: Any, saved: Any) -> bool:
 
 
 def _restore_into(container: Any, content: Any) -> None:
-    """Put ``content`` (a :func:`_structure` copy) back into ``container`` in place; nested containers as copied."""
-    container.clear()
-    if isinstance(container, dict):
-        container.update(content)
-    elif isinstance(container, (list, collections.deque)):
-        container.extend(content)
-    else:
-        container.update(content)
+    """Put ``content`` (a :func:`_structure` copy) back into ``container`` in place, by its built-in type's methods.
+
+    A subclass's own methods are the user's code (a transformers ``ModelOutput`` refuses ``update``).
+    """
+    base: Any = next(
+        t for t in (collections.OrderedDict, dict, collections.deque, list, set) if isinstance(container, t)
+    )
+    base.clear(container)
+    (base.extend if base in (collections.deque, list) else base.update)(container, content)
 
 
 @contextlib.contextmanager

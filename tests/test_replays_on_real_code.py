@@ -525,3 +525,45 @@ def test_a_replay_cannot_take_part_in_a_collective(tmp_path):
         assert total.item() == 1.0
     finally:
         dist.destroy_process_group()
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=self.fc(x))
+
+
+class _Reader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, out):
+        return self.fc(out.last_hidden_state)
+
+
+class _ModelOutputs(LightningModule):
+    """A transformers ``ModelOutput`` handed from one module to the next (it refuses ``update`` and ``pop``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = _Encoder(), _Reader()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.enc(x)).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_transformers_model_output_between_modules_is_replayed(tmp_path):
+    pytest.importorskip("transformers")
+    watched, callbacks = _assert_untouched(_ModelOutputs, _pairs(), tmp_path)
+    assert watched["skipped"] == [LOUD]
+    assert _origins(callbacks)[LOUD]["module"] == "enc.fc"  # was unknown: the sandbox called its `update`
