@@ -165,6 +165,7 @@ class Reach:
     containers: list[Any] = field(default_factory=list)
     objects: list[Any] = field(default_factory=list)
     globals: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    complete: bool = True  # False: more than the walk visits (what it left could not be put back)
 
 
 def reach(*roots: Any) -> Reach:
@@ -185,6 +186,7 @@ def reach(*roots: Any) -> Reach:
             _visit(value, depth, found, seen, pending)
         except ReferenceError:  # a dead weak proxy: nothing to reach
             continue
+    found.complete = not pending
     return found
 
 
@@ -206,7 +208,7 @@ def _visit(value: Any, depth: int, found: Reach, seen: set[int], pending: list[t
             found.containers.append(value)
         elif _is_users(value):
             found.objects.append(value)
-        pending.extend((v, depth + 1) for v in _children(value))
+        pending.extend((v, depth + 1) for v in _children(value) if not isinstance(v, _LEAVES))  # no state in a leaf
 
 
 def _forward_globals(module: torch.nn.Module, found: Reach) -> list[Any]:
@@ -312,6 +314,8 @@ def sandboxed(
     """
     roots = roots if isinstance(roots, tuple) else (roots,)
     tree = reach(*roots)
+    if not tree.complete:
+        raise RuntimeError(f"the code reaches more than {_VISITS} objects: a replay could not put each back")
     restored = [stream for stream, _ in (start.owned or []) + (start.host or [])] if start is not None else []
     states = capture([*global_streams(device_type), *tree.streams, *restored, *streams])
     modules = [r for r in roots if isinstance(r, torch.nn.Module)]

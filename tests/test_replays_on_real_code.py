@@ -567,3 +567,43 @@ def test_a_transformers_model_output_between_modules_is_replayed(tmp_path):
     watched, callbacks = _assert_untouched(_ModelOutputs, _pairs(), tmp_path)
     assert watched["skipped"] == [LOUD]
     assert _origins(callbacks)[LOUD]["module"] == "enc.fc"  # was unknown: the sandbox called its `update`
+
+
+class _Noisy(nn.Module):
+    """Draws from its own generator and appends to a list in forward; holds many plain objects besides."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(123)
+        self.history = []
+        self.fc = nn.Linear(8, 16)
+        self.held = held  # set last: the walk meets it first
+
+    def forward(self, x):
+        self.history.append(len(self.history))
+        return self.fc(x + torch.randn(x.shape, generator=self.gen) * 0.01)
+
+
+class _Held(LightningModule):
+    def __init__(self, held):
+        super().__init__()
+        self.noisy, self.head = _Noisy(held), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.noisy(x)).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("held", ["strings", "objects"])
+def test_a_module_holding_a_large_table_is_replayed_or_told_never_changed(held, tmp_path):
+    table = [f"token{i}" for i in range(30_000)] if held == "strings" else [SimpleNamespace(i=i) for i in range(30_000)]
+    watched, callbacks = _assert_untouched(lambda: _Held(table), _pairs(), tmp_path)  # its stream and list put back
+    assert watched["model"].noisy.history == list(range(6))
+    origin = _origins(callbacks)[LOUD]
+    if held == "strings":  # a string holds no state: the walk passes over it
+        assert origin["module"] == "noisy.fc"
+    else:  # more objects than the walk visits: the replay is refused, not run on what it could not put back
+        assert origin["phase"] == "unknown" and "more than 20000 objects" in origin["reason"]
