@@ -176,6 +176,17 @@ class AmpAdvisor(KnobsRepr, Callback):
             for callback in self._own:
                 callback.on_exception(trainer, pl_module, exception)
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The state of the callbacks the advisor runs inside (those the Trainer lacked), by class name."""
+        return {type(c).__name__: c.state_dict() for c in self._own}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for callback in self._own:  # made at setup, which Lightning runs before it restores the callbacks
+            if type(callback).__name__ in state_dict:
+                callback.load_state_dict(state_dict[type(callback).__name__])
+
     # ------------------------------------------------------------------ advice
     def _finish(self, trainer: pl.Trainer) -> None:
         self._advised = True

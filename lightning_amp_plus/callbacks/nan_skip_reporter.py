@@ -460,6 +460,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._plugin is not None:  # a fused optimizer's skips still on the device: saved with their origins
+            self.collect(check=False)
         return {"version": 3, **super().state_dict()}
 
     @override

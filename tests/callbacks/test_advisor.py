@@ -1292,3 +1292,30 @@ def test_the_fused_fix_copies_only_a_call_that_built_the_optimizer_and_stays_val
 
     (fix,) = fixes(Spaced())
     assert '{"a  b": 0.0}["a  b"]' in fix  # a string's spaces as written
+
+
+def test_a_resumed_fit_advises_as_the_uninterrupted_one(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_origins import Stack
+
+    def fit(steps, ckpt_path=None, checkpoint=None):
+        torch.manual_seed(0)
+        advisor = AmpAdvisor(print_advice=False)
+        callbacks = [advisor, *([checkpoint] if checkpoint is not None else [])]
+        trainer = make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+            callbacks=callbacks,
+            max_steps=steps,
+            enable_checkpointing=checkpoint is not None,
+        )
+        trainer.fit(Stack(), ckpt_path=ckpt_path)
+        return [(r["step"], r["origin"]) for r in advisor._reporter.skips], [(a.code, a.fix) for a in advisor.advice]
+
+    whole = fit(4)
+    fit(2, checkpoint=ModelCheckpoint(dirpath=tmp_path, save_last=True))
+    resumed = fit(4, ckpt_path=str(tmp_path / "last.ckpt"), checkpoint=ModelCheckpoint(dirpath=tmp_path / "again"))
+    assert resumed[0][:2] == whole[0][:2]  # the skips before the checkpoint keep their origins (a fused optimizer's)
+    assert [step for step, _ in resumed[0]] == [0, 1, 2, 3]  # (the resumed epoch restarts its batches: Lightning's)
+    assert resumed[1] == whole[1]  # and the fix is the same
+    assert [code for code, _ in whole[1]] == ["fp32_module"]
