@@ -44,3 +44,39 @@ def test_the_plugin_alone_adds_no_aten_op_to_stock_amp(per_step):
     ours_calls, ours_ops = per_step("AmpPlusPrecision")
     assert ours_ops == stock_ops
     assert ours_calls - stock_calls <= 40, (ours_calls, stock_calls)
+
+
+def test_a_recorded_module_call_costs_two_python_calls_of_ours():
+    import contextlib
+    import sys
+
+    import torch
+    from torch import nn
+
+    from lightning_amp_plus.origins import OriginFinder
+
+    model = nn.Module()
+    model.layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def calls() -> list[str]:
+        names = []
+
+        def profile(frame, event, arg):
+            if event == "call":
+                names.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+        sys.setprofile(profile)
+        model.layer(x)
+        sys.setprofile(None)
+        return names
+
+    plain = calls()
+    finder = OriginFinder()
+    finder.attach(model, contextlib.nullcontext)
+    finder.start_batch(x)
+    recorded = calls()
+    assert len(finder.current.calls) == 1  # it was recorded
+    ours = [name.rsplit(":", 1)[1] for name in recorded if "lightning_amp_plus" in name]
+    assert ours == ["keep", "versions"]  # the hook and its version read (the docs' "two ours")
+    assert len(recorded) - len(plain) <= 5  # with torch's own dispatch of a hooked module (3 on torch 2.13)
