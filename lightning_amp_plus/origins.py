@@ -311,9 +311,8 @@ class OriginFinder:
         roots = (*(inner for _, inner in frontier), *((c.args, c.kwargs) for c in calls))  # what its code reaches
         owned = [stream for stream, _ in (record.start[2] or [])] if record.start is not None else []
         replay = _Replay(design)
-
-        def run() -> None:
-            replaced: dict[int, Tensor] = {}
+        replaced: dict[int, Tensor] = {}
+        try:
             with (
                 sandboxed(roots, self._device_type, grad=True, streams=owned),
                 no_logging(model),
@@ -335,10 +334,8 @@ class OriginFinder:
                         replay.errors[index] = error
                         continue
                     replaced.update(zip(map(id, tensors(_alive(call.output))), tensors(output), strict=False))
-
-        _, error = attempt(run)
-        if error is not None:
-            replay.errors.setdefault(positions[0], error)
+        except Exception as error:  # noqa: BLE001 - the sandbox refused or failed: told, never raised
+            replay.errors.setdefault(positions[0], raised(error))
         return replay
 
 
