@@ -30,17 +30,17 @@ def _node(value: Any, inside: int, depth: int) -> Optional[tuple[list[Any], Call
     if isinstance(value, torch.Tensor) or depth >= _DEEPEST:
         return None
     if isinstance(value, (list, tuple)):
-        return list(value), lambda items: rebuilt(value, items)
+        return list(value), lambda items: rebuilt(value, [], items)
     if isinstance(value, dict):
         keys = list(value)
-        return [value[k] for k in keys], lambda items: _dict_like(value, keys, items)
+        return [value[k] for k in keys], lambda items: rebuilt(value, keys, items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = [f.name for f in dataclasses.fields(value)]
-        return [getattr(value, n, None) for n in names], lambda items: _attributes_like(value, names, items)
+        return [getattr(value, n, None) for n in names], lambda items: rebuilt(value, names, items)
     if inside < 2 and isinstance(value, _RESULTS):
         store = value.data if isinstance(value, UserDict) else vars(value)
         keys = [k for k, v in store.items() if not (isinstance(v, (list, tuple, dict)) and len(v) > _WIDE)]
-        return [store[k] for k in keys], lambda items: _attributes_like(value, keys, items)
+        return [store[k] for k in keys], lambda items: rebuilt(value, keys, items)
     return None
 
 
@@ -100,56 +100,40 @@ def map_tensors(
     return value if not fresh and all(a is b for a, b in zip(items, node[0], strict=True)) else node[1](items)
 
 
-def rebuilt(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
-    """A list or tuple of ``value``'s class holding ``items``, made without calling the user's constructor.
+def rebuilt(value: Any, keys: list[Any], items: list[Any]) -> Any:
+    """A container like ``value`` holding ``items`` (at ``keys``: a dict's, a dataclass's fields), without user code.
 
-    A named tuple is built from its fields; another subclass (whose ``__new__`` may take its fields, ``Pair(out,
-    aux)``, or an iterable meaning something else) by ``tuple.__new__`` / ``list.__new__``, its attributes copied.
+    A plain list, tuple or dict is built as usual, a named tuple from its fields; another class by its built-in
+    base's ``__new__`` (a subclass's own may take its fields, ``Pair(out, aux)``), its attributes and slots copied,
+    and ``items`` set by the base's own methods (a subclass's ``__setitem__`` is the user's code).
     """
     cls: Any = type(value)
-    if cls is tuple or cls is list:
-        return cls(items)
-    if hasattr(value, "_fields"):
+    if cls in (list, tuple, dict):
+        return dict(zip(keys, items, strict=True)) if cls is dict else cls(items)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
         return cls(*items)
-    if isinstance(value, tuple):
-        made = tuple.__new__(cls, items)
-    else:
-        made = list.__new__(cls)
-        list.extend(made, items)
+    base: Any = next(t for t in (tuple, list, OrderedDict, dict, SimpleNamespace, object) if isinstance(value, t))
+    made = tuple.__new__(cls, items) if base is tuple else base.__new__(cls)
     if hasattr(value, "__dict__"):
         made.__dict__.update(vars(value))
-    return made
-
-
-def _dict_like(value: dict[Any, Any], keys: list[Any], items: list[Any]) -> dict[Any, Any]:
-    """A dict of ``value``'s class with ``keys`` -> ``items``; its attributes (a model output's fields) follow."""
-    if type(value) is dict:
-        return dict(zip(keys, items, strict=True))
-    base: Any = OrderedDict if isinstance(value, OrderedDict) else dict
-    made = base.__new__(type(value))
-    if isinstance(value, defaultdict):
-        made.default_factory = value.default_factory
-    for key, item in zip(keys, items, strict=True):
-        base.__setitem__(made, key, item)  # the class's own __setitem__ is the user's code
-    if hasattr(value, "__dict__"):
-        made.__dict__.update(vars(value))
-        made.__dict__.update({k: v for k, v in zip(keys, items, strict=True) if k in made.__dict__})
-    return made
-
-
-def _attributes_like(value: Any, names: list[Any], items: list[Any]) -> Any:
-    """A dataclass, ``SimpleNamespace`` or ``UserDict`` like ``value``, ``names`` -> ``items``, without its code."""
-    made = (SimpleNamespace if isinstance(value, SimpleNamespace) else object).__new__(type(value))
-    if hasattr(value, "__dict__"):
-        made.__dict__.update(vars(value))
-    for cls in type(value).__mro__:
-        for slot in getattr(cls, "__slots__", ()):
+    for klass in cls.__mro__:  # a slotted dataclass's fields and the rest
+        for slot in getattr(klass, "__slots__", ()):
             if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
                 object.__setattr__(made, slot, getattr(value, slot))
-    if isinstance(value, UserDict):
-        made.__dict__["data"] = {**value.data, **dict(zip(names, items, strict=True))}
+    pairs = [] if base in (tuple, list) else list(zip(keys, items, strict=True))
+    if base is list:
+        list.extend(made, items)
+    elif base in (OrderedDict, dict):
+        if isinstance(value, defaultdict):
+            made.default_factory = value.default_factory
+        for key, item in pairs:
+            base.__setitem__(made, key, item)
+        if hasattr(made, "__dict__"):  # a model output's fields follow its items
+            made.__dict__.update({k: v for k, v in pairs if k in made.__dict__})
+    elif isinstance(value, UserDict):
+        made.__dict__["data"] = {**value.data, **dict(pairs)}
     else:
-        for name, item in zip(names, items, strict=True):
+        for name, item in pairs:
             object.__setattr__(made, name, item)
     return made
 

@@ -173,3 +173,44 @@ def test_every_container_kind_is_walked_copied_and_rebuilt_without_the_users_cod
     assert _x(copied) is not h
     assert torch.equal(_x(copied), h)
     assert map_tensors(lambda t: t, packed) is packed  # nothing changed: the very value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Slotted:
+    x: torch.Tensor
+    tag: str = "t"
+
+
+class _SlottedPlus(_Slotted):
+    __slots__ = ("cache",)  # a slot that is no field
+
+
+class _Mirrored(collections.OrderedDict):
+    """A dict whose items are mirrored as attributes (as a transformers ``ModelOutput``'s are)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+class _Tagged(tuple):
+    pass
+
+
+def test_a_rebuilt_container_keeps_its_slots_factory_attributes_and_mirrors():
+    t = torch.tensor(1.0)
+    plus = _SlottedPlus(t, "kept")
+    object.__setattr__(plus, "cache", "c")
+    slotted = map_tensors(lambda v: v * 2, plus)
+    assert (type(slotted), float(slotted.x), slotted.tag, slotted.cache) == (_SlottedPlus, 2.0, "kept", "c")
+    counts = map_tensors(lambda v: v * 2, collections.defaultdict(list, {"a": t}))
+    assert counts.default_factory is list  # its factory kept: a later missing key still works
+    mirrored = _Mirrored()
+    mirrored["x"] = t
+    made = map_tensors(lambda v: v * 2, mirrored)
+    assert float(made["x"]) == 2.0
+    assert float(made.x) == 2.0  # the attribute follows the item, as the class keeps them
+    tagged = _Tagged((t,))
+    tagged.note = "n"
+    again = map_tensors(lambda v: v * 2, tagged)
+    assert (type(again), again.note, float(again[0])) == (_Tagged, "n", 2.0)
