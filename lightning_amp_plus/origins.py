@@ -196,10 +196,10 @@ class OriginFinder:
     def origin(self, record: Optional[BatchCalls] = None) -> Optional[Origin]:
         """Where ``record``'s (default: this batch's) inf/nan were born (:class:`~lightning_amp_plus.origin.Origin`).
 
-        Read in order: the batch's inf/nan reaching a call (:attr:`Phase.INPUT`); inf/nan a call took in that no call
-        made (:data:`OWN_CODE`); the first call whose finite inputs gave a non-finite output, replayed
-        (:attr:`Phase.FORWARD`: the module, ``float32``, ``islands``; ``within`` and ``reason`` where the replay
-        computed other values); the loss (:attr:`Phase.LOSS`); else :attr:`Phase.BACKWARD`. None: not told.
+        Read in order: the batch's inf/nan reaching a call that does not contain them (:attr:`Phase.INPUT`); inf/nan
+        a call took in that no call made (:data:`OWN_CODE`); the first call whose finite inputs gave a non-finite
+        output, replayed (:attr:`Phase.FORWARD`: the module, ``float32``, ``islands``; ``within`` and ``reason`` where
+        the replay computed other values); the loss (:attr:`Phase.LOSS`); else :attr:`Phase.BACKWARD`. None: not told.
         """
         record = record if record is not None else self._current
         if record is None or record.batch is None:
@@ -222,7 +222,9 @@ class OriginFinder:
             took = [t for t in tensors((args, kwargs)) if id(t) not in by_design]
             from_batch = nonfinite_kinds(took, masks=True)
             if from_batch and from_batch <= in_batch and _from_batch(record.batch, took):
-                return Origin(Phase.INPUT)
+                if output is _GONE or nonfinite_kind(output) is not None:
+                    return Origin(Phase.INPUT)
+                continue  # the call contained them (a masked loss over NaN-coded labels): no origin
             taken = nonfinite_kinds(took, masks="inputs")
             if taken:  # made by the own code before this call; the batch holding that kind too is said (it may spread)
                 kind = "inf" if "inf" in taken else "nan"
@@ -284,8 +286,8 @@ class OriginFinder:
                     islands.remove(module)  # -inf alone, which float32 makes too: by design
                     design.add(module)
                 elif ours and module == ours[0] or first[module][0] in chain:
-                    # non-finite in float32 too, at the origin or where the call's float32 value flows: no precision
-                    return Origin(Phase.FORWARD, module, first[module][1], Verdict.NONFINITE)
+                    # non-finite in float32 too, at the origin or where the call's float32 value flows
+                    return self._nonfinite(record, index, module, first[module][1], [*positions], islands, design)
                 else:
                     contained = False  # another call's, which float32 does not fix
             ours = [m for m in islands if first[m][0] == index]
@@ -298,6 +300,29 @@ class OriginFinder:
                 found = (ours[0], *(m for m in islands if m != ours[0])) if fixed else ()
                 return Origin(Phase.FORWARD, ours[0], first[ours[0]][1], Verdict.FINITE, islands=found)
         return unknown(f"the replays of {name} found no end")
+
+    def _nonfinite(
+        self,
+        record: BatchCalls,
+        index: int,
+        module: str,
+        kind: str,
+        positions: list[int],
+        islands: list[str],
+        design: set[str],
+    ) -> Origin:
+        """``module``, non-finite in float32 too, unless the calls that fed call ``index`` and it, in float32, end it.
+
+        Then what their float16 outputs lost (a difference rounded away) is the cause, and they are islands too.
+        """
+        fed = _fed(record, index)  # and the call itself, whole: a module inside it may have fed this one
+        wider = list(dict.fromkeys([module, *(record.calls[i].name for i in [*fed, index]), *islands]))
+        if len(wider) > 1 and len(wider) <= MAX_ISLANDS:
+            replay = self._replay(record, [*fed, *positions], wider, design)
+            outputs = [replay.outputs.get(i) for i in positions]
+            if not replay.errors and not replay.births and nonfinite_kind(outputs, masks=True) is None:
+                return Origin(Phase.FORWARD, module, kind, Verdict.FINITE, islands=tuple(wider))
+        return Origin(Phase.FORWARD, module, kind, Verdict.NONFINITE)
 
     def _replay(self, record: BatchCalls, positions: list[int], islands: list[str], design: set[str]) -> _Replay:
         """The calls ``positions`` again, sandboxed, each from its own start, every module in them watched.
@@ -361,6 +386,18 @@ def _reached(record: BatchCalls, index: int) -> tuple[list[int], list[int], bool
         elif nonfinite_kind((call.args, call.kwargs), masks="inputs") is not None:
             unseen = True
     return chain, replayed, unseen
+
+
+def _fed(record: BatchCalls, index: int) -> list[int]:
+    """The earlier calls whose outputs call ``index`` took in as the very tensors, and those that fed them."""
+    wanted = set(map(id, tensors((record.calls[index].args, record.calls[index].kwargs))))
+    fed: list[int] = []
+    for earlier in range(index - 1, -1, -1):
+        call = record.calls[earlier]
+        if wanted & set(map(id, tensors(_alive(call.output)))):
+            fed.insert(0, earlier)
+            wanted.update(map(id, tensors((call.args, call.kwargs))))
+    return fed
 
 
 def _called(module: torch.nn.Module, given: tuple[Any, Any]) -> Any:

@@ -778,3 +778,73 @@ def test_where_the_float32_value_flows_into_inf_in_float32_too_that_module_is_th
     assert not torch.isfinite(model(x)).all()  # independently: the model in float32 makes inf
     told = _told(model, x, lambda model, x: model(x).float().sum())
     assert told == Origin(Phase.FORWARD, "b", "inf", Verdict.NONFINITE)  # no precision avoids it: not bf16's
+
+
+class _MaskedMSE(nn.Module):
+    def forward(self, pred, target):
+        keep = ~torch.isnan(target)
+        return ((pred.float() - torch.nan_to_num(target)) ** 2 * keep).sum() / keep.sum()
+
+
+class _Head2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head, self.crit = nn.Linear(8, 1), _MaskedMSE()
+
+
+def test_nan_coded_labels_a_module_contains_are_no_origin():
+    y = torch.randn(4, 1)
+    y[::2] = float("nan")  # missing labels, masked by the loss module
+    told = _told(_Head2(), (torch.randn(4, 8), y), lambda model, b: model.crit(model.head(b[0]), b[1]))
+    assert told == Origin(Phase.BACKWARD)  # the forward and the loss were finite: not the batch's
+    poisoned = (torch.randn(4, 8), y)
+    poisoned[0][0, 0] = float("nan")  # a NaN the model does take in, which reaches the loss
+    assert _told(_Head2(), poisoned, lambda model, b: model.crit(model.head(b[0]), b[1])) == Origin(Phase.INPUT)
+
+
+class _StdNorm(nn.Module):
+    def forward(self, x):
+        return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)
+
+
+class _Rounded(nn.Module):
+    """``enc`` gives 10 +- 1e-3, which float16 rounds to 10 everywhere: ``norm`` then divides 0 by 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.norm, self.head = nn.Linear(8, 16), _StdNorm(), nn.Linear(16, 1)
+        with torch.no_grad():
+            self.enc.weight.mul_(1e-3)
+            self.enc.bias.fill_(10.0)
+
+    def forward(self, x):
+        return self.head(self.norm(self.enc(x)))
+
+
+class _RoundedModel(TinyModel):
+    def __init__(self):
+        super().__init__(optimizer="fused_sgd", lr=0.0)
+        self.net = _Rounded()
+
+
+def test_nan_from_a_rounding_upstream_is_no_model_nan_and_its_islands_fix_it():
+    model, x = _Rounded(), torch.randn(4, 8)
+    assert torch.isfinite(model(x)).all()  # independently: finite in float32
+    told = _told(model, x, lambda model, x: model(x).float().sum())
+    assert (told.module, told.kind, told.float32) == ("norm", "nan", Verdict.FINITE)  # not "in any precision"
+    assert told.islands == ("norm", "enc")  # the call that fed it, in float32 too
+    runs = {}
+    for islands in (["net.norm"], ["net.norm", "net.enc"]):
+        plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=islands)
+        make_trainer(plugins=[plugin], max_steps=4).fit(_RoundedModel())
+        runs[len(islands)] = plugin.history.num_skipped
+    assert runs == {1: 4, 2: 0}  # measured: norm alone does not help, with enc it ends the skips
+    advisor = AmpAdvisor(print_advice=False)  # one call holding both: the call in float32 is the island
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1.0)], callbacks=[advisor], max_steps=4).fit(
+        _RoundedModel()
+    )
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert "model_nonfinite" not in [a.code for a in advisor.advice]
+    fixed = eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})  # pasted as printed
+    make_trainer(plugins=[fixed], max_steps=4).fit(_RoundedModel())
+    assert fixed.history.num_skipped == 0
