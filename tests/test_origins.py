@@ -580,6 +580,13 @@ def test_a_tensor_of_another_first_dimension_is_not_blamed_on_the_batch():
     assert _told(_Head(), x, flattened) == Origin(Phase.INPUT)
 
 
+def _tiny(net):
+    """A TinyModel that trains nothing (lr 0) around ``net``: each step overflows the same way."""
+    model = TinyModel(optimizer="fused_sgd", lr=0.0)
+    model.net = net
+    return model
+
+
 class _CarriedOn(nn.Module):
     """``a`` overflows float16 (1e5); the own code carries its float32 value on to ``b`` (a new tensor, not ``a``'s
     output), where autocast casts it back: an island on ``a`` alone changes nothing."""
@@ -597,18 +604,12 @@ class _CarriedOn(nn.Module):
         return self.b(self.a(x) * 1.0)
 
 
-class _CarriedOnModel(TinyModel):
-    def __init__(self):
-        super().__init__(optimizer="fused_sgd", lr=0.0)
-        self.net = _CarriedOn()
-
-
 def test_no_islands_are_claimed_where_the_own_code_carries_the_float32_value_on():
     told = _told(_CarriedOn(), torch.randn(4, 8), lambda model, x: model(x).float().sum())
     assert (told.phase, told.module, told.float32.value) == (Phase.FORWARD, "a", "finite")
     assert told.islands == ()  # an fp16 overflow no island shown to contain: none claimed
     plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["net.a"])
-    make_trainer(plugins=[plugin], max_steps=4).fit(_CarriedOnModel())
+    make_trainer(plugins=[plugin], max_steps=4).fit(_tiny(_CarriedOn()))
     assert plugin.history.num_skipped == 4  # measured: the island the rule refuses would not have helped
 
 
@@ -642,12 +643,6 @@ class _Towers(nn.Module):
         return self.a(x) + self.other(x)
 
 
-class _TowersModel(TinyModel):
-    def __init__(self):
-        super().__init__(optimizer="fused_sgd", lr=0.0)
-        self.net = _Towers(_Tower())
-
-
 def test_islands_cover_every_later_call_that_overflows_on_its_own():
     told = _told(_Towers(_Tower()), torch.randn(4, 8), lambda model, x: model(x).float().sum())
     assert (told.module, told.kind, told.float32.value) == ("a.lin", "inf", "finite")
@@ -655,7 +650,7 @@ def test_islands_cover_every_later_call_that_overflows_on_its_own():
     runs = {}
     for islands in (["net.a.lin"], ["net.a.lin", "net.other.lin"]):
         plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=islands)
-        make_trainer(plugins=[plugin], max_steps=4).fit(_TowersModel())
+        make_trainer(plugins=[plugin], max_steps=4).fit(_tiny(_Towers(_Tower())))
         runs[len(islands)] = plugin.history.num_skipped
     assert runs == {1: 4, 2: 0}  # measured: the first island alone skips every step, both end the skips
 
@@ -715,17 +710,11 @@ class _FedOn(nn.Module):
         return self.b(h, h * 1e5)
 
 
-class _FedOnModel(TinyModel):
-    def __init__(self):
-        super().__init__(optimizer="fused_sgd", lr=0.0)
-        self.net = _FedOn()
-
-
 def test_no_islands_are_claimed_where_a_later_call_of_the_chain_stays_non_finite():
     told = _told(_FedOn(), torch.randn(4, 8), lambda model, x: model(x).float().sum())
     assert (told.module, told.float32.value, told.islands) == ("a.lin", "finite", ())
     plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=["net.a.lin"])
-    make_trainer(plugins=[plugin], max_steps=4).fit(_FedOnModel())
+    make_trainer(plugins=[plugin], max_steps=4).fit(_tiny(_FedOn()))
     assert plugin.history.num_skipped == 4  # measured: the island the replay could not show to help does not
 
 
@@ -740,17 +729,11 @@ class _Amplified(nn.Module):
         return self.b(self.a(x) * 1e4)
 
 
-class _AmplifiedModel(TinyModel):
-    def __init__(self):
-        super().__init__(optimizer="fused_sgd", lr=0.0)
-        self.net = _Amplified()
-
-
 def test_no_islands_are_claimed_where_the_own_code_feeds_a_later_call():
     told = _told(_Amplified(), torch.randn(4, 8), lambda model, x: model(x).float().sum())
     assert (told.module, told.float32.value, told.islands) == ("a.lin", "finite", ())
     plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=["net.a.lin"])
-    make_trainer(plugins=[plugin], max_steps=4).fit(_AmplifiedModel())
+    make_trainer(plugins=[plugin], max_steps=4).fit(_tiny(_Amplified()))
     assert plugin.history.num_skipped == 4  # measured: the island alone does not help (b overflows instead)
 
 
@@ -821,12 +804,6 @@ class _Rounded(nn.Module):
         return self.head(self.norm(self.enc(x)))
 
 
-class _RoundedModel(TinyModel):
-    def __init__(self):
-        super().__init__(optimizer="fused_sgd", lr=0.0)
-        self.net = _Rounded()
-
-
 def test_nan_from_a_rounding_upstream_is_no_model_nan_and_its_islands_fix_it():
     model, x = _Rounded(), torch.randn(4, 8)
     assert torch.isfinite(model(x)).all()  # independently: finite in float32
@@ -836,15 +813,15 @@ def test_nan_from_a_rounding_upstream_is_no_model_nan_and_its_islands_fix_it():
     runs = {}
     for islands in (["net.norm"], ["net.norm", "net.enc"]):
         plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=islands)
-        make_trainer(plugins=[plugin], max_steps=4).fit(_RoundedModel())
+        make_trainer(plugins=[plugin], max_steps=4).fit(_tiny(_Rounded()))
         runs[len(islands)] = plugin.history.num_skipped
     assert runs == {1: 4, 2: 0}  # measured: norm alone does not help, with enc it ends the skips
     advisor = AmpAdvisor(print_advice=False)  # one call holding both: the call in float32 is the island
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1.0)], callbacks=[advisor], max_steps=4).fit(
-        _RoundedModel()
+        _tiny(_Rounded())
     )
     (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
     assert "model_nonfinite" not in [a.code for a in advisor.advice]
     fixed = eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})  # pasted as printed
-    make_trainer(plugins=[fixed], max_steps=4).fit(_RoundedModel())
+    make_trainer(plugins=[fixed], max_steps=4).fit(_tiny(_Rounded()))
     assert fixed.history.num_skipped == 0
