@@ -287,7 +287,7 @@ class OriginFinder:
                     design.add(module)
                 elif ours and module == ours[0] or first[module][0] in chain:
                     # non-finite in float32 too, at the origin or where the call's float32 value flows
-                    return self._nonfinite(record, index, module, first[module][1], [*positions], islands, design)
+                    return self._nonfinite(record, index, module, first[module][1], positions, islands, design, unseen)
                 else:
                     contained = False  # another call's, which float32 does not fix
             ours = [m for m in islands if first[m][0] == index]
@@ -310,10 +310,12 @@ class OriginFinder:
         positions: list[int],
         islands: list[str],
         design: set[str],
+        unseen: bool,
     ) -> Origin:
         """``module``, non-finite in float32 too, unless the calls that fed call ``index`` and it, in float32, end it.
 
-        Then what their float16 outputs lost (a difference rounded away) is the cause, and they are islands too.
+        Then what their float16 outputs lost (a difference rounded away) is the cause, and they are islands too (not
+        shown where the own code fed a later call: ``unseen``).
         """
         fed = _fed(record, index)  # and the call itself, whole: a module inside it may have fed this one
         wider = list(dict.fromkeys([module, *(record.calls[i].name for i in [*fed, index]), *islands]))
@@ -321,7 +323,7 @@ class OriginFinder:
             replay = self._replay(record, [*fed, *positions], wider, design)
             outputs = [replay.outputs.get(i) for i in positions]
             if not replay.errors and not replay.births and nonfinite_kind(outputs, masks=True) is None:
-                return Origin(Phase.FORWARD, module, kind, Verdict.FINITE, islands=tuple(wider))
+                return Origin(Phase.FORWARD, module, kind, Verdict.FINITE, islands=() if unseen else tuple(wider))
         return Origin(Phase.FORWARD, module, kind, Verdict.NONFINITE)
 
     def _replay(self, record: BatchCalls, positions: list[int], islands: list[str], design: set[str]) -> _Replay:
