@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 class Phase(str, enum.Enum):
     """Where in the step the values were born."""
 
-    INPUT = "input"  #: the batch held them, and a module that took them made inf/nan of them (or the loss did)
+    INPUT = "input"  #: the batch held them, and they reached the model (a module's inputs or the loss)
     FORWARD = "forward"  #: a module's forward (or the LightningModule's own code between module calls)
     LOSS = "loss"  #: every recorded module output finite, the loss not
     BACKWARD = "backward"  #: forward and loss finite

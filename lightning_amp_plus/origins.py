@@ -196,8 +196,8 @@ class OriginFinder:
     def origin(self, record: Optional[BatchCalls] = None) -> Optional[Origin]:
         """Where ``record``'s (default: this batch's) inf/nan were born (:class:`~lightning_amp_plus.origin.Origin`).
 
-        Read in order: the batch's inf/nan reaching a call that does not contain them (:attr:`Phase.INPUT`); inf/nan
-        a call took in that no call made (:data:`OWN_CODE`); the first call whose finite inputs gave a non-finite
+        Read in order: the batch's inf/nan reaching a call (:attr:`Phase.INPUT`); inf/nan a call took in that no
+        call made (:data:`OWN_CODE`); the first call whose finite inputs gave a non-finite
         output, replayed (:attr:`Phase.FORWARD`: the module, ``float32``, ``islands``; ``within`` and ``reason`` where
         the replay computed other values); the loss (:attr:`Phase.LOSS`); else :attr:`Phase.BACKWARD`. None: not told.
         """
@@ -222,9 +222,7 @@ class OriginFinder:
             took = [t for t in tensors((args, kwargs)) if id(t) not in by_design]
             from_batch = nonfinite_kinds(took, masks=True)
             if from_batch and from_batch <= in_batch and _from_batch(record.batch, took):
-                if output is _GONE or nonfinite_kind(output) is not None:
-                    return Origin(Phase.INPUT)
-                continue  # the call contained them (a masked loss over NaN-coded labels): no origin
+                return Origin(Phase.INPUT)
             taken = nonfinite_kinds(took, masks="inputs")
             if taken:  # made by the own code before this call; the batch holding that kind too is said (it may spread)
                 kind = "inf" if "inf" in taken else "nan"
@@ -319,7 +317,7 @@ class OriginFinder:
         """
         fed = _fed(record, index)  # and the call itself, whole: a module inside it may have fed this one
         wider = list(dict.fromkeys([module, *(record.calls[i].name for i in [*fed, index]), *islands]))
-        if len(wider) > 1 and len(wider) <= MAX_ISLANDS:
+        if len(wider) > 1 and len(wider) <= MAX_ISLANDS and _replayable(record, [*fed, index]):
             replay = self._replay(record, [*fed, *positions], wider, design)
             outputs = [replay.outputs.get(i) for i in positions]
             if not replay.errors and not replay.births and nonfinite_kind(outputs, masks=True) is None:
@@ -400,6 +398,18 @@ def _fed(record: BatchCalls, index: int) -> list[int]:
             fed.insert(0, earlier)
             wanted.update(map(id, tensors((call.args, call.kwargs))))
     return fed
+
+
+def _replayable(record: BatchCalls, indices: list[int]) -> bool:
+    """Whether every floating tensor the calls ``indices`` took is the batch's or one of their own outputs.
+
+    Else the own code made it, maybe of a replayed call's output (``norm(h, h.mean())``): the replay would hand the
+    call its recorded value beside the replayed ``h``, a pair the step never computed.
+    """
+    given = {id(t) for t in values(record.batch)}
+    given.update(id(t) for i in indices for t in tensors(_alive(record.calls[i].output)))
+    took = (t for i in indices for t in tensors((record.calls[i].args, record.calls[i].kwargs)))
+    return all(id(t) in given for t in took if t.is_floating_point())
 
 
 def _called(module: torch.nn.Module, given: tuple[Any, Any]) -> Any:

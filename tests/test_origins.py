@@ -763,28 +763,6 @@ def test_where_the_float32_value_flows_into_inf_in_float32_too_that_module_is_th
     assert told == Origin(Phase.FORWARD, "b", "inf", Verdict.NONFINITE)  # no precision avoids it: not bf16's
 
 
-class _MaskedMSE(nn.Module):
-    def forward(self, pred, target):
-        keep = ~torch.isnan(target)
-        return ((pred.float() - torch.nan_to_num(target)) ** 2 * keep).sum() / keep.sum()
-
-
-class _Head2(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.head, self.crit = nn.Linear(8, 1), _MaskedMSE()
-
-
-def test_nan_coded_labels_a_module_contains_are_no_origin():
-    y = torch.randn(4, 1)
-    y[::2] = float("nan")  # missing labels, masked by the loss module
-    told = _told(_Head2(), (torch.randn(4, 8), y), lambda model, b: model.crit(model.head(b[0]), b[1]))
-    assert told == Origin(Phase.BACKWARD)  # the forward and the loss were finite: not the batch's
-    poisoned = (torch.randn(4, 8), y)
-    poisoned[0][0, 0] = float("nan")  # a NaN the model does take in, which reaches the loss
-    assert _told(_Head2(), poisoned, lambda model, b: model.crit(model.head(b[0]), b[1])) == Origin(Phase.INPUT)
-
-
 class _StdNorm(nn.Module):
     def forward(self, x):
         return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)
@@ -825,3 +803,34 @@ def test_nan_from_a_rounding_upstream_is_no_model_nan_and_its_islands_fix_it():
     fixed = eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})  # pasted as printed
     make_trainer(plugins=[fixed], max_steps=4).fit(_tiny(_Rounded()))
     assert fixed.history.num_skipped == 0
+
+
+class _NormBy(nn.Module):
+    def forward(self, h, mu):
+        return (h - mu) / (h - mu).abs().amax(-1, keepdim=True)
+
+
+class _DeadNorm(nn.Module):
+    """``enc`` is dead (every row constant): ``norm`` divides 0 by 0 in float32 too, by the own code's mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.norm = nn.Linear(8, 16), _NormBy()
+        with torch.no_grad():
+            self.enc.weight.zero_()
+            self.enc.bias.fill_(1 + 2**-12)  # exact in float32, rounded to 1 in float16
+
+    def forward(self, x):
+        h = self.enc(x)
+        return self.norm(h, h.mean(-1, keepdim=True))
+
+
+def test_a_nan_in_any_precision_fed_by_the_own_code_is_not_read_as_a_rounding():
+    model, x = _DeadNorm(), torch.randn(4, 8)
+    assert not torch.isfinite(model(x)).all()  # independently: NaN in float32 too
+    told = _told(model, x, lambda model, x: model(x).float().sum())
+    assert (told.module, told.kind, told.float32) == (
+        "norm",
+        "nan",
+        Verdict.NONFINITE,
+    )  # the own code's mean: no replay
