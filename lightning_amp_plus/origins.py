@@ -406,7 +406,7 @@ def _replayable(record: BatchCalls, indices: list[int]) -> bool:
     Else the own code made it, maybe of a replayed call's output (``norm(h, h.mean())``): the replay would hand the
     call its recorded value beside the replayed ``h``, a pair the step never computed.
     """
-    given = {id(t) for t in values(record.batch)}
+    given = {id(t) for t in tensors(record.batch)}
     given.update(id(t) for i in indices for t in tensors(_alive(record.calls[i].output)))
     took = (t for i in indices for t in tensors((record.calls[i].args, record.calls[i].kwargs)))
     return all(id(t) in given for t in took if t.is_floating_point())

@@ -510,9 +510,9 @@ def _structure(value: Any) -> Any:
     if not isinstance(value, _MUTABLE):
         return value
     copy: Any = copy_module.copy(value)  # the same class: a defaultdict keeps its factory, a deque its maxlen
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    content = {k: _structure(v) for k, v in items}
-    _restore_into(copy, content if isinstance(value, dict) else list(content.values()))
+    _restore_into(
+        copy, {k: _structure(v) for k, v in value.items()} if isinstance(value, dict) else map(_structure, value)
+    )
     return copy
 
 

@@ -209,3 +209,29 @@ def test_ddp_the_origin_is_the_jobs_not_rank_zeros(tmp_path):
     assert told["origins"] == [{"phase": "input", "rank": 1}] * 3  # rank 0's batch was finite: it could not tell
     assert told["codes"][0] == "nonfinite_loss"  # the batch, not init_scale or bf16
     assert "init_scale" not in told["codes"]
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_saves_a_fused_optimizers_skips_with_their_origins(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = RankPoisonModel(poison_rank=1, poison={1: "inf"}, optimizer="fused_sgd")
+    trainer = make_trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=[
+            NaNSkipReporter(max_warnings=0),
+            ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1),
+            ExitWithoutFinalizing(),
+        ],
+        max_steps=4,
+        enable_checkpointing=True,
+    )
+    trainer.fit(model)  # every rank reads the device flags as the state is saved: none waits for another
+    (first,) = list(tmp_path.glob("*step=2*.ckpt"))  # saved at step 2, one after the skip
+    saved = torch.load(first, weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("NaNSkipReporter")]
+    skips = {r["step"]: r["origin"] for r in [*state["head"], *state["tail"]]}
+    # read before saving, with its origin (rank zero's own reading: a fused skip's is not gathered over ranks)
+    assert skips[1] == {"phase": "backward"}
