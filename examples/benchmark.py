@@ -174,8 +174,15 @@ def configs(
     def plugin_alone() -> tuple[list[Precision], list[Callback]]:
         return [AmpPlusPrecision(precision)], []  # type: ignore[list-item]
 
+    def plugin_two_empty_callbacks() -> tuple[list[Precision], list[Callback]]:
+        return [AmpPlusPrecision(precision)], [EmptyCallback(), EmptyCallback()]  # type: ignore[list-item]
+
     def ours() -> tuple[list[Precision], list[Callback]]:
         return [AmpPlusPrecision(precision)], [LossScaleMonitor(), NaNSkipReporter()]  # type: ignore[arg-type]
+
+    def ours_watching() -> tuple[list[Precision], list[Callback]]:  # what the watch costs once it is on
+        reporter = NaNSkipReporter(find_origin="watch")
+        return [AmpPlusPrecision(precision)], [LossScaleMonitor(), reporter]  # type: ignore[list-item]
 
     def ours_advised() -> tuple[list[Precision], list[Callback]]:
         plugin = AmpPlusPrecision(precision)
@@ -196,13 +203,18 @@ def configs(
         "stock AMP": stock,
         "AmpPlusPrecision": plugin_alone,
         "AmpPlusPrecision + callbacks": ours,
+        "AmpPlusPrecision + callbacks, watching": ours_watching,
         "AmpPlusPrecision + callbacks + AmpAdvisor": ours_advised,
     }
     if precision == "16-mixed":  # the float32 reference's cost: the same monitor with and without it
         table["+ GradUnderflowMonitor(exact=True)"] = underflow_exact
         table["+ GradUnderflowMonitor()"] = underflow_inexact
     if floor:  # the small-step case: show what two callbacks cost whatever they do
-        table = {**table, "stock AMP + 2 empty callbacks": stock_two_empty_callbacks}
+        table = {
+            **table,
+            "stock AMP + 2 empty callbacks": stock_two_empty_callbacks,
+            "AmpPlusPrecision + 2 empty callbacks": plugin_two_empty_callbacks,
+        }
     if precision == "bf16-mixed":  # the non-finite check is the feature's price: show the run without it too
         table["AmpPlusPrecision(skip_nonfinite=False) + callbacks"] = ours_unchecked
     return table
@@ -288,6 +300,7 @@ def counts_per_step(table: dict[str, Callable], sizes: tuple[int, int, int], bat
     print("|---|---:|---:|")
     counts = {}
     for name, make in table.items():
+        count_fit(make, sizes, batch, 5, clip)  # a first fit imports what the configuration needs: not a step's cost
         long_calls, long_ops = count_fit(make, sizes, batch, 300, clip)
         short_calls, short_ops = count_fit(make, sizes, batch, 100, clip)
         counts[name] = ((long_calls - short_calls) / 200, (long_ops - short_ops) / 200)
@@ -295,6 +308,8 @@ def counts_per_step(table: dict[str, Callable], sizes: tuple[int, int, int], bat
     for name, floor in (
         ("AmpPlusPrecision", "stock AMP"),
         ("AmpPlusPrecision + callbacks", "stock AMP + 2 empty callbacks"),
+        ("AmpPlusPrecision + callbacks", "AmpPlusPrecision + 2 empty callbacks"),
+        ("AmpPlusPrecision + callbacks, watching", "AmpPlusPrecision + callbacks"),
         ("AmpPlusPrecision + callbacks + AmpAdvisor", "AmpPlusPrecision + callbacks"),
         ("stock AMP + 2 empty callbacks", "stock AMP"),
     ):

@@ -69,8 +69,8 @@ class Recorder:
 
 
 def ours(counts: torch.Tensor, small: torch.Tensor, sizes: torch.Tensor, largest: torch.Tensor) -> list[Any]:
-    """The callbacks' reductions (``callbacks/_common.all_reduce_``): one packed tensor per figure."""
-    from lightning_amp_plus.callbacks._common import all_reduce_
+    """The callbacks' reductions (``_ranks.all_reduce_``): one packed tensor per figure."""
+    from lightning_amp_plus._ranks import all_reduce_
 
     offenders = all_reduce_(counts.clone())  # NaNSkipReporter: every parameter's (inf, nan), one collective
     underflow = all_reduce_(torch.cat([small, sizes]))  # GradUnderflowMonitor: counts and element counts

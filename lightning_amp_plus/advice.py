@@ -23,7 +23,7 @@ from typing import Any, Optional
 from lightning_amp_plus import knobs
 from lightning_amp_plus._limits import MAX_ISLANDS, scale_floor
 from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
-from lightning_amp_plus.origin import Origin, Phase, Verdict
+from lightning_amp_plus.forensics.origin import IN_ISLAND, Origin, Phase, Verdict
 
 #: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
 HIGH_UNDERFLOW = 0.5
@@ -241,9 +241,14 @@ def most(count: int, total: int, *, least: int = 1, half: bool = False) -> bool:
     return count >= least and total > 0 and (2 * count >= total if half else 2 * count > total)
 
 
-def _known_origins(figures: RunFigures) -> list[Origin]:
-    """The told origins, typed (the figures hold their JSON form)."""
-    return [Origin.from_dict(o) for o in figures.origins or [] if o]
+def _known_origins(figures: RunFigures, unnamed: bool = False) -> list[Origin]:
+    """The told origins, typed (the figures hold their JSON form); ``unnamed``: with those read from the loss alone.
+
+    A forward origin read before the watch named a place (the first such skip) tells a phase, not a place: the
+    rules that weigh places leave it out.
+    """
+    typed = [Origin.from_dict(o) for o in figures.origins or [] if o]
+    return typed if unnamed else [o for o in typed if not o.unnamed]
 
 
 def _scaling_skips(figures: RunFigures) -> list[int]:
@@ -254,7 +259,7 @@ def _scaling_skips(figures: RunFigures) -> list[int]:
     """
     not_scaling = {
         o.step
-        for o in _known_origins(figures)
+        for o in _known_origins(figures, unnamed=True)
         if o.step is not None
         and (o.phase in (Phase.INPUT, Phase.LOSS, Phase.FORWARD) or o.float32 is Verdict.NONFINITE)
     }
@@ -310,7 +315,7 @@ def _model_made(figures: RunFigures) -> list[Origin]:
 @rule(
     "nonfinite_loss",
     evidence="in at least half the skips whose origin is known, the batch's inf/nan reached the model or the loss"
-    " was inf/nan with every recorded module output finite",
+    " was inf/nan with every watched module output finite",
     fix="a guard for the batch (also where the loss was inf/nan while the batch held inf/nan: its targets), or the"
     " loss in float32; never an island",
     look_alike="a module's fp16 overflow; NaN-coded values the step fills in before the model",
@@ -334,13 +339,13 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
         fix = guard
     elif most(sum(o.batch_too for o in at_loss), len(at_loss)):  # the targets: no float32 loss makes NaN finite
         what = (
-            f"the loss was inf/nan with every recorded module output finite in {phases[Phase.LOSS]} of {len(origins)}"
+            f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of {len(origins)}"
             " skipped updates, and the batch held inf/nan there (the targets or weights the loss reads, say)"
         )
         fix = guard
     else:
         what = (
-            f"the loss was inf/nan with every recorded module output finite in {phases[Phase.LOSS]} of {len(origins)}"
+            f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of {len(origins)}"
             " skipped updates"
         )
         fix = "loss = loss_fn(logits.float(), target)  # compute the loss in float32; check log/div/sqrt for 0 and <0"
@@ -400,17 +405,25 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
         fix = _guard(op) or f"# guard the op in {where} whose gradient is inf/nan at a point (sqrt, log, a division)"
         kind = "a sqrt, log or division at 0 in backward"
     else:
-        what = f"in the forward of {where}" + (" (between its recorded module calls)" if made[0].own_code else "")
+        what = f"in the forward of {where}" + (" (between its module calls)" if made[0].own_code else "")
         fix = (
             f"# fix the inputs of {where} (e.g. give every attention row one unmasked key), or replace its inf/nan:"
             " out = torch.nan_to_num(out)"
         )
         kind = "an all-masked attention row, a log or division of 0"
+    watched = any(o.reason == IN_ISLAND for o in made)
+    upstream = (
+        " (Watched as an fp32 island, from inputs computed in float16: if those differ by less than float16"
+        ' resolves, the module before it in float32 fixes it; `NaNSkipReporter(find_origin="replay")` measures'
+        " that.)"
+        if watched
+        else ""
+    )
     return Advice(
         "model_nonfinite",
-        f"Non-finite values were born {what} in {count} of {len(origins)} skipped updates, and recomputed in"
+        f"Non-finite values were born {what} in {count} of {len(origins)} skipped updates, and run in"
         f" float32 it makes them too: the model makes them in any precision ({kind}), so no loss scale, fp32"
-        f" island or bf16 fixes it.{_batch_too(made)}",
+        f" island or bf16 fixes it.{upstream}{_batch_too(made)}",
         fix,
         {"phase": phase.value, "module": module, "op": op, "skips": count, "told": len(origins)},
     )
@@ -418,23 +431,26 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
 
 @rule(
     "fp32_module",
-    evidence="a module's forward, finite in float32, made the non-finite values in more than half of the told skips"
-    " (2 at least), or several modules' did together (each on some batches), and each one's replay with the islands"
-    " it names in float32 computed finite values",
-    fix='`fp32_modules=[..., "that.module", ...]`: every module the replay had to put in float32 (the one the value'
-    " overflows in next joins), your own islands kept",
+    evidence="a module's forward made the non-finite values in more than half of the told skips (2 at least), or"
+    " several modules' did together: watched (nothing measured), or replayed with the islands it names in float32"
+    ' and finite (`find_origin="replay"`)',
+    fix='`fp32_modules=[..., "that.module", ...]`: the module watched (run it in float32: if they are born there'
+    " again, float32 makes them too: `model_nonfinite`; if in the module after it, that one joins), or every module"
+    " a replay had to put in float32; your own islands kept",
     look_alike="a NaN the model makes in float32 too; an overflow no island contains (bf16)",
     blind="offline",
     measured=_origins_measured,
     reads_origins=True,
 )
 def _fp32_module(figures: RunFigures) -> Optional[Advice]:
-    """Most told skips fp16 overflows that measured islands contain: the union of those islands.
+    """Most told skips born in modules' forwards that an island may fix: the union of the islands.
 
-    One module's when it makes most; else every module's that each overflow on some batches (three towers).
+    One module's when it makes most; else every module's that each made them on some batches (three towers). A
+    watched origin's island is its module (what float32 there does, the next run tells); a replayed one's, what the
+    replay measured.
     """
     origins = _known_origins(figures)
-    fixable = [o for o in _forward_overflows(figures) if o.islands]
+    fixable = [o for o in origins if o.observed or (o.overflow and o.islands)]
     if not most(len(fixable), len(origins), least=2):
         return None
     modules = Counter(o.name for o in fixable)
@@ -447,7 +463,10 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     for name, _ in modules.most_common():  # the most frequent module's islands first
         for o in fixable:
             if o.name == name:
-                islands += [i for i in o.islands or () if i not in islands]
+                islands += [i for i in o.islands or (o.name,) if i not in islands]
+    watched = any(o.observed for o in fixable)
+    if watched and len(islands) > MAX_ISLANDS:
+        return None  # a chain of islands that long: bf16 (below)
     born = set(modules)
     kinds = Counter(o.kind for o in fixable)
     moved = [i for i in islands if i not in born and i not in given]
@@ -457,12 +476,19 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     else:
         where = "the forwards of " + ", ".join(f"{m} ({n})" for m, n in modules.most_common()) + f", {len(fixable)}"
         whose = "each one's output"
-
+    if watched:
+        said = (
+            f" (watched: nothing measured whether float32 avoids them). Run {'it' if len(modules) == 1 else 'them'}"
+            " in float32: a float16 overflow ends there; if they are born there again, float32 makes them too, and"
+            ' the advisor says so. `NaNSkipReporter(find_origin="replay")` measures it in the run, by running'
+            " the module again."
+        )
+    else:
+        said = f": {whose} overflows float16{also}. A replay with these islands computed finite values."
     return Advice(
         "fp32_module",
         f"Non-finite values were born in {where} of {len(origins)} skipped updates"
-        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}): {whose} overflows float16{also}."
-        " A replay with these islands computed finite values.",
+        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}){said}",
         plugin_fix(figures, fp32_modules=islands),
         {
             "module": module,
@@ -470,6 +496,7 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             "told": len(origins),
             "kinds": dict(kinds),
             "islands": islands,
+            "measured": not watched,
             **({"modules": dict(modules)} if len(modules) > 1 else {}),
         },
     )
@@ -594,19 +621,31 @@ def _bf16_unfit(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
 
 
 def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
-    """Most told skips an fp16 overflow in a forward that no island contains: the value is beyond float16 anywhere."""
+    """Most told skips a forward overflow no island contains: the value is beyond float16 anywhere.
+
+    Measured by a replay (no islands fix it), or watched where the run holds :data:`MAX_ISLANDS` islands already
+    and the values are born in another module still.
+    """
     origins = _known_origins(figures)
     loose = [o for o in _forward_overflows(figures) if not o.islands]
-    if not most(len(loose), len(origins), least=2):
+    full = len(_given_islands(figures)) >= MAX_ISLANDS
+    moved = [o for o in origins if o.observed and full and o.name not in _given_islands(figures)]
+    if not most(len(loose) + len(moved), len(origins), least=2):
         return None
-    module = Counter(o.name for o in loose).most_common(1)[0][0]
+    module = Counter(o.name for o in loose + moved).most_common(1)[0][0]
+    measured = "" if len(moved) > len(loose) else " (finite in float32)"
+    why = (
+        f"the run keeps {len(_given_islands(figures))} modules in float32 already and they are born in another"
+        if len(moved) > len(loose)
+        else "no fp32 islands a replay could check contain it (its float32 output does not fit float16 where it flows"
+        f" next, or more than {MAX_ISLANDS} modules would have to, or the LightningModule's own code carries it on"
+        " where a replay cannot follow)"
+    )
     return (
-        f"Non-finite values were born in the forward of {module} (and others) in {len(loose)} of {len(origins)}"
-        " skipped updates: float16 overflows there (finite in float32), and no fp32 islands a replay could check"
-        " contain it (its float32 output does not fit float16 where it flows next, or more than"
-        f" {MAX_ISLANDS} modules would have to, or the LightningModule's own code carries it on where a replay"
-        " cannot follow). bfloat16 holds float32's range.",
-        {"uncontained": len(loose), "told": len(origins), "module": module},
+        f"Non-finite values were born in the forward of {module} (and others) in {len(loose) + len(moved)} of"
+        f" {len(origins)} skipped updates: float16 overflows there{measured}, and {why}. bfloat16 holds float32's"
+        " range.",
+        {"uncontained": len(loose) + len(moved), "told": len(origins), "module": module},
     )
 
 
@@ -630,7 +669,7 @@ def _backward_at_floor(figures: RunFigures) -> list[int]:
     min_scale = knobs.get("min_scale")
     if min_scale is None or figures.skipped is None or not figures.curve:
         return []
-    born = {o.step: o.phase for o in _known_origins(figures) if o.step is not None}
+    born = {o.step: o.phase for o in _known_origins(figures, unnamed=True) if o.step is not None}
     return [
         s
         for s in figures.skipped

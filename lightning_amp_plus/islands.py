@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
-from lightning_amp_plus._tree import map_tensors
+from lightning_amp_plus.forensics._tree import map_tensors
 
 Fp32Entry = Union[str, type]
 

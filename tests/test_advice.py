@@ -311,13 +311,74 @@ def test_nonfinite_loss_in_full():
     origins = [{"phase": "loss", "step": 1}, {"phase": "loss", "step": 3}, {"phase": "input", "step": 5}]
     (advice,) = advise(run([(0, 1024.0)], [1, 3, 5], 9, origins=origins))
     assert advice.message == (
-        "The loss was inf/nan with every recorded module output finite in 2 of 3 skipped updates: not a scaling"
+        "The loss was inf/nan with every watched module output finite in 2 of 3 skipped updates: not a scaling"
         " problem (no loss scale or fp32 island fixes it)."
     )
     assert advice.fix.startswith("loss = loss_fn(logits.float(), target)")
     tie = [{"phase": "loss", "step": 1}, {"phase": "input", "step": 3}]
     assert advise(run([(0, 1024.0)], [1, 3], 9, origins=tie))[0].evidence["input"] == 1
     assert advise(run([(0, 1024.0)], [1, 3], 9, origins=tie))[0].message.startswith("The batch's inf/nan reached")
+
+
+def watched(module, kind="inf", step=None, **extra):
+    """A forward origin as the watch tells it: the module named, nothing measured."""
+    return {"phase": "forward", "module": module, "kind": kind, "step": step, **extra}
+
+
+UNNAMED = {"phase": "forward", "kind": "nan", "reason": "every module is watched from the next step"}
+
+
+def test_a_watched_overflow_gets_its_module_as_an_island_and_the_opt_in_that_measures_it():
+    origins = [{**UNNAMED, "step": 1}] + [watched("enc.3.ff", step=s) for s in (2, 3)]
+    figures = run([(0, 1024.0)], [1, 2, 3], 9, origins=origins, plugin_args={"fp32_modules": ["norm"]})
+    (advice,) = [a for a in advise(figures) if a.code == "fp32_module"]
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", fp32_modules=["norm", "enc.3.ff"])'  # theirs kept, + the module
+    assert advice.evidence == {
+        "module": "enc.3.ff",
+        "skips": 2,
+        "told": 2,  # the first skip, read from the loss before the watch, names no place: left out
+        "kinds": {"inf": 2},
+        "islands": ["norm", "enc.3.ff"],
+        "measured": False,
+    }
+    assert advice.message == (
+        "Non-finite values were born in the forward of enc.3.ff in 2 of 2 skipped updates (2 inf) (watched: nothing"
+        " measured whether float32 avoids them). Run it in float32: a float16 overflow ends there; if they are born"
+        ' there again, float32 makes them too, and the advisor says so. `NaNSkipReporter(find_origin="replay")`'
+        " measures it in the run, by running the module again."
+    )
+    alone = run([(0, 1024.0)], [1, 2], 9, origins=[{**UNNAMED, "step": 1}, watched("enc.3.ff", step=2)])
+    assert "fp32_module" not in codes(alone)  # one named skip is no majority of two: nothing proposed
+
+
+def test_a_watched_chain_grows_one_island_a_run_then_is_bf16():
+    moved = [watched("enc.3.out", step=s) for s in (1, 2, 3)]
+    given = {"fp32_modules": ["enc.3.ff"]}
+    (advice,) = [a for a in advise(run([(0, 1024.0)], [1, 2, 3], 9, origins=moved, plugin_args=given))]
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", fp32_modules=["enc.3.ff", "enc.3.out"])'
+    full = {"fp32_modules": ["a", "b", "c", "d"]}  # MAX_ISLANDS already: float16's range, not one module
+    found = advise(run([(0, 1024.0)], [1, 2, 3], 9, origins=moved, plugin_args=full))
+    assert [a.code for a in found] == ["bf16"]
+    assert "keeps 4 modules in float32 already" in found[0].message
+    assert (
+        found[0].fix
+        == 'AmpPlusPrecision("bf16-mixed", fp32_modules=["a", "b", "c", "d"])  # float32\'s range: no loss scale needed'
+    )
+
+
+def test_a_watched_island_that_still_makes_nan_is_the_models_own_with_the_upstream_caveat():
+    from lightning_amp_plus.forensics.origin import IN_ISLAND
+
+    made = [watched("attn", "nan", s, float32="nonfinite", reason=IN_ISLAND) for s in (1, 2, 3)]
+    figures = run([(0, 1024.0)], [1, 2, 3], 9, origins=made, plugin_args={"fp32_modules": ["attn"]})
+    (advice,) = advise(figures)
+    assert advice.code == "model_nonfinite"
+    assert "Watched as an fp32 island, from inputs computed in float16" in advice.message
+    assert 'find_origin="replay")` measures that' in advice.message
+    replayed = [fwd("attn", "nan", s, float32="nonfinite") for s in (1, 2, 3)]
+    (measured,) = advise(run([(0, 1024.0)], [1, 2, 3], 9, origins=replayed))
+    assert measured.code == "model_nonfinite"
+    assert "Watched as an fp32 island" not in measured.message
 
 
 def test_fp32_module_in_full():
@@ -343,6 +404,7 @@ def test_fp32_module_in_full():
         "told": 5,
         "kinds": {"inf": 2, "nan": 1},
         "islands": ["norm", "enc.3.ff", "enc.3.out"],
+        "measured": True,
     }
     own_code = [{"phase": "forward", "module": "", "kind": "inf", "step": s} for s in (1, 2, 3)]
     assert "fp32_module" not in codes(run([(0, 1024.0)], [1, 2, 3], 9, origins=own_code))  # no module to name

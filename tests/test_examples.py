@@ -70,14 +70,17 @@ def test_benchmark_smoke(capsys):
         "stock AMP",
         "AmpPlusPrecision",
         "AmpPlusPrecision + callbacks",
+        "AmpPlusPrecision + callbacks, watching",
         "AmpPlusPrecision + callbacks + AmpAdvisor",
         "+ GradUnderflowMonitor(exact=True)",
         "+ GradUnderflowMonitor()",
         "stock AMP + 2 empty callbacks",
+        "AmpPlusPrecision + 2 empty callbacks",
     ]
     assert rows[1]["syncs_per_step"] == 1.0
     assert rows[2]["syncs_per_step"] == rows[3]["syncs_per_step"] == rows[1]["syncs_per_step"]  # none of our own
-    assert rows[4]["syncs_per_step"] == rows[1]["syncs_per_step"]  # the advisor adds none between measurements
+    assert rows[4]["syncs_per_step"] == rows[1]["syncs_per_step"]  # the watch adds none: read only on a skip
+    assert rows[5]["syncs_per_step"] == rows[1]["syncs_per_step"]  # the advisor adds none between measurements
     assert rows[1]["us_over_stock"] == 0.0  # the paired difference of stock with itself
     out = capsys.readouterr().out
     assert "MLP (256, 512, 4) batch 8 SGD clip 1.0" in out

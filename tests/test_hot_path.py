@@ -1,8 +1,8 @@
 """The hot path's deterministic costs: Python calls and aten ops per step, ours against stock Lightning AMP's.
 
 Counted as ``examples/benchmark.py --counts`` counts them (a long fit minus a short one), so the figures do not move
-with the machine's load. The floor is stock AMP with two empty callbacks: what Lightning's hook dispatch charges any
-two callbacks.
+with the machine's load. The floors are stock AMP, or our plugin, with two empty callbacks: what Lightning's hook
+dispatch charges any two callbacks. And what a watched module call costs, once the watch is on.
 """
 
 import importlib.util
@@ -25,6 +25,7 @@ def per_step():
     sizes, batch, clip = (256, 512, 4), 8, 1.0  # the benchmark's --size small
 
     def counts(name):
+        benchmark.count_fit(table[name], sizes, batch, 5, clip)  # what a first fit imports is not a step's cost
         long_calls, long_ops = benchmark.count_fit(table[name], sizes, batch, 150, clip)
         short_calls, short_ops = benchmark.count_fit(table[name], sizes, batch, 50, clip)
         return (long_calls - short_calls) / 100, (long_ops - short_ops) / 100
@@ -39,6 +40,15 @@ def test_the_plugin_and_both_callbacks_cost_at_most_40_python_calls_a_step_over_
     assert ours_calls - floor_calls <= 40, (ours_calls, floor_calls)
 
 
+def test_both_callbacks_cost_at_most_12_python_calls_a_step_over_two_empty_ones_and_no_hook(per_step):
+    """The forensics cost nothing on clean steps: no hook, no recorded call, no device op (the batch and the loss are
+    kept by reference); what is left is the callbacks' bookkeeping."""
+    floor_calls, floor_ops = per_step("AmpPlusPrecision + 2 empty callbacks")
+    ours_calls, ours_ops = per_step("AmpPlusPrecision + callbacks")
+    assert ours_ops == floor_ops
+    assert ours_calls - floor_calls <= 12, (ours_calls, floor_calls)
+
+
 def test_the_plugin_alone_adds_no_aten_op_to_stock_amp(per_step):
     stock_calls, stock_ops = per_step("stock AMP")
     ours_calls, ours_ops = per_step("AmpPlusPrecision")
@@ -46,37 +56,54 @@ def test_the_plugin_alone_adds_no_aten_op_to_stock_amp(per_step):
     assert ours_calls - stock_calls <= 40, (ours_calls, stock_calls)
 
 
-def test_a_recorded_module_call_costs_two_python_calls_of_ours():
-    import contextlib
+def _profiled(run) -> tuple[list[str], int]:
+    """The Python functions ``run()`` calls (file:name), and the aten ops it dispatches."""
     import sys
 
     import torch
+
+    names: list[str] = []
+    ops = [0]
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    def profile(frame, event, arg):
+        if event == "call":
+            names.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)  # apart from the op count: the dispatch mode's own Python would count
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    with Count():
+        run()
+    return names, ops[0]
+
+
+def test_a_watched_module_call_costs_four_python_calls_of_ours_and_two_device_ops_a_tensor():
+    """The performance page's figures: per watched call, a hook before and after it, each reading its tensors in one
+    walk; per tensor, a detach and one reduction (a maximum; ``aminmax`` where half precision, per sample where the
+    step itself hands it to a module: a view more)."""
+    import torch
     from torch import nn
 
-    from lightning_amp_plus.origins import OriginFinder
+    from lightning_amp_plus.forensics.observe import Watch
 
     model = nn.Module()
-    model.layer = nn.Linear(4, 4)
+    model.outer = nn.Sequential(nn.Linear(4, 4))  # the step calls `outer`; `outer` calls its Linear
     x = torch.randn(2, 4)
-
-    def calls() -> list[str]:
-        names = []
-
-        def profile(frame, event, arg):
-            if event == "call":
-                names.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
-
-        sys.setprofile(profile)
-        model.layer(x)
-        sys.setprofile(None)
-        return names
-
-    plain = calls()
-    finder = OriginFinder()
-    finder.attach(model, contextlib.nullcontext)
-    finder.start_batch(x)
-    recorded = calls()
-    assert len(finder.current.calls) == 1  # it was recorded
-    ours = [name.rsplit(":", 1)[1] for name in recorded if "lightning_amp_plus" in name]
-    assert ours == ["keep", "versions"]  # the hook and its version read (the docs' "two ours")
-    assert len(recorded) - len(plain) <= 5  # with torch's own dispatch of a hooked module (3 on torch 2.13)
+    plain_names, plain_ops = _profiled(lambda: model.outer(x))
+    watch = Watch()
+    watch.install(model)
+    trace = watch.begin()
+    names, ops = _profiled(lambda: model.outer(x))
+    assert len(trace) == 8  # two runs of two calls, each with its inputs and its output
+    ours = [name.rsplit(":", 1)[1] for name in names if "lightning_amp_plus" in name]
+    assert ours == ["before", "_extremes", "before", "_extremes", "after", "_extremes", "after", "_extremes"]
+    assert len(names) - len(plain_names) <= 8 + 2 * 3  # with torch's own dispatch of two hooked modules
+    # the step's own input to `outer`: detach, a view, aminmax per sample; the other three a detach and a maximum
+    assert ops - plain_ops == 3 + 3 * 2

@@ -60,8 +60,9 @@ def test_nan_coded_values_the_step_fills_are_not_the_batchs_fault():
     assert plugin.history.skipped_steps == clean_plugin.history.skipped_steps
     assert plugin.history.num_skipped > 0
     origins = [r["origin"] for r in advisor._reporter.skips]
-    assert origins == [r["origin"] for r in clean_advisor._reporter.skips]
-    assert all(o["phase"] != "input" for o in origins)
+    assert [o["phase"] for o in origins] == [r["origin"]["phase"] for r in clean_advisor._reporter.skips]
+    assert {o["phase"] for o in origins} == {"backward"}  # the batch's NaN said beside it, never blamed
+    assert all(o.get("batch") == "nonfinite" for o in origins)
     assert _codes(advisor) == _codes(clean_advisor)
     assert "nonfinite_loss" not in _codes(advisor)  # no `assert` on the batch that would stop training at batch 0
 
@@ -105,9 +106,8 @@ class EnergyModel(TinyModel):
 def test_a_minus_inf_overflow_is_no_mask_and_its_island_fixes_it():
     advisor, plugin = _fit(EnergyModel())
     assert plugin.history.num_skipped == 12
-    origin = advisor._reporter.skips[0]["origin"]
-    assert origin["module"].startswith("energy")  # born there, not in `head` one module later
-    assert origin["float32"] == "finite"
+    origin = advisor._reporter.skips[1]["origin"]  # watched from the second skip on
+    assert origin["module"] == "energy"  # a half-precision -inf beside values other than 0: born there
     assert "model_nonfinite" not in _codes(advisor)  # not called the model's own, no nan_to_num to hide it
     (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
     _, fixed = _fit(EnergyModel(), plugin=_applied(advice.fix))
@@ -146,13 +146,13 @@ def test_a_minus_inf_overflow_in_the_modules_own_code_is_its_own_whatever_the_ba
     for nan_labels in (False, True):
         advisor, plugin = _fit(SetPooled(), _sets(nan_labels), steps=4)
         assert plugin.history.num_skipped == 4
-        origins = [r["origin"] for r in advisor._reporter.skips]
-        assert origins == [{"phase": "forward", "module": "", "kind": "inf"}] * 4, nan_labels
+        origins = [r["origin"] for r in advisor._reporter.skips][1:]  # the first one starts the watch
+        assert origins == [{"phase": "forward", "module": "", "kind": "inf"}] * 3, nan_labels
         assert _codes(advisor) == ["own_code"]  # neither the batch's nor, unmeasured, any precision's
     (advice,) = advisor.advice
     reporter = eval(advice.fix.split("  #")[0], {"NaNSkipReporter": NaNSkipReporter})  # pasted as printed
     told, _ = _fit(SetPooled(), _sets(True), callbacks=[reporter], steps=4)
-    assert [r["origin"]["float32"] for r in reporter.skips] == ["finite"] * 4  # the step rerun in float32
+    assert [r["origin"].get("float32") for r in reporter.skips] == [None] + ["finite"] * 3  # rerun in float32
     assert _codes(told) == ["bf16"]
     (bf16_advice,) = told.advice
     assert "rerun in float32 and under bfloat16 is finite: float16's range fails there" in bf16_advice.message
@@ -177,7 +177,7 @@ def test_nan_labels_do_not_make_the_own_codes_nan_the_batchs():
         advisor, plugin = _fit(SetCentred(), _sets(nan_labels), steps=3)
         assert plugin.history.num_skipped == 3
         told = {"phase": "forward", "module": "", "kind": "nan"} | ({"batch": "nonfinite"} if nan_labels else {})
-        assert [r["origin"] for r in advisor._reporter.skips] == [told] * 3
+        assert [r["origin"] for r in advisor._reporter.skips][1:] == [told] * 2  # the first one starts the watch
         assert "nonfinite_loss" not in _codes(advisor)  # its `assert` on the batch would stop training at batch 0
     (advice,) = advisor.advice
     assert "The batch held inf/nan of that kind too" in advice.message  # said, not blamed
@@ -204,7 +204,7 @@ def test_an_own_code_precision_loss_is_no_bf16_case_and_the_measured_island_fixe
     reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
     advisor, plugin = _fit(MinMax(), callbacks=[reporter], steps=4)
     assert plugin.history.num_skipped == 4
-    told = {(r["origin"]["float32"], r["origin"]["bf16"], tuple(r["origin"]["islands"])) for r in reporter.skips}
+    told = {(r["origin"]["float32"], r["origin"]["bf16"], tuple(r["origin"]["islands"])) for r in reporter.skips[1:]}
     assert told == {("finite", "nonfinite", ("embed",))}  # the module whose output the code takes in
     assert _codes(advisor) == ["own_code"]  # not bf16: bfloat16 has less precision still
     (advice,) = advisor.advice
@@ -235,7 +235,7 @@ class AuxHeads(MinMax):
 def test_the_measured_island_is_the_module_the_code_reads_not_the_one_called_last():
     reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
     advisor, _ = _fit(AuxHeads(), callbacks=[reporter], steps=3)
-    assert {tuple(r["origin"]["islands"]) for r in reporter.skips} == {("embed",)}
+    assert {tuple(r["origin"]["islands"]) for r in reporter.skips[1:]} == {("embed",)}  # the first starts the watch
     (advice,) = advisor.advice
     _, fixed = _fit(AuxHeads(), plugin=_applied(advice.fix), steps=3)
     assert fixed.history.num_skipped == 0
@@ -310,9 +310,9 @@ def test_a_nan_the_modules_own_code_makes_in_any_precision_is_no_bf16_case():
     reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, max_warnings=0)
     advisor, plugin = _fit(OwnSqrt(), callbacks=[reporter], steps=4)
     assert plugin.history.num_skipped == 4
-    assert [r["origin"] for r in reporter.skips] == [
+    assert [r["origin"] for r in reporter.skips][1:] == [
         {"phase": "forward", "module": "", "kind": "nan", "float32": "nonfinite"}
-    ] * 4
+    ] * 3  # watched from the second skip on, then rerun in float32
     assert _codes(advisor) == ["model_nonfinite"]  # not bf16, not own_code's "which of the two"
     _, bf16 = _fit(OwnSqrt(), plugin=AmpPlusPrecision("bf16-mixed"), steps=4)
     assert bf16.history.num_skipped == 4  # bf16 would not have helped
@@ -350,12 +350,17 @@ def test_an_additive_mask_in_the_batch_is_no_bad_data():
     lengths = torch.randint(1, 7, (16,), generator=g)
     lengths[::4] = 0  # an empty sample in every batch: its row is all -inf
     mask = torch.zeros(16, 6).masked_fill(torch.arange(6)[None] >= lengths[:, None], float("-inf"))
-    advisor, plugin = _fit(KeyMasked(), DataLoader(TensorDataset(x, mask, y), batch_size=4), steps=4)
+    loader = DataLoader(TensorDataset(x, mask, y), batch_size=4)
+    advisor, plugin = _fit(KeyMasked(), loader, steps=4)
     assert plugin.history.num_skipped == 4
-    origins = [r["origin"] for r in advisor._reporter.skips]
-    assert origins == [{"phase": "forward", "module": "attend", "kind": "nan", "float32": "nonfinite"}] * 4
+    origins = [r["origin"] for r in advisor._reporter.skips][1:]  # the first one starts the watch
+    assert origins == [{"phase": "forward", "module": "attend", "kind": "nan"}] * 3
     assert "nonfinite_loss" not in _codes(advisor)  # no `assert` on the batch, which holds -inf by design
-    assert _codes(advisor)[0] == "model_nonfinite"  # "give every attention row one unmasked key"
+    replayed = NaNSkipReporter(find_origin="replay", max_consecutive_skips=None, max_warnings=0)
+    measured, _ = _fit(KeyMasked(), loader, callbacks=[replayed], steps=4)
+    origins = [r["origin"] for r in replayed.skips]
+    assert origins == [{"phase": "forward", "module": "attend", "kind": "nan", "float32": "nonfinite"}] * 4
+    assert _codes(measured)[0] == "model_nonfinite"  # "give every attention row one unmasked key"
 
 
 class AlibiBias(nn.Module):
@@ -432,14 +437,22 @@ class Pooled(TinyModel):
 
 
 def test_the_island_fix_names_every_module_the_value_crosses():
+    """Watched, each run names where the value overflows next, and its fix adds that island to the run's; the
+    replay measures the whole set in one run. Either chain ends in the fix that works, pasted as printed."""
     advisor, plugin = _fit(Pooled())
     assert plugin.history.num_skipped == 12
-    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
-    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["pool", "head"])'
-    _, fixed = _fit(Pooled(), plugin=_applied(advice.fix))
-    assert fixed.history.num_skipped == 0  # measured: both islands, as printed
-    _, half = _fit(Pooled(), plugin=AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["pool"]))
+    (first,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert first.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["pool"])'
+    moved, half = _fit(Pooled(), plugin=_applied(first.fix))
     assert half.history.num_skipped == 12  # the first island alone only moves the overflow to `head`
+    (second,) = [a for a in moved.advice if a.code == "fp32_module"]
+    assert second.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["pool", "head"])'
+    _, fixed = _fit(Pooled(), plugin=_applied(second.fix))
+    assert fixed.history.num_skipped == 0  # measured: both islands, as printed
+    replayed = NaNSkipReporter(find_origin="replay", max_consecutive_skips=None, max_warnings=0)
+    measured, _ = _fit(Pooled(), callbacks=[replayed], steps=8)  # before the scale reaches its floor
+    (once,) = [a for a in measured.advice if a.code == "fp32_module"]
+    assert once.fix == second.fix
 
 
 # ---------------------------------------------------------------------------------- gradients float16 never held
@@ -494,7 +507,7 @@ def test_an_islands_gradients_leave_the_advisors_underflow_figures():
 
 
 def test_a_bf16_runs_own_code_islands_are_measured_under_bf16_and_the_fix_trains(monkeypatch):
-    from lightning_amp_plus.callbacks import _rerun
+    from lightning_amp_plus.forensics import rerun as _rerun
 
     tried = []
     real = _rerun._finite_as
@@ -548,10 +561,10 @@ def test_three_towers_each_overflowing_on_some_batches_get_every_towers_island()
     advisor, plugin = _fit(Towers(), _towers(large=True))
     assert plugin.history.num_skipped == 9
     origins = [r["origin"] for r in advisor._reporter.skips]
-    assert sorted({o["module"] for o in origins}) == ["towers.0", "towers.1", "towers.2"]
+    assert sorted({o.get("module") for o in origins[1:]}) == ["towers.0", "towers.1", "towers.2"]
     assert "healthy" not in " ".join(a.message for a in advisor.advice)
     (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
-    assert advice.evidence["modules"] == {"towers.0": 3, "towers.1": 3, "towers.2": 3}
+    assert advice.evidence["modules"] == {"towers.0": 2, "towers.1": 3, "towers.2": 3}  # the first one: unwatched
     assert sorted(advice.evidence["islands"]) == ["towers.0", "towers.1", "towers.2"]
     assert "the forwards of towers." in advice.message
     _, fixed = _fit(Towers(), _towers(large=True), plugin=_applied(advice.fix))

@@ -1,9 +1,9 @@
 """Diagnostics on a real Hugging Face GPT-2 (transformers, eager attention, its own key/value cache, dropout 0.1).
 
-One layer's projection is scaled so that its float16 output overflows: the skip's origin must be that layer (the replay
-draws the dropout masks the step drew), the replay must never crash the run (the attention appends to the cache the
-model makes), the run must be bit-identical with the reporter and without it, and the islands the replay measured,
-applied as the fix, must end the skips.
+One layer's projection is scaled so that its float16 output overflows: the watch names that layer from the second
+skip on, the run is bit-identical with the reporter and without it, and the advisor's chain of island fixes, pasted
+as printed, ends the skips. The opt-in replay draws the dropout masks the step drew, never crashes the run (the
+attention appends to the cache the model makes), and measures the islands in one run.
 """
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
+from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, NaNSkipReporter
 from tests.helpers.trainer import make_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -41,42 +41,61 @@ class GPT2(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def _fit(callbacks, fp32_modules=None, loud="mlp"):
+def _fit(callbacks, fp32_modules=None, loud="mlp", plugin=None):
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (16, 32))
     model = GPT2(loud)
-    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0, fp32_modules=fp32_modules)
+    plugin = plugin or AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0, fp32_modules=fp32_modules)
     make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=6).fit(
         model, DataLoader(TensorDataset(ids), batch_size=2)
     )
     return model, plugin
 
 
-def test_gpt2_origin_named_through_dropout_without_crash_and_its_islands_end_the_skips():
+MLP = "model.transformer.h.0.mlp"
+
+
+def test_gpt2_origin_watched_without_touching_the_run_and_the_advice_chain_ends_the_skips():
     reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
     told, plugin = _fit([reporter])
     plain, _ = _fit([])
     assert plugin.history.num_skipped == 6
     for (name, a), (_, b) in zip(told.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    islands = set()
+    assert [r["origin"].get("module") for r in reporter.skips] == [None] + [f"{MLP}.c_fc"] * 5
+    fixes = []
+    plugin = None
+    for _ in range(3):  # each fix pasted as printed, until the run is clean
+        advisor = AmpAdvisor(print_advice=False)
+        _, plugin = _fit([advisor], plugin=plugin)
+        if not plugin.history.num_skipped:
+            break
+        fixes.append(advisor.advice[0].fix)
+        plugin = eval(fixes[-1], {"AmpPlusPrecision": AmpPlusPrecision})
+    assert plugin.history.num_skipped == 0
+    assert fixes == [  # c_fc in float32 only moves the overflow: c_proj casts its output back to float16
+        f'AmpPlusPrecision("16-mixed", init_scale=2.0**0, min_scale=0.0, fp32_modules=["{MLP}.c_fc"])',
+        f'AmpPlusPrecision("16-mixed", init_scale=2.0**0, min_scale=0.0, fp32_modules=["{MLP}.c_fc", "{MLP}.c_proj"])',
+    ]
+
+
+def test_gpt2_replay_measures_the_islands_in_one_run():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin="replay")
+    _, plugin = _fit([reporter])
+    assert plugin.history.num_skipped == 6
     for record in reporter.skips:
         origin = record["origin"]
-        assert origin["module"] == "model.transformer.h.0.mlp.c_fc", origin  # the real c_fc output held inf
+        assert origin["module"] == f"{MLP}.c_fc", origin  # the dropout masks the step drew: the same overflow
         assert origin["float32"] == "finite"
-        # c_fc in float32 only moves the overflow: c_proj casts its output back to float16
-        assert origin["islands"] == ["model.transformer.h.0.mlp.c_fc", "model.transformer.h.0.mlp.c_proj"]
-        islands.update(origin["islands"])
-    _, fixed = _fit([], fp32_modules=sorted(islands))
+        assert origin["islands"] == [f"{MLP}.c_fc", f"{MLP}.c_proj"]
+    _, fixed = _fit([], fp32_modules=origin["islands"])
     assert fixed.history.num_skipped == 0
-    _, half = _fit([], fp32_modules=["model.transformer.h.0.mlp.c_fc"])
-    assert half.history.num_skipped == 6  # the first island alone, measured: it does not help
 
 
 def test_gpt2_attention_overflow_is_recomputed_in_float32_with_its_key_value_cache_copied():
     """The attention's `cache` argument (a DynamicCache of non-leaf tensors, which deepcopy refuses) is copied for the
-    float32 recompute: the verdict is `finite` with its island, not `unknown`, and the island ends the skips."""
-    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    replay: the verdict is `finite` with its island, not `unknown`, and the island ends the skips."""
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin="replay")
     _, plugin = _fit([reporter], loud="attn")
     assert plugin.history.num_skipped == 6
     origins = [r["origin"] for r in reporter.skips]

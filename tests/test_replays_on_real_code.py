@@ -1,5 +1,6 @@
 """Patterns from ordinary training code that once made a diagnostic change the run, raise, tell a false origin or hold
-memory: each runs with every callback, and the run is bit-identical to the run without them.
+memory: each runs with every callback at its defaults, and the run is bit-identical to the run without them; the
+watch names the later overflow, and the opt-in replay (`find_origin="replay"`) reads and runs each structure.
 
 Found by a helper trying to break "diagnostics cannot hurt training" from outside: a teacher run under
 `torch.inference_mode`, nested-tensor and dataclass batches, a scripted child, a dead weak proxy held as an attribute,
@@ -35,7 +36,7 @@ from lightning_amp_plus import (
 )
 from tests.helpers.trainer import make_trainer
 
-LOUD = 3  # the batch whose first layer overflows float16
+LOUD = (2, 4)  # the batches whose first layer overflows float16: the first starts the watch, which names the second
 
 
 def _all() -> list[Callback]:
@@ -73,13 +74,20 @@ def _pairs(loud: bool = True, n: int = 8) -> list[tuple[torch.Tensor, torch.Tens
     out = []
     for i in range(n):
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-        out.append((x * 1e5 if loud and i == LOUD else x, y))
+        out.append((x * 1e5 if loud and i in LOUD else x, y))
     return out
 
 
 def _origins(callbacks: list[Callback]) -> dict[int, dict]:
     (reporter,) = [c for c in callbacks if isinstance(c, NaNSkipReporter)]
     return {r["step"]: r["origin"] for r in reporter.skips}
+
+
+def _replayed(make_model, batches, steps: int = 6) -> dict[int, dict]:
+    """The origins the opt-in replay tells (watched from the start, each forward origin measured)."""
+    reporter = NaNSkipReporter(find_origin="replay", max_consecutive_skips=None)
+    _fit(make_model, batches, [reporter], steps)
+    return _origins([reporter])
 
 
 # ---------------------------------------------------------------------------------------------- what the step holds
@@ -103,8 +111,9 @@ class _Distill(LightningModule):
 
 def test_a_teacher_under_inference_mode(tmp_path):
     watched, callbacks = _assert_untouched(_Distill, _pairs(), tmp_path)
-    assert watched["skipped"] == [LOUD]
-    assert _origins(callbacks)[LOUD]["module"] == "teacher"  # the first to overflow (its output is the target)
+    assert watched["skipped"] == list(LOUD)
+    assert _origins(callbacks)[LOUD[1]]["module"] == "teacher"  # the first to overflow (its output is the target)
+    assert _replayed(_Distill, _pairs())[LOUD[0]]["float32"] == "finite"
 
 
 class _Nested(LightningModule):
@@ -126,11 +135,12 @@ def test_a_nested_tensor_batch(tmp_path):
     g = torch.Generator().manual_seed(0)
     batches = []
     for i in range(8):
-        seqs = [torch.randn(n, 8, generator=g) * (1e5 if i == LOUD else 1.0) for n in (3, 5, 2, 4)]
+        seqs = [torch.randn(n, 8, generator=g) * (1e5 if i in LOUD else 1.0) for n in (3, 5, 2, 4)]
         batches.append((torch.nested.nested_tensor(seqs), torch.randn(4, 1, generator=g)))
     watched, callbacks = _assert_untouched(_Nested, batches, tmp_path)
-    assert watched["skipped"] == [LOUD]
-    assert _origins(callbacks)[LOUD]["module"] == "fc"
+    assert watched["skipped"] == list(LOUD)
+    assert _origins(callbacks)[LOUD[1]]["module"] == "fc"
+    assert _replayed(_Nested, batches)[LOUD[0]]["float32"] == "finite"
 
 
 @dataclasses.dataclass
@@ -171,12 +181,14 @@ class _Dataclasses(LightningModule):
 def test_dataclass_batches_and_outputs(fault, tmp_path):
     batches = [_Batch(x, y) for x, y in _pairs(loud=fault == "overflow")]
     if fault == "nan in the batch":
-        batches[LOUD].x[0, 0] = float("nan")  # a corrupt sample
+        for step in LOUD:
+            batches[step].x[0, 0] = float("nan")  # a corrupt sample
     watched, callbacks = _assert_untouched(_Dataclasses, batches, tmp_path)
-    assert watched["skipped"] == [LOUD]
-    told = _origins(callbacks)[LOUD]
+    assert watched["skipped"] == list(LOUD)
+    told = _origins(callbacks)[LOUD[1]]
     if fault == "overflow":
-        assert (told["phase"], told["module"], told["float32"]) == ("forward", "model.fc", "finite")
+        assert (told["phase"], told["module"]) == ("forward", "model.fc")
+        assert _replayed(_Dataclasses, batches)[LOUD[0]]["float32"] == "finite"
     else:
         assert told == {"phase": "input"}  # the batch's NaN, found inside the dataclass
 
@@ -214,8 +226,9 @@ class _Pairs(LightningModule):
 
 def test_a_tuple_subclass_output_is_held_and_replayed_without_rebuilding_it(tmp_path):
     watched, callbacks = _assert_untouched(_Pairs, _pairs(), tmp_path)  # once raised TypeError from _Pair.__new__
-    assert watched["skipped"] == [LOUD]
-    assert _origins(callbacks)[LOUD]["module"] == "enc.fc"
+    assert watched["skipped"] == list(LOUD)
+    assert _origins(callbacks)[LOUD[1]]["module"] == "enc.fc"
+    assert _replayed(_Pairs, _pairs())[LOUD[0]]["islands"] == ["enc.fc", "head"]  # its float32 output overflows next
 
 
 class _Args(tuple):
@@ -252,8 +265,9 @@ class _ArgsModel(LightningModule):
 
 def test_a_tuple_subclass_argument_is_replayed_as_the_step_passed_it(tmp_path):
     watched, callbacks = _assert_untouched(_ArgsModel, _pairs(), tmp_path)
-    assert watched["skipped"] == [LOUD]
-    told = _origins(callbacks)[LOUD]
+    assert watched["skipped"] == list(LOUD)
+    assert _origins(callbacks)[LOUD[1]]["module"] == "big.fc"
+    told = _replayed(_ArgsModel, _pairs())[LOUD[0]]
     assert (told["module"], told["float32"], told["islands"][0]) == ("big.fc", "finite", "big.fc")  # not unknown
 
 
@@ -288,12 +302,14 @@ class _Encoded(LightningModule):
 def test_a_mapping_batch_and_a_namespace_output_are_read(fault, tmp_path):
     batches = [_Encoding(x=x, y=y) for x, y in _pairs(loud=fault == "overflow")]
     if fault == "inf in the batch":
-        batches[LOUD]["x"][0, 0] = float("inf")  # a corrupt sample inside the mapping
+        for step in LOUD:
+            batches[step]["x"][0, 0] = float("inf")  # a corrupt sample inside the mapping
     watched, callbacks = _assert_untouched(_Encoded, batches, tmp_path)
-    assert watched["skipped"] == [LOUD]
-    told = _origins(callbacks)[LOUD]
+    assert watched["skipped"] == list(LOUD)
+    told = _origins(callbacks)[LOUD[1]]
     if fault == "overflow":  # inside the namespace the module returned: its output is read
-        assert (told["module"], told["float32"]) == ("big.fc", "finite")
+        assert told["module"] == "big.fc"
+        assert _replayed(_Encoded, batches)[LOUD[0]]["float32"] == "finite"
     else:  # inside the mapping: the batch's
         assert told == {"phase": "input"}
 
@@ -339,8 +355,10 @@ class _Odd(LightningModule):
 
 def test_a_self_referring_result_and_a_store_that_cannot_be_read_change_nothing(tmp_path):
     watched, callbacks = _assert_untouched(_Odd, _pairs(), tmp_path)  # once RecursionError / OSError out of fit
-    assert watched["skipped"] == [LOUD]
-    assert _origins(callbacks)[LOUD]["module"] == "big.fc"  # the namespace read two levels deep, not forever
+    assert watched["skipped"] == list(LOUD)
+    assert _origins(callbacks)[LOUD[1]]["module"] == "big.fc"  # the namespace read two levels deep, not forever
+    told = _replayed(_Odd, _pairs())[LOUD[0]]  # the store is an argument the replay copies, never reads
+    assert (told["module"], told["float32"], told["islands"]) == ("big.fc", "finite", ["big.fc", "head"])
 
 
 class _Scripted(LightningModule):
@@ -359,7 +377,7 @@ class _Scripted(LightningModule):
 
 def test_a_scripted_child(tmp_path):
     watched, callbacks = _assert_untouched(_Scripted, _pairs(), tmp_path)
-    assert watched["skipped"] == [LOUD]
+    assert watched["skipped"] == list(LOUD)
     (report,) = [c for c in callbacks if isinstance(c, PrecisionReport)]
     assert "features" not in [r["name"] for r in report.rows]  # not inspected (no hook), never raised
 
@@ -386,7 +404,8 @@ class _DeadProxy(LightningModule):
 
 def test_a_dead_weak_proxy_held_as_an_attribute(tmp_path):
     watched, _ = _assert_untouched(_DeadProxy, _pairs(), tmp_path)
-    assert watched["skipped"] == [LOUD]
+    assert watched["skipped"] == list(LOUD)
+    assert _replayed(_DeadProxy, _pairs())[LOUD[0]]["float32"] == "finite"
 
 
 # ---------------------------------------------------------------------------------------------- what the code changes
@@ -431,8 +450,8 @@ def test_an_ema_over_a_list_of_pairs_and_a_counting_hook_see_the_step_only(tmp_p
     HOOK_CALLS.clear()
     callbacks = _all()
     watched = _fit(_Ema, _pairs(), callbacks, logs=tmp_path / "watched")
-    assert watched["skipped"] == plain["skipped"] == [LOUD]
-    assert _origins(callbacks)[LOUD]["phase"] == "forward"  # replays ran
+    assert watched["skipped"] == plain["skipped"] == list(LOUD)
+    assert _origins(callbacks)[LOUD[1]]["module"] == "body.fc"  # watched
     assert torch.equal(watched["model"].ema.weight, plain["model"].ema.weight)  # the teacher moved once a step
     assert np.array_equal(HOOK_CALLS, plain_calls, equal_nan=True)  # the hook saw the steps' calls, no replay's
 
@@ -460,7 +479,9 @@ class _Attend(LightningModule):
 def test_an_expanded_view_as_an_argument_is_replayed(tmp_path):
     watched, callbacks = _assert_untouched(_Attend, _pairs(loud=False), tmp_path, steps=3)
     assert watched["skipped"] == [0, 1, 2]
-    assert _origins(callbacks)[0] == {"phase": "forward", "module": "attn", "kind": "nan", "float32": "nonfinite"}
+    assert _origins(callbacks)[1] == {"phase": "forward", "module": "attn", "kind": "nan"}  # watched
+    told = _replayed(_Attend, _pairs(loud=False), steps=3)[0]
+    assert told == {"phase": "forward", "module": "attn", "kind": "nan", "float32": "nonfinite"}
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -512,13 +533,13 @@ def test_a_replay_cannot_take_part_in_a_collective(tmp_path):
     waiting for ranks that never come, and collectives work again after it."""
     import torch.distributed as dist
 
-    from lightning_amp_plus.sandbox import sandboxed
+    from lightning_amp_plus.forensics.sandbox import sandboxed
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         module = nn.Linear(2, 2)
         refused = r"cannot take part in a collective \(`all_reduce`\)"
-        with pytest.raises(RuntimeError, match=refused), sandboxed(module, "cpu"):
+        with pytest.raises(RuntimeError, match=refused), sandboxed([module], "cpu"):
             dist.all_reduce(torch.ones(1))
         total = torch.ones(1)
         dist.all_reduce(total)
@@ -565,8 +586,9 @@ class _ModelOutputs(LightningModule):
 def test_a_transformers_model_output_between_modules_is_replayed(tmp_path):
     pytest.importorskip("transformers")
     watched, callbacks = _assert_untouched(_ModelOutputs, _pairs(), tmp_path)
-    assert watched["skipped"] == [LOUD]
-    assert _origins(callbacks)[LOUD]["module"] == "enc.fc"  # was unknown: the sandbox called its `update`
+    assert watched["skipped"] == list(LOUD)
+    assert _origins(callbacks)[LOUD[1]]["module"] == "enc.fc"
+    assert _replayed(_ModelOutputs, _pairs())[LOUD[0]]["float32"] == "finite"  # handed on, replayed
 
 
 class _Noisy(nn.Module):
@@ -598,13 +620,9 @@ class _Held(LightningModule):
 
 
 @pytest.mark.parametrize("held", ["strings", "objects"])
-def test_a_module_holding_a_large_table_is_replayed_or_told_never_changed(held, tmp_path):
+def test_a_module_holding_a_large_table_is_watched_and_replayed(held, tmp_path):
     table = [f"token{i}" for i in range(30_000)] if held == "strings" else [SimpleNamespace(i=i) for i in range(30_000)]
-    watched, callbacks = _assert_untouched(lambda: _Held(table), _pairs(), tmp_path)  # its stream and list put back
+    watched, callbacks = _assert_untouched(lambda: _Held(table), _pairs(), tmp_path)  # nothing walked, nothing run
     assert watched["model"].noisy.history == list(range(6))
-    origin = _origins(callbacks)[LOUD]
-    if held == "strings":  # a string holds no state: the walk passes over it
-        assert origin["module"] == "noisy.fc"
-    else:  # more objects than the walk visits: the replay is refused, not run on what it could not put back
-        assert origin["phase"] == "unknown"
-        assert "more than 20000 objects" in origin["reason"]
+    assert _origins(callbacks)[LOUD[1]]["module"] == "noisy.fc"
+    assert _replayed(lambda: _Held(table), _pairs())[LOUD[0]]["module"] == "noisy.fc"  # no walk to run out of

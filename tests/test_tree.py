@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
-from lightning_amp_plus._tree import map_tensors, tensors
-from lightning_amp_plus.sandbox import copied_inputs
+from lightning_amp_plus.forensics._tree import map_tensors, tensors
+from lightning_amp_plus.forensics.sandbox import copied_inputs
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -148,16 +148,18 @@ class Packing(TinyModel):
         return nn.functional.mse_loss(out.float().mean(1, keepdim=True), y)
 
 
+@pytest.mark.parametrize("find_origin", [True, "replay"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_float32_recompute_reads_a_tensor_inside_every_container_kind(kind):
-    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+def test_the_watch_and_the_replay_read_a_tensor_inside_every_container_kind(kind, find_origin):
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=find_origin)
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=2).fit(Packing(kind))
-    assert reporter.skips, kind
-    origin = reporter.skips[0]["origin"]
+    assert len(reporter.skips) == 2, kind
+    origin = reporter.skips[0 if find_origin == "replay" else 1]["origin"]  # watched: from the second on
     assert origin["phase"] == "forward", origin
-    assert origin["module"] == "amp", origin
-    assert origin["float32"] == "finite", origin  # the recompute cast the tensor inside the container to float32
+    assert origin["module"] == "amp", origin  # its input read inside the container: finite; its output not
+    if find_origin == "replay":
+        assert origin["float32"] == "finite", origin  # the replay cast the tensor inside the container to float32
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, resolve_module
+from lightning_amp_plus._ranks import distributed
 from lightning_amp_plus._repr import same_value
 from lightning_amp_plus.knobs import DEFAULTS
 from lightning_amp_plus.precision import AmpPlusPrecision
@@ -156,23 +157,6 @@ def local_tensor(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor as it is)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
-
-
-def distributed() -> bool:
-    """Whether a process group with more than one rank is up."""
-    return (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and (torch.distributed.get_world_size() > 1)
-    )
-
-
-def all_reduce_(tensor: Tensor, op: str = "sum") -> Tensor:
-    """Reduce ``tensor`` over every rank in place (a no-op in one process); every rank must call it."""
-    if distributed():
-        reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
-        torch.distributed.all_reduce(tensor, op=reduce_op)
-    return tensor
 
 
 def shards_gradients(trainer: Optional[pl.Trainer]) -> bool:

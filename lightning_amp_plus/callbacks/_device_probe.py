@@ -8,8 +8,8 @@ from typing import Any, Optional
 from torch import Tensor
 
 from lightning_amp_plus.callbacks._skip_text import skip_record
+from lightning_amp_plus.forensics.observe import BatchRecord
 from lightning_amp_plus.history import ScaleHistory
-from lightning_amp_plus.origins import BatchCalls
 from lightning_amp_plus.syncs import FlagPeek
 
 
@@ -23,16 +23,16 @@ class DeviceSkipProbe:
     """
 
     def __init__(self) -> None:
-        self._held: Optional[tuple[int, FlagPeek, Optional[BatchCalls]]] = None
+        self.held: Optional[tuple[int, FlagPeek, Optional[BatchRecord]]] = None  # a flag in flight, with its batch
         self._probed_upto = -1  # the last update whose flag was held
         self._told: dict[int, Any] = {}
 
     @property
     def held_step(self) -> Optional[int]:
         """The step whose flag is still in flight (its skip waits for its origin), or None."""
-        return None if self._held is None else self._held[0]
+        return None if self.held is None else self.held[0]
 
-    def hold(self, history: ScaleHistory, calls: Optional[BatchCalls]) -> None:
+    def hold(self, history: ScaleHistory, calls: Optional[BatchRecord]) -> None:
         """After a batch: copy its update's flag without waiting, with the batch's ``calls`` for the origin."""
         last = history.last_flag()
         if last is None or last[0] <= self._probed_upto:
@@ -40,17 +40,17 @@ class DeviceSkipProbe:
         step, found = last
         self._probed_upto = step
         if isinstance(found, Tensor):
-            self._held = (step, FlagPeek(found), calls)
+            self.held = (step, FlagPeek(found), calls)
 
-    def look(self, tell: Callable[[Optional[BatchCalls], int], Any], wait: bool) -> None:
+    def look(self, tell: Callable[[Optional[BatchRecord], int], Any], wait: bool) -> None:
         """Tell the held batch's origin if its flag is on the host (``wait``: read it anyway)."""
-        if self._held is None:
+        if self.held is None:
             return
-        step, peek, calls = self._held
+        step, peek, calls = self.held
         flag = peek.value(wait=wait)
         if flag is None:
             return
-        self._held = None
+        self.held = None
         if flag > 0:
             self._told[step] = tell(calls, step)
 
@@ -85,7 +85,7 @@ class DeviceSkipProbe:
 
     def drop(self) -> None:
         """Let the flag in flight go (with the batch it holds)."""
-        self._held = None
+        self.held = None
 
     def take(self, step: int) -> Any:
         """What ``tell`` said of ``step``'s skip (None: its flag was not read in time)."""

@@ -7,7 +7,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_amp_plus.callbacks._common import all_reduce_, local_tensor, parameters_and_names
+from lightning_amp_plus._ranks import all_reduce_
+from lightning_amp_plus.callbacks._common import local_tensor, parameters_and_names
 from lightning_amp_plus.syncs import to_host
 
 Offender = dict[str, Any]  # {"name": ..., "inf": n, "nan": n}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_amp_plus._repr import number
-from lightning_amp_plus.origin import Origin, Phase
+from lightning_amp_plus.forensics.origin import WATCHING, Origin, Phase
 
 
 def skip_record(step: int, scale: Any, new_scale: Any, told: dict[str, Any]) -> dict[str, Any]:
@@ -85,15 +85,21 @@ def describe_origin(told: Optional[dict[str, Any]]) -> str:
         origin = None
     if origin is None:
         return ""
+    watching = "; every module is watched from the next step" if origin.reason == WATCHING else ""
     if origin.phase is Phase.FORWARD:
+        if origin.module is None and origin.within is None:  # read from the loss: no module watched
+            named = "no module named yet: " if origin.reason == WATCHING else ""
+            return f"born in forward (the loss was {origin.kind or 'inf/nan'}; {named}{origin.reason})"
         if origin.module is None:
             return f"born in forward of {origin.within} (the module inside: unknown, {origin.reason})"
-        where = f"{origin.where} (between its recorded module calls)" if origin.own_code else origin.where
+        where = f"{origin.where} (between its module calls)" if origin.own_code else origin.where
         return f"born in forward of {where} ({origin.kind})"
+    if origin.phase is Phase.BACKWARD and origin.batch_too:
+        return "born in backward (the loss was finite; the batch held inf/nan)"
     return {
-        Phase.INPUT: "born in the batch (the inputs held inf/nan)",
-        Phase.LOSS: "born in the loss (every recorded module output was finite)",
-        Phase.BACKWARD: "born in backward (forward and loss finite)",
+        Phase.INPUT: f"born in the batch (the inputs held inf/nan{watching})",
+        Phase.LOSS: "born in the loss (every watched module output was finite)",
+        Phase.BACKWARD: "born in backward (the loss was finite)",
         Phase.UNKNOWN: f"origin unknown ({origin.reason})",
     }[origin.phase]
 

@@ -15,12 +15,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._limits import scale_floor
+from lightning_amp_plus._ranks import all_reduce_
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int, check_prefix
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.callbacks._common import (
-    all_reduce_,
     find_plugin,
     is_logging_step,
     local_tensor,
@@ -29,11 +29,11 @@ from lightning_amp_plus.callbacks._common import (
     parameters_and_names,
     shards_gradients,
 )
-from lightning_amp_plus.callbacks._rerun import announce, float32_gradients, why_no_reference
 from lightning_amp_plus.engine import UpdateListener
-from lightning_amp_plus.origins import BatchCalls, batch_record, cuda_state
+from lightning_amp_plus.forensics.observe import BatchRecord
+from lightning_amp_plus.forensics.rerun import announce, float32_gradients, why_no_reference
+from lightning_amp_plus.forensics.sandbox import capture, copied_inputs, streams
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
-from lightning_amp_plus.sandbox import copied_inputs, reach
 from lightning_amp_plus.syncs import to_host
 
 FP16_SMALLEST_NORMAL = 2.0**-14  # below it float16 has fewer than 11 significant bits, down to none at 2**-25
@@ -260,11 +260,10 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self.exact = check_bool(owner, "exact", exact)
         self.measurements: list[dict[str, Any]] = []
         self.no_reference: Optional[str] = None  # why this fit's measurements have no float32 reference
-        self._batch_state: Optional[tuple[int, BatchCalls]] = None  # the measured batch, for its reference
+        self._batch_state: Optional[tuple[int, BatchRecord]] = None  # the measured batch, for its reference
         self._losses: list[Tensor] = []  # the measured batch's losses: their graph tells what float16 held
         self._activations: Optional[Tensor] = None  # the reference's largest gradient at a module's output
         self._measuring = False  # this batch is measured
-        self._owned: list[Any] = []  # the random streams the model holds (the reference starts them as the batch did)
         self.quiet = check_bool(owner, "quiet", quiet)
         self._plugin: Optional[AmpPlusPrecision] = None
         self._trainer: Optional[pl.Trainer] = None
@@ -307,10 +306,8 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self.no_reference = "exact=False" if not self.exact else why_no_reference(trainer, self._sharded)
         if self._plugin is None or self._plugin.scaler is None:
             self.no_reference = "bf16-mixed (nothing is measured)"
-        elif self.no_reference is None:
-            self._owned = reach(pl_module).streams
-            if trainer.is_global_zero:
-                announce("GradUnderflowMonitor(exact=True)", f"every {self._interval} steps, in float32,")
+        elif self.no_reference is None and trainer.is_global_zero:
+            announce("GradUnderflowMonitor(exact=True)", f"every {self._interval} steps, in float32,")
 
     @override
     def on_train_batch_start(
@@ -324,9 +321,9 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         if self._measuring and self.no_reference is None:
             assert step is not None
             assert self._plugin is not None
-            cuda = cuda_state(self._plugin.device or "cpu")
             # a copy: the step may change its batch in place; the reference sees it as it came
-            self._batch_state = (step, batch_record(copied_inputs(batch), batch_idx, cuda, self._owned, host=True))
+            start = capture(streams(self._plugin.device or "cpu", pl_module))
+            self._batch_state = (step, BatchRecord(copied_inputs(batch), batch_idx, start=start))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:

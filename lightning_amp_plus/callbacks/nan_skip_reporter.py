@@ -6,7 +6,7 @@ import bisect
 import functools
 import os
 from collections import Counter, deque
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -17,15 +17,14 @@ from typing_extensions import override
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._log import say
+from lightning_amp_plus._ranks import all_reduce_, distributed
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import warn_at_user
 from lightning_amp_plus.advice import RunFigures, origin_advice
 from lightning_amp_plus.callbacks._common import (
-    all_reduce_,
     check_writable,
-    distributed,
     find_plugin,
     is_logging_step,
     log_to_all,
@@ -36,12 +35,14 @@ from lightning_amp_plus.callbacks._common import (
 )
 from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
 from lightning_amp_plus.callbacks._offenders import OffenderCounter
-from lightning_amp_plus.callbacks._rerun import announce, told_by_rerun
 from lightning_amp_plus.callbacks._skip_text import collapse_message, describe, enough, skip_record, summary
 from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
-from lightning_amp_plus.origin import Origin
-from lightning_amp_plus.origins import BatchCalls, OriginFinder, job_origin
+from lightning_amp_plus.forensics.finder import OriginFinder
+from lightning_amp_plus.forensics.observe import BatchRecord
+from lightning_amp_plus.forensics.origin import Origin
+from lightning_amp_plus.forensics.rerun import announce, told_by_rerun
+from lightning_amp_plus.forensics.verdict import job_origin
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -104,7 +105,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         sync_fused: bool = False,
         prefix: str = "amp/",
         max_records: Optional[int] = 100,
-        find_origin: bool = True,
+        find_origin: Union[bool, Literal["watch", "replay"]] = True,
         quiet: bool = False,
         backward_origin: bool = False,
     ) -> None:
@@ -123,11 +124,17 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.sync_fused = sync_fused
         self.prefix = check_prefix(owner, prefix)
         self.max_records = max_records
-        self.find_origin = check_bool(owner, "find_origin", find_origin)
+        if not isinstance(find_origin, (bool, str)) or find_origin not in (True, False, "watch", "replay"):
+            raise ValueError(
+                f'`{owner}(find_origin={find_origin!r})` is invalid: expected True (observe, the default), "watch"'
+                ' (watch every module from the start), "replay" (also measure, running the module again) or False.'
+            )
+        self.find_origin = find_origin
         self.quiet = check_bool(owner, "quiet", quiet)
         self.backward_origin = check_bool(owner, "backward_origin", backward_origin)
         self._rerun = False  # this fit reruns a skipped step for its backward origin
-        self.origins = OriginFinder()  # where each skip's inf/nan were born (replays the batch on a skip)
+        # where each skip's inf/nan were born: watched after the first forward-born skip, or from the start
+        self.origins = OriginFinder(watch=find_origin == "watch", replay=find_origin == "replay")
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
         self.offenders = OffenderCounter()  # the parameters whose gradients held inf/nan, per skipped update
@@ -145,6 +152,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._consecutive = self.add_state("consecutive", 0)
         self._reported_upto = self.add_state("reported_upto", -1)
         self._warned = self.add_state("warned", 0)
+        self._watching = self.add_state("watching", False)  # a resumed fit watches where the first one did
         # per fit only
         self._device_probe: DeviceSkipProbe = self.add_state("device_probe", DeviceSkipProbe, persistent=False)
         # skips collected for AmpAdvisor, checked for a collapse at finish
@@ -218,15 +226,30 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.offenders.track(pl_module, self._sharded)
         self._unhook()
         self._rerun = False
-        if self.find_origin and not self._sharded:  # sharded: a replay would need every rank's collectives
+        if self.find_origin:
             accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
-            self.origins.attach(pl_module, trainer.precision_plugin.forward_context, accumulating=accumulating)
             # a rerun of the step: only where one batch's step makes the update and steps no optimizer itself
             self._rerun = self.backward_origin and pl_module.automatic_optimization and not accumulating
+            plugin = self._plugin
+            said = self.origins.attach(
+                pl_module,
+                trainer.precision_plugin.forward_context,
+                islands=functools.partial(_island_names, plugin),
+                accumulating=accumulating,
+                sharded=self._sharded,
+                rerun=self._rerun,
+            )
+            self._say(said or (self.origins.start_watching() if self._watching else None))  # a resumed fit's
             if self._rerun and trainer.is_global_zero and not self.quiet:
                 announce(
                     "NaNSkipReporter(backward_origin=True)",
                     "on a skipped update born in backward or in the LightningModule's own code,",
+                )
+            if self.origins.replay and trainer.is_global_zero and not self.quiet:
+                say(
+                    '`NaNSkipReporter(find_origin="replay")`: on a skip born in a module, that module\'s call runs'
+                    " again, in a sandbox: parameters, buffers and random streams are put back; anything else its code"
+                    " does happens again."
                 )
 
     # ------------------------------------------------------------------ where non-finite values are born
@@ -238,13 +261,23 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._device_probe.held_step is not None:  # the previous batch's fused skip: its parameters are unchanged
+        if self._device_probe.held is not None:  # the previous batch's fused skip: its parameters are unchanged
             self._device_probe.look(self._tell, wait=False)
         if self.find_origin:
-            self.origins.start_batch(batch, batch_idx, host=self._rerun)
+            self.origins.start_batch(batch, batch_idx)
+
+    def _say(self, line: Optional[str]) -> None:
+        if line is not None and not self.quiet:
+            say(f"`NaNSkipReporter`: {line}")
+
+    def _heed(self, origin: Optional[Origin]) -> None:
+        """Start the watch where this skip's origin asks for it (the job's, over every rank)."""
+        if self.find_origin:
+            self._say(self.origins.heed(origin))
+            self._watching = self.origins.watching
 
     def _origin(
-        self, calls: Optional[BatchCalls] = None, step: Optional[int] = None, scale: Optional[float] = None
+        self, calls: Optional[BatchRecord] = None, step: Optional[int] = None, scale: Optional[float] = None
     ) -> Optional[Origin]:
         """Where a batch's (default: this one's) non-finite values were born; None when it cannot be told.
 
@@ -260,12 +293,15 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             scale = self._plugin.history.scale_at(step)
         record = calls if calls is not None else self.origins.current
         device = getattr(self._plugin, "device", None) or "cpu"
-        return told_by_rerun(origin, record, self._trainer, device, scale)
+        before = self.origins.called_before(record) if record is not None else []
+        return told_by_rerun(origin, record, self._trainer, device, scale, before)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._loss = loss  # the true loss (the plugin scales after this hook); read (detached) only on skips
-        self.origins.add_loss(loss)
+        current = self.origins.current
+        if current is not None:  # a GAN's batch backpropagates two
+            current.losses.append(loss)
 
     # ------------------------------------------------------------------ host-known skips
     @override
@@ -275,6 +311,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._collect_device_skips(upto=event.step - 1)
         told = self._told(None, event.optimizers, self._mean_loss(), scale=event.scale)
         told["origin"] = self._job_origin(told["origin"])
+        self._heed(told["origin"])
         self.offenders.clear()
         self._add(skip_record(event.step, event.scale, event.new_scale, told), event.consecutive)
 
@@ -303,16 +340,19 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._plugin is not None
-        on_device = not self._plugin.skip_known_on_host
-        if on_device and not self._sharded:
-            self._device_probe.hold(self._plugin.history, self.origins.current)  # kept until its flag is read
-            self._device_probe.look(self._tell, wait=False)  # at once when it is (host memory, or the device is done)
-        self.origins.take_batch()  # the kept inputs are released when the batch ends (or kept by the probe)
+        if self.find_origin:
+            self.origins.take_batch()  # the batch is released when it ends (or kept by the probe, just below)
+        if self._plugin.skip_known_on_host:
+            return
         history = self._plugin.history
-        if on_device and is_logging_step(history.last_step or 0, logging_interval(trainer)):
+        if not self._sharded:
+            self._device_probe.hold(history, self.origins.last)  # kept until its flag is read
+            self._device_probe.look(self._tell, wait=False)  # at once when it is (host memory, or the device is done)
+        if is_logging_step(history.last_step or 0, logging_interval(trainer)):
             self._collect_device_skips(updated=True)  # another callback may have flushed the history: not `pending`
+            self._check_unchecked()  # skips a checkpoint collected in between are checked where they would have been
 
-    def _tell(self, calls: Optional[BatchCalls], step: int) -> dict[str, Any]:
+    def _tell(self, calls: Optional[BatchRecord], step: int) -> dict[str, Any]:
         """A device-decided skip, once its flag is read: its origin and its offenders, from the gradients it left.
 
         They are still the skipped step's: it is read at this batch's end or before the next batch's backward.
@@ -321,11 +361,12 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         loss = self._loss if calls is None or not calls.losses else calls.losses[-1]  # this rank's
         told = self._told(calls, optimizers, loss, step=step)
         told["offenders"] = told["offenders"] or None
+        self._heed(told["origin"])
         return told
 
     def _told(
         self,
-        calls: Optional[BatchCalls],
+        calls: Optional[BatchRecord],
         optimizers: list[Any],
         loss: Optional[Tensor],
         step: Optional[int] = None,
@@ -477,6 +518,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
                 "reported_upto": old.get("reported_upto", -1),
             }
         super().load_state_dict(state_dict)
+
+
+def _island_names(plugin: Any) -> list[str]:
+    return list(getattr(plugin, "fp32_module_names", []))
 
 
 def _ints(values: Any) -> list[int]:

@@ -15,9 +15,9 @@ from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
-from lightning_amp_plus._tree import map_tensors, tensors
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.sandbox import attempt, replaying, sandboxed
+from lightning_amp_plus.forensics._tree import map_tensors, tensors
+from lightning_amp_plus.forensics.sandbox import attempt, replaying, sandboxed, torch_own
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -83,7 +83,7 @@ def lowered_speedup(module: nn.Module, args: Any, kwargs: Any, device_type: str,
             module.forward(*map_tensors(high, args), **map_tensors(high, kwargs))
 
     times: dict[Any, list[float]] = {lowered: [], full: []}
-    with sandboxed((module, args, kwargs), device_type), torch.no_grad():
+    with sandboxed([module], device_type), torch.no_grad():
         for run in range(SPEED_RUNS + 1):
             for variant in (lowered, full):
                 if cuda:
@@ -117,18 +117,19 @@ class PrecisionReport(KnobsRepr, Callback):
 
     Works with any precision plugin (it only reads dtypes); islands are known with ``AmpPlusPrecision``.
 
-    ``torch.compile``: hooks inside a compiled graph would break it and change what it computes, so a compiled
-    submodule is never hooked inside. Its leaves are inspected by an eager replay of the same call (same inputs,
-    same autocast state, no grad), right after the compiled forward, with the random-number state and the buffers
-    restored: training is unchanged, and their times are eager times (marked ``compiled`` in the rows). A
+    ``torch.compile``: hooks inside a compiled graph would change what it computes, so a compiled submodule is never
+    hooked inside: it is one row, read from outside its graph (marked ``compiled``). ``replay_compiled=True`` runs
+    its call again eagerly, sandboxed, to give its leaves' rows (that runs your module's code a second time). A
     LightningModule compiled as a whole (``trainer.fit(torch.compile(model))``) is not inspected; the report says so.
 
-    Timing is wall clock on CPU and CUDA events on GPU.
+    Timing is wall clock on CPU and CUDA events on GPU. ``lowered_speedup`` times only modules whose forward is
+    torch's own (``nn.Linear``, not a subclass with its own ``forward``).
 
     Args:
         every_n_batches: inspect again every this many batches (default: only the first).
         flag_share: time share from which an fp32 module is flagged whatever its type (default 0.25).
         print_table: print the table on rank zero (default True).
+        replay_compiled: replay a compiled submodule's call eagerly for its leaves' rows (default False).
 
     Example:
         >>> from lightning_amp_plus import PrecisionReport
@@ -136,7 +137,13 @@ class PrecisionReport(KnobsRepr, Callback):
         []
     """
 
-    def __init__(self, every_n_batches: Optional[int] = None, flag_share: float = 0.25, print_table: bool = True):
+    def __init__(
+        self,
+        every_n_batches: Optional[int] = None,
+        flag_share: float = 0.25,
+        print_table: bool = True,
+        replay_compiled: bool = False,
+    ) -> None:
         self._given = given_arguments(PrecisionReport.__init__, locals())
         self._fit_scope = FitScope()
         owner = type(self).__name__
@@ -146,6 +153,7 @@ class PrecisionReport(KnobsRepr, Callback):
         self.every_n_batches = every_n_batches
         self.flag_share = check_fraction(owner, "flag_share", flag_share)
         self.print_table = print_table
+        self.replay_compiled = check_bool(owner, "replay_compiled", replay_compiled)
         self.rows: list[dict[str, Any]] = []
         self.skipped_reason: Optional[str] = None
         self._handles: list[Any] = []
@@ -223,7 +231,11 @@ class PrecisionReport(KnobsRepr, Callback):
         for raw_name, module in wrappers:
             if id(module) in outer and id(module) not in replayed:
                 replayed.add(id(module))
-                self._hook_replay(raw_name, module, device_type)
+                if self.replay_compiled:
+                    self._hook_replay(raw_name, module, device_type)
+                else:  # one row, from outside its graph: what it took and gave
+                    self._hook_leaf(clean_name(raw_name), module, device_type, compiled=False, handles=self._handles)
+                    self._stats[clean_name(raw_name)]["compiled"] = True
         for raw_name, module in pl_module.named_modules():
             if not raw_name or is_compiled_wrapper(module) or id(module) in compiled or list(module.children()):
                 continue  # inside a compiled graph: inspected by the replay
@@ -289,7 +301,7 @@ class PrecisionReport(KnobsRepr, Callback):
                         self._hook_leaf(full, module, device_type, compiled=True, handles=handles)
                 # eager, in the compiled call's autocast and grad mode (a forward may call autograd.grad), with every
                 # nested compiled module eager too (no hook may end up inside a graph): the sandbox runs it on stand-ins
-                with sandboxed((inner, call_args, call_kwargs), device_type, grad=grad), torch.set_grad_enabled(grad):
+                with sandboxed([inner], device_type), torch.set_grad_enabled(grad):
                     inner(*call_args, **call_kwargs)
             except Exception as error:  # the report never stops training
                 self.skipped_reason = (
@@ -338,7 +350,7 @@ class PrecisionReport(KnobsRepr, Callback):
                 else:
                     cause = "an explicit cast to float32 (`.float()`), or an op autocast keeps in float32"
             speedup = None
-            if flagged and heavy and island is None and "call" in s:
+            if flagged and heavy and island is None and "call" in s and torch_own(module):  # never your code again
                 low = torch.bfloat16 if self._precision.startswith("bf16") else torch.float16
                 args, kwargs = s["call"]
                 speedup, _ = attempt(lowered_speedup, module, args, kwargs, self._device_type, low)
@@ -393,6 +405,9 @@ class PrecisionReport(KnobsRepr, Callback):
             out.append(
                 "[compiled]: inside a torch.compile'd submodule: dtypes and times from an eager replay of the inspected"
                 " call (no grad, random state and buffers restored); the compiled kernels' own times are not measured."
+                if self.replay_compiled
+                else "[compiled]: a torch.compile'd submodule, read from outside its graph as one row"
+                " (`PrecisionReport(replay_compiled=True)` replays it eagerly for its leaves)."
             )
         flagged = [r for r in self.rows if r["flagged"]]
         if flagged:

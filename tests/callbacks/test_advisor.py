@@ -85,7 +85,10 @@ def test_fp32_module_names_the_module_where_inf_is_born_and_the_island_fixes_it(
     advice = only(advisor, "fp32_module")
     assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["big"])'  # theirs + 1
     assert advice.evidence["module"] == "big"
-    assert advice.evidence["skips"] == plugin.history.num_skipped
+    assert (
+        advice.evidence["skips"] == plugin.history.num_skipped - 1
+    )  # the first one, read from the loss, starts the watch
+    assert advice.evidence["measured"] is False
     assert "nonfinite_loss" not in codes(advisor)
     fixed, fixed_plugin = fit(Overflowing(), applied(advice.fix), max_steps=6)
     assert fixed_plugin.history.num_skipped < plugin.history.num_skipped
@@ -137,7 +140,7 @@ def test_skips_born_in_the_batch_at_the_scale_floor_say_the_batch_not_bf16(tmp_p
 def test_nonfinite_loss_for_a_loss_that_is_inf_with_finite_outputs():
     advisor, _ = fit(TinyModel(optimizer="fused_sgd", poison={2: "inf", 4: "nan", 6: "inf"}))
     advice = only(advisor, "nonfinite_loss")
-    assert advice.evidence == {"input": 0, "loss": 3, "told": 3}
+    assert advice.evidence == {"input": 0, "loss": 2, "told": 2}  # the first one, read from the loss, starts the watch
     assert "float()" in advice.fix
 
 
@@ -525,7 +528,7 @@ def test_a_second_trainer_starts_afresh_and_the_monitor_is_not_disturbed(tmp_pat
         callbacks=[advisor, monitor],
         logger=CSVLogger(tmp_path),
         max_steps=6,
-    ).fit(TinyModel(optimizer="fused_sgd", poison={2: "inf"}))
+    ).fit(TinyModel(optimizer="fused_sgd", poison={2: "inf", 4: "inf"}))
     assert codes(advisor) == ["nonfinite_loss"]
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=4).fit(
         TinyModel(optimizer="fused_sgd")
@@ -642,7 +645,7 @@ def test_the_advice_does_not_depend_on_the_callback_order(advisor_first):
         Overflowing()  # fused: every skip decided on the device
     )
     assert codes(advisor) == ["fp32_module"]
-    assert only(advisor, "fp32_module").evidence["told"] == 6
+    assert only(advisor, "fp32_module").evidence["told"] == 5  # the first one, read from the loss, starts the watch
 
 
 def test_a_run_that_skipped_every_update_is_not_healthy():
@@ -669,7 +672,7 @@ def test_the_printed_and_markdown_text(fused_saves, tmp_path, caplog):
     caplog.set_level("WARNING", logger="lightning_amp_plus")
     advisor = AmpAdvisor(report_path=tmp_path / "a.md")
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=3).fit(
-        TinyModel(optimizer="adamw", poison={1: "inf", 2: "nan"})
+        TinyModel(optimizer="adamw", poison={0: "inf", 1: "inf", 2: "nan"})
     )
     assert codes(advisor) == ["nonfinite_loss", "fused_optimizer"]
     first, second = advisor.advice
@@ -1133,7 +1136,7 @@ def test_nan_targets_that_reach_only_the_loss_get_the_batch_guard_not_a_float32_
     advisor, plugin = fit(NaNTargets(rows=(5, 13, 22)))
     assert plugin.history.skipped_steps == [1, 3, 5]  # with the loss in float32 already (`out.float()`): no help
     advice = only(advisor, "nonfinite_loss")
-    assert advice.evidence == {"input": 0, "loss": 3, "told": 3}
+    assert advice.evidence == {"input": 1, "loss": 2, "told": 3}  # the first one read before the watch: the batch's
     assert "the batch held inf/nan there" in advice.message
     assert "torch.isfinite" in advice.fix
     model = NaNTargets(rows=(5, 13, 22))

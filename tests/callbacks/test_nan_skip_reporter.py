@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
+from lightning_amp_plus.forensics.origin import WATCHING
 from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
@@ -19,7 +20,7 @@ def test_names_exactly_the_poisoned_parameter(tmp_path, caplog):
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=6).fit(model)
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
     assert re.fullmatch(
-        r"step 3 skipped: born in backward \(forward and loss finite\); gradients non-finite"
+        r"step 3 skipped: born in backward \(the loss was finite\); gradients non-finite"
         r" in net.0.weight \(\d+ inf.*, loss scale 1024 -> 512",
         lines[0],
     )
@@ -64,7 +65,7 @@ def test_collapse_stops_within_six_steps_and_writes_no_checkpoint(tmp_path):
         LossScaleCollapseError,
         # the loss is inf: the error says what AmpAdvisor says, not a scaling hint
         match=r"5 consecutive optimizer steps were skipped \(max_consecutive_skips=5\).*The loss was inf/nan with"
-        r" every recorded module output finite in 5 of 5 skipped updates: not a scaling problem"
+        r" every watched module output finite in 4 of 4 skipped updates: not a scaling problem"
         r".*HINT: loss = loss_fn\(",
     ):
         trainer.fit(model)
@@ -209,7 +210,12 @@ def test_scheduler_skipping_can_be_turned_off():
         ({"max_warnings": -1}, ValueError, "an int >= 0"),
         ({"sync_fused": "no"}, TypeError, "a bool, got str"),
         ({"max_records": 1}, ValueError, "an int >= 2"),
-        ({"find_origin": "yes"}, TypeError, "a bool, got str"),
+        (
+            {"find_origin": "yes"},
+            ValueError,
+            'True (observe, the default), "watch" (watch every module from the start), "replay" (also measure,'
+            " running the module again) or False",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, expected):
@@ -254,24 +260,28 @@ def test_origin_forward_names_the_module_whose_output_overflowed(caplog, optimiz
         _Born(at=(2, 4), optimizer=optimizer)
     )
     assert reporter.skipped_steps == [2, 4]
-    assert [r["origin"]["module"] for r in reporter.skips] == ["big", "big"]
+    assert [r["origin"].get("module") for r in reporter.skips] == [None, "big"]  # the first one starts the watch
     assert all(r["origin"]["phase"] == "forward" and r["origin"]["kind"] in ("inf", "nan") for r in reporter.skips)
     if optimizer == "sgd":  # host-known skips are printed as they happen
-        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 2 skipped")]
-        assert lines[0].startswith("step 2 skipped: born in forward of big (")
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+        assert lines[0].startswith(
+            "step 2 skipped: born in forward (the loss was nan; no module named yet: every module is watched from the"
+            " next step)"
+        )
+        assert lines[1].startswith("step 4 skipped: born in forward of big (")
 
 
 def test_origin_in_the_modules_own_code_and_in_the_batch():
     reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=4).fit(
-        _Born(at=(1,), own=True)
+        _Born(at=(1, 3), own=True)
     )
-    assert [r["origin"] for r in reporter.skips] == [{"phase": "forward", "module": "", "kind": "inf"}]
+    assert [r["origin"] for r in reporter.skips][1:] == [{"phase": "forward", "module": "", "kind": "inf"}]
 
     class BadBatch(TinyModel):
         def training_step(self, batch, batch_idx):
             x, y = batch
-            if batch_idx == 2:
+            if batch_idx in (1, 3):
                 x = x.clone()
                 x[0, 0] = float("nan")
             return super().training_step((x, y), batch_idx)
@@ -281,7 +291,7 @@ def test_origin_in_the_modules_own_code_and_in_the_batch():
         BadBatch()
     )
     # the batch Lightning handed in was finite; the children's calls saw the nan first: the module's own code
-    assert [r["origin"] for r in reporter.skips] == [{"phase": "forward", "module": "", "kind": "nan"}]
+    assert [r["origin"] for r in reporter.skips][1:] == [{"phase": "forward", "module": "", "kind": "nan"}]
 
 
 def test_the_replay_leaves_training_unchanged_and_releases_the_inputs():
@@ -296,7 +306,7 @@ def test_the_replay_leaves_training_unchanged_and_releases_the_inputs():
         return model, reporter
 
     plain, plain_reporter = run(False)
-    told, told_reporter = run(True)
+    told, told_reporter = run("replay")
     # dropout's random state and batch norm's statistics restored: the same losses (nan at the skips), bit for bit
     torch.testing.assert_close(torch.tensor(told.losses), torch.tensor(plain.losses), rtol=0, atol=0, equal_nan=True)
     for (name, a), (_, b) in zip(plain.state_dict().items(), told.state_dict().items(), strict=True):
@@ -345,8 +355,8 @@ class _BatchPoison(TinyModel):
             batch[0][0, 0] = self.value
 
 
-def _origins(model, **trainer_kwargs):
-    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+def _origins(model, find_origin=True, **trainer_kwargs):
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin=find_origin)
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], **trainer_kwargs).fit(
         model
     )
@@ -355,7 +365,11 @@ def _origins(model, **trainer_kwargs):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
 def test_minus_inf_in_the_batch_is_an_input(optimizer):
-    assert _origins(_BatchPoison({1}, optimizer=optimizer), max_steps=3) == [(1, {"phase": "input"})]
+    assert _origins(_BatchPoison({1}, optimizer=optimizer), max_steps=3) == [
+        (1, {"phase": "input", "reason": WATCHING})
+    ]
+    watched = _origins(_BatchPoison({1}, optimizer=optimizer), "replay", max_steps=3)  # watched from the start
+    assert watched == [(1, {"phase": "input"})]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
@@ -364,7 +378,7 @@ def test_accumulation_tells_the_last_micro_batch_and_nothing_it_cannot_see(optim
     first = _origins(_BatchPoison({2}, value=float("inf"), optimizer=optimizer), max_steps=3, accumulate_grad_batches=2)
     assert first == [(1, None)]  # an earlier micro-batch: not replayed, not called "backward"
     last = _origins(_BatchPoison({3}, value=float("inf"), optimizer=optimizer), max_steps=3, accumulate_grad_batches=2)
-    assert last == [(1, {"phase": "input"})]  # the fused probe reads the stepping micro-batch, not the next one
+    assert last == [(1, {"phase": "input", "reason": WATCHING})]  # the stepping micro-batch's, not the next one
 
 
 class _GanLoss(TinyModel):
@@ -382,7 +396,7 @@ class _GanLoss(TinyModel):
         opt_a.step()
         opt_a.zero_grad()
         loss_b = torch.nn.functional.mse_loss(self.other(x).float(), y)
-        if batch_idx == 1:
+        if batch_idx in (1, 3):
             loss_b = loss_b * float("inf")
         self.manual_backward(loss_b)
         opt_b.step()
@@ -393,7 +407,10 @@ class _GanLoss(TinyModel):
 
 
 def test_every_loss_of_the_batch_is_checked():
-    assert _origins(_GanLoss(), max_steps=6) == [(1, {"phase": "loss"})]
+    assert _origins(_GanLoss(), max_steps=10) == [
+        (1, {"phase": "forward", "kind": "inf", "reason": WATCHING}),  # the second loss read: it watches from then
+        (3, {"phase": "loss"}),  # watched: every module's output finite
+    ]
 
 
 class _InPlace(TinyModel):
@@ -419,14 +436,14 @@ def test_an_input_changed_in_place_is_not_misattributed():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             model.boom.armed = batch_idx == 1
 
-    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, find_origin="replay")
     make_trainer(
         plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[Arm(), reporter], max_steps=3
     ).fit(model)
     # boom's output (1e30, finite) is cast to float16 by net.0: the inf is born there, and float32 in net.0 moves it
     # on to net.2 (its float32 output is cast again), so the islands the fix needs are both, measured by replay
     assert [(r["step"], r["origin"]) for r in reporter.skips] == [
-        (1, {"phase": "forward", "module": "net.0", "kind": "inf", "float32": "finite", "islands": ["net.0", "net.2"]})
+        (1, {"phase": "forward", "module": "net.0", "kind": "nan", "float32": "finite", "islands": ["net.0", "net.2"]})
     ]
 
 
@@ -488,9 +505,9 @@ def test_a_compiled_child_is_replayed_eagerly_and_adds_no_graph(monkeypatch, sta
         return reporter, {k: after[k] - before.get(k, 0) for k in after}
 
     plain, plain_graphs = run(False)
-    told, told_graphs = run(True)
+    told, told_graphs = run("replay")  # watched from the start: the compiled child as a whole, from outside
     assert [(r["step"], r["origin"]) for r in told.skips] == [
-        (2, {"phase": "forward", "module": "enc.1.0", "kind": "inf", "float32": "finite", "islands": ["enc.1.0"]})
+        (2, {"phase": "forward", "module": "enc", "kind": "nan", "float32": "finite", "islands": ["enc"]})
     ]
     assert told_graphs == plain_graphs  # no hook traced into a graph, nothing recompiled
 
@@ -536,7 +553,7 @@ def test_the_skip_line_word_for_word():
             "module": "enc.3",
             "kind": "inf",
         },
-        "step 7 skipped: born in forward of the LightningModule's own code (between its recorded module calls) (nan);"
+        "step 7 skipped: born in forward of the LightningModule's own code (between its module calls) (nan);"
         " gradients non-finite, loss scale 1024 -> 512": {"phase": "forward", "module": "", "kind": "nan"},
         "step 7 skipped: born in forward of enc (the module inside: unknown, nondeterministic: the replay of enc"
         " computed other values than the step); gradients non-finite, loss scale 1024 -> 512": {
@@ -551,9 +568,9 @@ def test_the_skip_line_word_for_word():
         "step 7 skipped: born in the batch (the inputs held inf/nan); gradients non-finite, loss scale 1024 -> 512": {
             "phase": "input"
         },
-        "step 7 skipped: born in the loss (every recorded module output was finite); gradients non-finite, loss"
+        "step 7 skipped: born in the loss (every watched module output was finite); gradients non-finite, loss"
         " scale 1024 -> 512": {"phase": "loss"},
-        "step 7 skipped: born in backward (forward and loss finite); gradients non-finite, loss scale 1024 -> 512": {
+        "step 7 skipped: born in backward (the loss was finite); gradients non-finite, loss scale 1024 -> 512": {
             "phase": "backward"
         },
         "step 7 skipped: gradients non-finite, loss scale 1024 -> 512": {"phase": "unheard-of"},
@@ -601,7 +618,7 @@ def test_an_origin_decided_on_a_busy_device_is_told_at_the_next_look_or_at_the_e
         max_steps=4,
         log_every_n_steps=1,  # the history moves to the host at every step: the skip is there before its origin
     ).fit(_BatchPoison({poisoned}, optimizer="fused_sgd"))
-    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(poisoned, {"phase": "input"})]
+    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(poisoned, {"phase": "input", "reason": WATCHING})]
     assert (2, last) in _BusyPeek.looks  # its second look told it: at the next batch's start, or waited for
     assert [look for look in _BusyPeek.looks if look[1]] == [(2, True)]  # one wait per fit: the last batch's flag
 
@@ -631,7 +648,7 @@ def test_a_skip_held_for_its_origin_is_reported_when_the_fit_fails(monkeypatch):
     )
     with pytest.raises(RuntimeError, match="^user error at batch 2$"):
         trainer.fit(_FailsAt({1}, fail_at=2, optimizer="fused_sgd"))
-    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(1, {"phase": "input"})]
+    assert [(r["step"], r["origin"]) for r in reporter.skips] == [(1, {"phase": "input", "reason": WATCHING})]
 
 
 @pytest.mark.parametrize("advisor_first", [True, False])
@@ -665,7 +682,7 @@ def test_the_advisor_waits_for_the_last_batchs_origin_on_a_busy_device(monkeypat
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=4).fit(
         _BatchPoison({3}, optimizer="fused_sgd")
     )
-    assert advisor.figures.origins == [{"phase": "input", "step": 3}]
+    assert advisor.figures.origins == [{"phase": "input", "reason": WATCHING, "step": 3}]
 
 
 class _Deep(TinyModel):
@@ -725,8 +742,8 @@ def test_a_fused_optimizers_skip_is_told_with_its_offenders_and_on_time(caplog, 
     assert ends == [0, 0, 0, 1, 1, 1]  # told at step 3, the logging step after it, not at the end of fit
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
     assert lines[0].startswith(
-        "step 2 skipped: born in the loss (every recorded module output was finite); gradients non-finite in"
-        " net.0.weight ("
+        "step 2 skipped: born in forward (the loss was inf; no module named yet: every module is watched from the next"
+        " step); gradients non-finite in net.0.weight ("
     )
     assert lines[-1].startswith("`NaNSkipReporter`: 1 of 6 updates skipped (at step 2); worst offenders: net.0.weight")
 
@@ -897,7 +914,7 @@ def test_a_module_whose_output_is_a_minus_inf_mask_is_no_origin_and_one_fed_a_ma
     """-inf alone is a mask in a module's output and in its inputs: the mask maker is never the origin, and a module
     fed the mask whose own output overflows is."""
     assert _origins(_MaskedModel(grad_poison={2: "net.0.weight"}), max_steps=4) == [(2, {"phase": "backward"})]
-    assert _origins(_MaskedModel(overflow_at=1), max_steps=3) == [
+    assert _origins(_MaskedModel(overflow_at=1), "replay", max_steps=3) == [
         (1, {"phase": "forward", "module": "attend", "kind": "inf", "float32": "nonfinite"})  # it casts to half itself
     ]
 

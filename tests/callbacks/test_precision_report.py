@@ -169,29 +169,37 @@ def test_the_table_word_for_word():
             "flagged": flagged,
         }
 
-    report = PrecisionReport(print_table=False)
-    report.rows = [
+    rows = [
         row("enc.0", 0.5),
         row("head", 0.25, island="head", kind="LayerNorm"),
         row("body.1", 0.125, compiled=True),
         row("slow", 0.125, cause="autocast disabled around it", flagged=True),
     ]
-    report._batches = 0
-    assert report.format_table() == "\n".join(
-        [
-            "PrecisionReport (first inspected batch)",
-            "module             type       in       out      param    time ms  share  island  flag",
-            "enc.0              Linear     float16  float16  float32  5.000    50.0%",
-            "head               LayerNorm  float16  float32  float32  2.500    25.0%  fp32",
-            "body.1 [compiled]  Linear     float16  float16  float32  1.250    12.5%",
-            "slow               Linear     float16  float32  float32  1.250    12.5%          autocast disabled"
-            " around it",
-            "fp32 islands: head",
+    table = [
+        "PrecisionReport (first inspected batch)",
+        "module             type       in       out      param    time ms  share  island  flag",
+        "enc.0              Linear     float16  float16  float32  5.000    50.0%",
+        "head               LayerNorm  float16  float32  float32  2.500    25.0%  fp32",
+        "body.1 [compiled]  Linear     float16  float16  float32  1.250    12.5%",
+        "slow               Linear     float16  float32  float32  1.250    12.5%          autocast disabled around it",
+        "fp32 islands: head",
+    ]
+    flagged = "1 module(s) do heavy work in float32 under mixed precision: slow"
+    for replay, compiled in (
+        (
+            False,
+            "[compiled]: a torch.compile'd submodule, read from outside its graph as one row"
+            " (`PrecisionReport(replay_compiled=True)` replays it eagerly for its leaves).",
+        ),
+        (
+            True,
             "[compiled]: inside a torch.compile'd submodule: dtypes and times from an eager replay of the inspected"
             " call (no grad, random state and buffers restored); the compiled kernels' own times are not measured.",
-            "1 module(s) do heavy work in float32 under mixed precision: slow",
-        ]
-    )
+        ),
+    ):
+        report = PrecisionReport(print_table=False, replay_compiled=replay)
+        report.rows, report._batches = rows, 0
+        assert report.format_table() == "\n".join([*table, compiled, flagged])
     report._batches = 3
     report.rows = [row("a", 0.5, flagged=True), row("b", 0.5, flagged=True)]
     lines = report.format_table().splitlines()

@@ -1,8 +1,8 @@
-"""The one container walker: what the diagnostics hold, copy, cast, substitute or compare goes through :func:`_node`.
+"""The one container walker (the watch, the replay, the fp32 islands and the reports read and copy through it).
 
 Containers: lists and tuples, dicts, dataclasses (their subclasses too), and, two levels deep at most, ``UserDict``
-(``BatchEncoding``) and ``SimpleNamespace`` result objects; rebuilt as they came without the user's code (no
-constructor, no ``__setitem__``). Anything else is a leaf: a tensor, a plain value, or an object that may hold state.
+(``BatchEncoding``) and ``SimpleNamespace`` result objects; rebuilt as they came without your code (no constructor,
+no ``__setitem__``). Anything else is a leaf: a tensor, a plain value, or an object that may hold state.
 """
 
 from __future__ import annotations
@@ -59,11 +59,6 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
     return (leaf for leaf in _leaves(value) if isinstance(leaf, torch.Tensor))
 
 
-def leaves(value: Any) -> Iterator[Any]:
-    """Every leaf in ``value`` that is no tensor (plain values, and objects that may hold state)."""
-    return (leaf for leaf in _leaves(value) if not isinstance(leaf, torch.Tensor))
-
-
 def values(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor in ``value`` as :func:`tensors` finds them, a nested tensor as its components (to read values)."""
     for tensor in tensors(value):
@@ -101,11 +96,10 @@ def map_tensors(
 
 
 def rebuilt(value: Any, keys: list[Any], items: list[Any]) -> Any:
-    """A container like ``value`` holding ``items`` (at ``keys``: a dict's, a dataclass's fields), without user code.
+    """A container like ``value`` holding ``items`` (at ``keys``: a dict's, a dataclass's fields), without your code.
 
-    A plain list, tuple or dict is built as usual, a named tuple from its fields; another class by its built-in
-    base's ``__new__`` (a subclass's own may take its fields, ``Pair(out, aux)``), its attributes and slots copied,
-    and ``items`` set by the base's own methods (a subclass's ``__setitem__`` is the user's code).
+    Another class than a plain one is built by its built-in base's ``__new__``, its attributes and slots copied, the
+    items set by the base's own methods (a subclass's ``__setitem__`` is yours).
     """
     cls: Any = type(value)
     if cls in (list, tuple, dict):

@@ -1,11 +1,10 @@
-"""The opt-in reruns of a batch's ``training_step``, sandboxed: the float32 reference, and what no replay reads.
+"""Reruns of a batch's ``training_step`` (opt-in by name): the float32 reference, and what no watch reads.
 
 ``GradUnderflowMonitor(exact=True)`` compares the run's float16 gradients with the batch's float32 ones
-(:func:`float32_gradients`). ``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch for where in backward its
-inf/nan were born, and for an own-code origin's verdicts and islands (:func:`told_by_rerun`). Both run the user's
-``training_step`` again, which is why they are off unless asked for by name: inside
-:func:`~lightning_amp_plus.sandbox.sandboxed` every parameter and buffer is a stand-in and every random stream is given
-back, but what the step does outside the model (a file written, an environment stepped) the sandbox cannot undo.
+(:func:`float32_gradients`). ``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch for where in backward
+its inf/nan were born, and for an own-code origin's verdicts and islands (:func:`told_by_rerun`). Both run your step
+again, in :func:`~.sandbox.sandboxed`: parameters, buffers and random streams are put back; anything else the step
+does (a file written, an environment stepped) happens again.
 """
 
 from __future__ import annotations
@@ -21,12 +20,12 @@ from torch import Tensor
 from lightning_amp_plus._identity import clean_name
 from lightning_amp_plus._limits import MAX_ISLANDS
 from lightning_amp_plus._log import say
-from lightning_amp_plus._tree import tensors
-from lightning_amp_plus.callbacks._common import all_reduce_, distributed
+from lightning_amp_plus._ranks import all_reduce_, distributed
+from lightning_amp_plus.forensics._tree import tensors
+from lightning_amp_plus.forensics.observe import BatchRecord
+from lightning_amp_plus.forensics.origin import OWN_CODE, Origin, Phase, Verdict
+from lightning_amp_plus.forensics.sandbox import attempt, copied_inputs, no_logging, sandboxed
 from lightning_amp_plus.islands import fp32_forward
-from lightning_amp_plus.origin import OWN_CODE, Origin, Phase, Verdict
-from lightning_amp_plus.origins import BatchCalls, nonfinite_kinds
-from lightning_amp_plus.sandbox import attempt, copied_inputs, no_logging, sandboxed
 
 #: modules tried one at a time as the island that makes an own-code precision loss finite (each a rerun)
 _ISLAND_TRIES = 6
@@ -35,9 +34,8 @@ _ISLAND_TRIES = 6
 def announce(who: str, when: str) -> None:
     """Say, as the fit starts, that ``who`` runs the batch's ``training_step`` again, and what it must not do."""
     say(
-        f"`{who}`: {when} the batch's `training_step` runs again, in a sandbox (parameters and buffers are stand-ins,"
-        " random streams given back). It must not act outside the model: no environment step, file write or direct"
-        " logger call."
+        f"`{who}`: {when} the batch's `training_step` runs again, in a sandbox: parameters, buffers and random streams"
+        " are put back; anything else it does (a file written, an environment stepped, a logger called) happens again."
     )
 
 
@@ -51,7 +49,7 @@ def why_no_reference(trainer: pl.Trainer, sharded: bool) -> Optional[str]:
 
 
 def float32_gradients(
-    module: pl.LightningModule, record: BatchCalls, params: list[torch.nn.Parameter], device_type: str
+    module: pl.LightningModule, record: BatchRecord, params: list[torch.nn.Parameter], device_type: str
 ) -> tuple[Optional[list[Optional[Tensor]]], Optional[str]]:
     """``params``' gradients of ``record``'s batch recomputed in float32 (from its random state), or None and why not.
 
@@ -86,17 +84,22 @@ def float32_gradients(
 
 
 def told_by_rerun(
-    origin: Origin, record: Optional[BatchCalls], trainer: pl.Trainer, device_type: str, scale: Optional[float]
+    origin: Origin,
+    record: Optional[BatchRecord],
+    trainer: pl.Trainer,
+    device_type: str,
+    scale: Optional[float],
+    before: Sequence[str] = (),
 ) -> Origin:
     """An origin a replay could not read, told by rerunning the batch's step, sandboxed; else the origin as it was.
 
     Backward (at the update's ``scale``): the first autograd node whose output gradient came out non-finite from a
     finite one, by op (``SqrtBackward0``) and the module whose forward made it, and ``float32``: the gradients
     rerun in float32. The own code: ``float32``, then ``bf16`` (finite: float16's range; not: its precision), then
-    the ``islands`` that make the step finite under the run's own autocast dtype (``()``: none). ``reason``: a rerun
-    raised or did not make them again.
+    the ``islands`` among ``before`` (the modules the step called before) that make the step finite under the run's
+    own autocast dtype (``()``: none). ``reason``: a rerun raised or did not make them again.
     """
-    if record is None or record.step_start() is None:
+    if record is None or record.start is None:
         return origin
     module = trainer.lightning_module
     if origin.phase is Phase.FORWARD and origin.own_code and origin.float32 is None:
@@ -105,9 +108,9 @@ def told_by_rerun(
             told = told.but(bf16=_finite_as(module, record, device_type, torch.bfloat16))
             if told.bf16 is not Verdict.FINITE:
                 half = torch.bfloat16 if trainer.precision_plugin.precision == "bf16-mixed" else torch.float16
-                told = told.but(islands=tuple(_feeding_islands(module, record, device_type, half)))
+                told = told.but(islands=tuple(_feeding_islands(module, record, device_type, half, before)))
         return told
-    if origin != Origin(Phase.BACKWARD) or scale is None:
+    if origin.phase is not Phase.BACKWARD or origin.op is not None or origin.float32 is not None or scale is None:
         return origin
     owners: dict[Any, str] = {}
     born: list[Origin] = []
@@ -125,15 +128,16 @@ def told_by_rerun(
     return born[0].but(float32=_finite_as(module, record, device_type))
 
 
-def _feeding_islands(module: pl.LightningModule, record: BatchCalls, device_type: str, half: torch.dtype) -> list[str]:
+def _feeding_islands(
+    module: pl.LightningModule, record: BatchRecord, device_type: str, half: torch.dtype, before: Sequence[str]
+) -> list[str]:
     """The islands that make the step finite under the run's ``half`` autocast, measured by rerunning it so.
 
-    Tried: each module called before the own code took in inf/nan, the latest first (at most ``_ISLAND_TRIES``), then
-    the latest ``MAX_ISLANDS`` together: each try is a rerun of the step, on skipped updates only.
+    Tried: each of ``before``, the latest first (at most ``_ISLAND_TRIES``), then the latest ``MAX_ISLANDS``
+    together: each try is a rerun of the step, on skipped updates only.
     """
-    calls = record.calls
-    first = next((i for i, c in enumerate(calls) if nonfinite_kinds((c.args, c.kwargs), masks="inputs")), None)
-    feeding = {c.name: c.module for c in calls[:first]}
+    modules = {clean_name(n): m for n, m in module.named_modules()}
+    feeding = {n: modules[n] for n in before if n in modules}
     names = list(feeding)
     tries = [[n] for n in reversed(names[-_ISLAND_TRIES:])] + ([names[-MAX_ISLANDS:]] if len(names) > 1 else [])
     for islands in tries:
@@ -144,7 +148,7 @@ def _feeding_islands(module: pl.LightningModule, record: BatchCalls, device_type
 
 def _finite_as(
     module: pl.LightningModule,
-    record: BatchCalls,
+    record: BatchRecord,
     device_type: str,
     dtype: Optional[torch.dtype] = None,
     islands: Sequence[torch.nn.Module] = (),
@@ -162,7 +166,7 @@ def _finite_as(
 
 def _gradients(
     module: pl.LightningModule,
-    record: BatchCalls,
+    record: BatchRecord,
     device_type: str,
     forward: Any,
     islands: Sequence[torch.nn.Module] = (),
@@ -176,16 +180,16 @@ def _gradients(
     Its forward under ``forward`` (autocast or not), ``islands`` in float32 (as ``fp32_modules``), ``watch`` a forward
     hook on every module, the loss times ``scale``; ``before(loss)`` hooks the graph. Hooks are removed after.
     """
-    start = record.step_start()
     with (
-        sandboxed(module, device_type, start=start, grad=True) as box,
+        sandboxed([module], device_type, start=record.start) as box,
         no_logging(module),
         torch.enable_grad(),
         contextlib.ExitStack() as stack,
     ):
         for m in islands:
-            if "forward" not in vars(m):  # put back by the sandbox, with every attribute
+            if "forward" not in vars(m):  # an island already runs in float32
                 m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
+                stack.callback(delattr, m, "forward")
         if watch is not None:
             stack.callback(_removed, [m.register_forward_hook(watch) for m in module.modules()])
         with forward:
@@ -197,7 +201,7 @@ def _gradients(
         if before is not None:
             stack.callback(_removed, before(scaled))
         targets: list[Tensor] = [p for p in module.parameters() if p.requires_grad]  # inside the sandbox: stand-ins
-        targets = [box.stand_in(p) for p in params] if params is not None else targets
+        targets = [box[id(p)] for p in params] if params is not None else targets
         return list(torch.autograd.grad(scaled, targets, allow_unused=True))
 
 

@@ -1,0 +1,160 @@
+"""OriginFinder: where a skip's inf/nan were born, the one component the reporter holds and the advisor reads.
+
+Observe by default: the batch and the losses; after the first skip whose loss held inf/nan, a watch on every module.
+``watch=True`` watches from the start; ``replay=True`` (asked for by name) also measures a forward origin's float32
+verdict and islands (:func:`~.replay.measure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from lightning_amp_plus.forensics.observe import BatchRecord, Watch, read
+from lightning_amp_plus.forensics.origin import WATCHING, Origin, unknown
+from lightning_amp_plus.forensics.replay import Recorder, measure
+from lightning_amp_plus.forensics.sandbox import attempt, capture, streams
+from lightning_amp_plus.forensics.verdict import first_born, tell
+
+
+class OriginFinder:
+    """Tell where a skipped update's non-finite values were born, from what the step computed.
+
+    :meth:`attach` at fit start; :meth:`start_batch` and :meth:`take_batch` around each training batch, its losses
+    appended to ``current.losses``; :meth:`origin` on a skip, then :meth:`heed` with the origin told over every rank.
+
+    Example:
+        >>> finder = OriginFinder()
+        >>> finder.origin(BatchRecord(torch.tensor([float("nan")]), losses=[torch.tensor(float("nan"))])).to_dict()
+        {'phase': 'input', 'reason': 'every module is watched from the next step'}
+        >>> finder.origin(BatchRecord(torch.tensor([float("nan")]), losses=[torch.tensor(1.0)])).to_dict()
+        {'phase': 'backward', 'batch': 'nonfinite'}
+    """
+
+    def __init__(self, watch: bool = False, replay: bool = False) -> None:
+        self.from_start, self.replay = watch or replay, replay
+        self.watch = Watch()
+        self.current: Optional[BatchRecord] = None  # the batch being observed
+        self.last: Optional[BatchRecord] = None  # the one handed over last
+        self._recorder: Optional[Recorder] = None
+        self._model: Optional[torch.nn.Module] = None
+        self._context: Callable[[], Any] = contextlib.nullcontext
+        self._islands: Callable[[], list[str]] = list
+        self._accumulating = self._rerun = self._told = False
+        self._device = "cpu"
+        self._unwatchable: Optional[str] = None  # why no module can be watched
+
+    def attach(
+        self,
+        model: torch.nn.Module,
+        context: Callable[[], Any],
+        islands: Callable[[], list[str]] = list,
+        accumulating: bool = False,
+        sharded: bool = False,
+        rerun: bool = False,
+    ) -> Optional[str]:
+        """Observe ``model``'s training batches; a replay runs under ``context`` (autocast), ``islands`` in float32.
+
+        ``accumulating``: only an update's last micro-batch is read (a finite one cannot say "backward"); ``rerun``:
+        each batch's random state is kept (a rerun of its step starts there). Returns what :meth:`start_watching`
+        says, watching from the start.
+        """
+        self.detach()
+        self._model, self._context, self._islands = model, context, islands
+        self._accumulating, self._rerun, self._told = accumulating, rerun, False
+        device = getattr(model, "device", None)
+        self._device = device.type if isinstance(device, torch.device) else "cpu"
+        self._unwatchable = (
+            "no module named: the model is sharded (FSDP), its modules are not watched"
+            if sharded
+            else "no module named: the LightningModule is compiled as a whole (a hook would be traced into its graph)"
+            if getattr(model, "_compiler_ctx", None) is not None
+            else None
+        )
+        return self.start_watching() if self.from_start else None
+
+    def detach(self) -> None:
+        """Take every hook off; forget the batch and the model."""
+        self.watch.remove()
+        if self._recorder is not None:
+            self._recorder.remove()
+        self._recorder = self.current = self.last = self._model = None
+        self._context, self._islands = contextlib.nullcontext, list
+
+    @property
+    def watching(self) -> bool:
+        """Whether every module is watched."""
+        return self.watch.on
+
+    def start_watching(self) -> Optional[str]:
+        """Watch every module from the next batch on (and record calls, to replay); say once what cannot be."""
+        if self._model is None or self.watch.on or self._told:
+            return None
+        if self._unwatchable is not None:
+            self._told = True
+            return f"{self._unwatchable}; skips are told from the batch and the loss."
+        self.watch.install(self._model)
+        if self.replay:
+            self._recorder = Recorder(self._model, self.watch, self._device)
+        self._told = bool(self.watch.unwatched)
+        return f"every module is watched, but not inside: {', '.join(self.watch.unwatched)}." if self._told else None
+
+    def heed(self, origin: Optional[Origin]) -> Optional[str]:
+        """Start the watch where ``origin`` asks for it; what :meth:`start_watching` says."""
+        if origin is not None and origin.reason is not None and origin.reason in (WATCHING, self._unwatchable):
+            return self.start_watching()
+        return None
+
+    def called_before(self, record: BatchRecord) -> list[str]:
+        """The modules the step called itself, in order, before inf/nan first appeared (watched batches only)."""
+        events = read(record.trace) if record.trace is not None else []
+        found = first_born(events)
+        depth, names = 0, []
+        for index, *_ in events[: found[2] if found is not None else len(events)]:
+            depth += 1 if index >= 0 else -1
+            if index < 0 and depth == 0:
+                names.append(self.watch.names[~index])
+        return names
+
+    def start_batch(self, batch: Any, index: int = -1) -> None:
+        """Keep this batch by reference until it ends (until the watch is on, the finder's whole cost on a batch)."""
+        record = self.current = BatchRecord(batch, index, [])
+        if self.watch.on:
+            record.trace = self.watch.begin()
+            if self._recorder is not None:
+                record.calls = self._recorder.calls = []
+        if self._rerun:
+            record.start = capture(streams(self._device, self._model))  # type: ignore[arg-type]
+
+    def take_batch(self) -> Optional[BatchRecord]:
+        """This batch's record, handed over (and kept as :attr:`last`); nothing more is kept until the next batch."""
+        self.last, self.current = self.current, None
+        if self.watch.on:
+            self.watch.trace = None
+            if self._recorder is not None:
+                self._recorder.calls = None
+        return self.last
+
+    def origin(self, record: Optional[BatchRecord] = None) -> Optional[Origin]:
+        """Where ``record``'s (default: this batch's) inf/nan were born (None: not told); never raises."""
+        record = record if record is not None else self.current
+        if record is None:
+            return None
+        told, error = attempt(self._tell, record)
+        return unknown(f"telling it raised {error}") if error is not None else told
+
+    def _tell(self, record: BatchRecord) -> Optional[Origin]:
+        if self.watch.failed:
+            return unknown(self.watch.failed)
+        events = read(record.trace) if record.trace is not None else None
+        reason = self._unwatchable or WATCHING
+        origin = tell(
+            record.batch, record.losses, events, self.watch.names, self._islands(), self._accumulating, reason
+        )
+        found = first_born(events) if events is not None else None
+        if origin is None or not origin.observed or not self.replay or record.calls is None or found is None:
+            return origin
+        return measure(origin, record, found[2], self.watch, self._context, self._device, self._model)  # type: ignore
