@@ -135,11 +135,12 @@ def curves_json(curves: Any) -> str:
 
 
 def stack() -> str:
-    """The versions a seeded run's figures depend on."""
+    """What a seeded run's figures depend on: the versions, and the CPU's vector kernels (they round float16)."""
     import lightning
     import torch
 
-    return f"torch {torch.__version__}, lightning {lightning.__version__}"
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return f"torch {torch.__version__}, lightning {lightning.__version__}, cpu {cpu}"
 
 
 def write(name: str, folder: str = FOLDER) -> str:

@@ -14,8 +14,10 @@ from typing import Optional
 from lightning_amp_plus.__about__ import __version__
 
 DESCRIPTION = "lightning-amp-plus: visible, controllable and safe mixed precision for PyTorch Lightning."
-EPILOG = """\
-PATH is a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder.
+#: what PATH may be (the plot, the advice and their errors say the same)
+PATHS = "a CSVLogger version folder, a metrics.csv, a ScaleHistory.to_csv() file, or a TensorBoard log folder"
+EPILOG = f"""\
+PATH is {PATHS}.
 Runs are never merged: a folder holding several (lightning_logs/ with version_0 and version_1) is refused with
 their list, to pick one from.
 
@@ -40,31 +42,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plot = sub.add_parser(
         "plot", help="draw the loss-scale curve and the skipped updates of the run at PATH to a PNG (-o OUT.png)"
     )
-    plot.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
+    plot.add_argument("path", help=PATHS)
     plot.add_argument(
         "-o", "--output", help="the PNG to write, in a folder that exists (default: loss_scale.png beside PATH)"
     )
     advise = sub.add_parser(
         "advise", help="what the series logged at PATH say went wrong, and the fix (AmpAdvisor's offline half)"
     )
-    advise.add_argument("path", help="a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder")
+    advise.add_argument("path", help=PATHS)
     args = parser.parse_args(argv)
     if args.command == "advise":
         return _advise(args.path)
     if args.command == "plot":
-        from lightning_amp_plus.plot import plot_run
+        from lightning_amp_plus.plot import naming, plot_run, the_run
 
         try:
+            with naming(args.path):
+                run = the_run(args.path)
             out = plot_run(args.path, args.output)
         except (ImportError, OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        if not _same_path(args.path, run):
+            print(_printable(f"the one run at {args.path}: {run}"))
         print(_printable(out))
     return 0
 
 
 def _advise(path: str) -> int:
-    from lightning_amp_plus.advice import advise, figures_from_series, healthy_line, needs_live
+    from lightning_amp_plus.advice import advise, figures_from_series, findings, healthy_line, hint_line, needs_live
     from lightning_amp_plus.plot import holds, naming, read_logged
 
     try:
@@ -81,13 +87,15 @@ def _advise(path: str) -> int:
         return 2
     if not _same_path(path, run.path):
         print(_printable(f"the one run at {path}: {run.path}"))
-    found = advise(figures)
+    found, hints = findings(advise(figures))
     if found:
         print(f"{len(found)} finding{'s' if len(found) != 1 else ''} from the logged series, most important first:")
         for i, advice in enumerate(found, start=1):
             print(f"{i}. {advice}")
     else:
         print(f"no finding in the logged series: {healthy_line(figures)}")
+    for hint in hints:
+        print(hint_line(hint))
     live = needs_live(figures)
     if live:
         print(f"not checked (they need the live callback, `AmpAdvisor`): {', '.join(live)}")

@@ -5,10 +5,9 @@ Standard library only (the ``advise`` command reads logs without torch). :func:`
 run by :func:`figures_from_series`) and returns :class:`Advice` objects, most important first.
 
 Each advice code is one declared :class:`Rule` (:data:`RULES`, in order of importance): its check, what it needs
-measured, whether it explains skipped updates, whether it reads the skips' origins (the collapse error's hint), and
-the row the documentation's table gives it (:func:`docs_table`). :data:`CODES`, :func:`needs_live`,
-:func:`origin_advice` and the table are derived from it. A figure that is missing (``None``) makes its rule stay
-silent.
+measured, whether it explains skipped updates, and the row the documentation's table gives it (:func:`docs_table`).
+:data:`CODES`, :func:`needs_live`, :func:`collapse_advice` and the table are derived from it. A figure that is
+missing (``None``) makes its rule stay silent.
 """
 
 from __future__ import annotations
@@ -116,8 +115,8 @@ class Rule:
         check: the figures -> the advice, or None (silent).
         measured: whether the figures hold what the check reads (else :func:`needs_live` names the code).
         explains_skips: the advice says why updates were skipped (``skip_rate`` stays silent beside it).
-        reads_origins: one reading of the skips' origins, which ``LossScaleCollapseError``'s hint gives too.
         unless_explained: told only when no advice that explains skips was (``skip_rate``).
+        speed: a speed hint, not a health finding (said after the verdict, one short line).
         evidence, fix, look_alike, blind: the documentation table's row (what it reads, what it proposes, the
             healthy run it stays silent on, what it cannot see).
     """
@@ -126,8 +125,8 @@ class Rule:
     check: Callable[[RunFigures], Optional[Advice]]
     measured: Callable[[RunFigures], bool]
     explains_skips: bool
-    reads_origins: bool
     unless_explained: bool
+    speed: bool
     evidence: str
     fix: str
     look_alike: str
@@ -153,22 +152,32 @@ def rule(
     blind: str = "",
     measured: Callable[[RunFigures], bool] = _always,
     explains_skips: bool = True,
-    reads_origins: bool = False,
     unless_explained: bool = False,
+    speed: bool = False,
 ) -> Callable[[Callable[[RunFigures], Optional[Advice]]], Callable[[RunFigures], Optional[Advice]]]:
     """Declare the check below as advice ``code``'s rule (in the order of importance the declarations give)."""
 
     def declare(check: Callable[[RunFigures], Optional[Advice]]) -> Callable[[RunFigures], Optional[Advice]]:
         RULES[code] = Rule(
-            code, check, measured, explains_skips, reads_origins, unless_explained, evidence, fix, look_alike, blind
+            code, check, measured, explains_skips, unless_explained, speed, evidence, fix, look_alike, blind
         )
         return check
 
     return declare
 
 
+def findings(found: list[Advice]) -> tuple[list[Advice], list[Advice]]:
+    """``found`` split into health findings and speed hints (:attr:`Rule.speed`)."""
+    return [a for a in found if not RULES[a.code].speed], [a for a in found if RULES[a.code].speed]
+
+
+def hint_line(hint: Advice) -> str:
+    """A speed hint as one short line: what was measured, then the fix."""
+    return f"speed hint [{hint.code}]: {hint.message} Fix: {'; '.join(hint.fix.splitlines())}"
+
+
 def advise(figures: RunFigures) -> list[Advice]:
-    """The advice the figures support, most important first (the order of :data:`CODES`)."""
+    """The advice the figures support, most important first (the order of :data:`CODES`): findings, then hints."""
     found = [a for r in RULES.values() if not r.unless_explained for a in [r.check(figures)] if a is not None]
     if not any(RULES[a.code].explains_skips for a in found):  # a speed hint explains no skip
         found += [a for r in RULES.values() if r.unless_explained for a in [r.check(figures)] if a is not None]
@@ -181,16 +190,12 @@ def needs_live(figures: RunFigures) -> list[str]:
     return [code for code, r in RULES.items() if not r.measured(figures)]
 
 
-def origin_advice(figures: RunFigures) -> Optional[Advice]:
-    """The advice the skips' origins support (a bad batch or loss, what the model makes, an fp16 overflow), if any.
+def collapse_advice(figures: RunFigures) -> Optional[Advice]:
+    """The first advice that explains skips, said when a run collapses (``LossScaleCollapseError``'s HINT).
 
-    The one reading of the origins: ``AmpAdvisor`` and ``NaNSkipReporter``'s collapse error both say this.
+    The advisor's reading, said the same way; never ``skip_rate`` (it explains nothing).
     """
-    for r in RULES.values():
-        found = r.check(figures) if r.reads_origins else None
-        if found is not None:
-            return found
-    return None
+    return next((a for a in advise(figures) if RULES[a.code].explains_skips and a.code != "skip_rate"), None)
 
 
 def docs_table() -> str:
@@ -205,9 +210,25 @@ def nothing_applied(figures: RunFigures) -> bool:
     return bool(figures.num_updates) and len(figures.skipped or []) >= figures.num_updates
 
 
+def judged(figures: RunFigures) -> bool:
+    """Whether the figures can call a run healthy: its skipped updates are known (a stock plugin logs none)."""
+    return figures.skipped is not None and bool(figures.num_updates) and not nothing_applied(figures)
+
+
 def healthy_line(figures: RunFigures) -> str:
-    """One line with the run's figures, for a run that got no advice (never "healthy" when nothing was applied)."""
-    skipped = len(figures.skipped or [])
+    """One line with the run's figures, for a run that got no advice (never "healthy" when nothing was applied).
+
+    A figure the logs cannot support is absent, never a healthy-looking 0: unknown skips are said to be unknown.
+    """
+    if not figures.num_updates and figures.skipped is not None:
+        return "no update was made, so nothing could be judged."
+    if figures.skipped is None:
+        reach = f", the loss scale logged to step {figures.last_step}" if figures.curve else ""
+        return (
+            f"its skipped updates were not logged (Lightning's own plugin logs none), so whether updates were skipped,"
+            f" and why, could not be judged{reach}."
+        )
+    skipped = len(figures.skipped)
     if nothing_applied(figures):
         return (
             f"no finding, and no update applied: {skipped} of {figures.num_updates} skipped, too few to tell why (a"
@@ -321,7 +342,6 @@ def _model_made(figures: RunFigures) -> list[Origin]:
     look_alike="a module's fp16 overflow; NaN-coded values the step fills in before the model",
     blind="offline",
     measured=_origins_measured,
-    reads_origins=True,
 )
 def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
@@ -387,7 +407,6 @@ def _guard(op: Optional[str]) -> Optional[str]:
     look_alike="an fp16 overflow (finite in float32)",
     blind="offline",
     measured=_origins_measured,
-    reads_origins=True,
 )
 def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     """Most skips born in one place that makes inf/nan in float32 too: no precision avoids them."""
@@ -440,7 +459,6 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     look_alike="a NaN the model makes in float32 too; an overflow no island contains (bf16)",
     blind="offline",
     measured=_origins_measured,
-    reads_origins=True,
 )
 def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     """Most told skips born in modules' forwards that an island may fix: the union of the islands.
@@ -529,7 +547,6 @@ def _own_code_origins(figures: RunFigures, float32: Optional[Verdict]) -> list[O
     look_alike="a module's fp16 overflow (`fp32_module`)",
     blind="offline",
     measured=_origins_measured,
-    reads_origins=True,
 )
 def _own_code(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
@@ -574,8 +591,8 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
     evidence="float16's range is what fails: the float32 reference finds no scale that fits; or underflow >= 0.5"
     " with < 1 bit of headroom; or a forward overflow no island contains (in a module, or in the LightningModule's"
     " own code, whose rerun is finite in float32 and under bfloat16); or 2+ overflows in backward at"
-    " `min_scale` while clean updates there left under a bit of headroom (or a rerun found them finite in"
-    " float32); bf16 autocast exists there",
+    " `min_scale` (or one the run stopped at) while clean updates there left under a bit of headroom (or a rerun"
+    " found them finite in float32); bf16 autocast exists there",
     fix='`AmpPlusPrecision("bf16-mixed", ...)` (the scaler\'s knobs dropped)',
     look_alike="a run where a scale fits; a NaN the backward makes in any precision",
     blind="origins offline",
@@ -678,12 +695,17 @@ def _backward_at_floor(figures: RunFigures) -> list[int]:
     ]
 
 
+def _enough_at_floor(figures: RunFigures, at_floor: list[int]) -> bool:
+    """Two overflows at the floor, or one the run stopped at (a collapse stops at the first)."""
+    return len(at_floor) >= 2 or (bool(at_floor) and at_floor[-1] == figures.last_step)
+
+
 def _range_at_floor(figures: RunFigures) -> Optional[str]:
     """Why overflows at the floor are float16's range, when something measured says so (None: nothing does)."""
     backward = [o for o in _known_origins(figures) if o.phase is Phase.BACKWARD and o.float32 is not None]
     if backward:
         finite = [o for o in backward if o.float32 is Verdict.FINITE]
-        return "a rerun found their gradients finite in float32" if most(len(finite), len(backward)) else None
+        return "a rerun found the gradients finite in float32" if most(len(finite), len(backward)) else None
     floor = scale_floor((figures.knobs or {}).get("min_scale", 1.0))
     tight = [m for m in _measured(figures) if m["scale"] <= floor and (m.get("headroom_bits") or 99.0) < 1.0]
     if tight:
@@ -694,11 +716,12 @@ def _range_at_floor(figures: RunFigures) -> Optional[str]:
 def _bf16_at_floor(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     at_floor = _backward_at_floor(figures)
     why = _range_at_floor(figures)
-    if len(at_floor) < 2 or why is None:
+    if not _enough_at_floor(figures, at_floor) or why is None:
         return None
     min_scale = (figures.knobs or {})["min_scale"]
     return (
-        f"{len(at_floor)} updates overflowed in backward with the loss scale already at min_scale="
+        f"{len(at_floor)} update{'s' if len(at_floor) != 1 else ''} overflowed in backward with the loss scale"
+        f" already at min_scale="
         f"{_scale(min_scale)}, and {why}: the gradients exceed float16's range even unscaled.",
         {"overflows_at_min_scale": len(at_floor), "first": at_floor[0], "min_scale": min_scale, "why": why},
     )
@@ -706,7 +729,8 @@ def _bf16_at_floor(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
 
 @rule(
     "backward_skips",
-    evidence="2+ updates skipped at `min_scale` with forward and loss finite, and nothing measured tells float16's"
+    evidence="2+ updates skipped at `min_scale` (or one the run stopped at) with forward and loss finite, and nothing"
+    " measured tells float16's"
     " range (bf16 fixes it) from a backward that makes inf/nan in any precision (nothing but a model fix does)",
     fix="`NaNSkipReporter(backward_origin=True)`: on such skips, a sandboxed rerun of the step names the op and"
     " module and says whether float32 makes them too (then `model_nonfinite` or `bf16`)",
@@ -717,14 +741,15 @@ def _backward_skips(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed":
         return None
     at_floor = _backward_at_floor(figures)
-    if len(at_floor) < 2 or _range_at_floor(figures) is not None:
+    if not _enough_at_floor(figures, at_floor) or _range_at_floor(figures) is not None:
         return None
     if any(o.phase is Phase.BACKWARD and o.float32 is not None for o in _known_origins(figures)):
         return None  # told by a rerun: model_nonfinite or bf16 says it
     min_scale = (figures.knobs or {})["min_scale"]
     return Advice(
         "backward_skips",
-        f"{len(at_floor)} updates were skipped with forward and loss finite while the loss scale sat at"
+        f"{len(at_floor)} update{'s were' if len(at_floor) != 1 else ' was'} skipped with forward and loss finite"
+        " while the loss scale sat at"
         f" min_scale={_scale(min_scale)}: either the gradients exceed float16's range even unscaled (bf16 fixes"
         " that) or the backward makes inf/nan in any precision (a sqrt, log or division at 0; no precision fixes"
         " that). Nothing this run measured tells which, without running the step again.",
@@ -1143,6 +1168,7 @@ def trailing_streak(figures: RunFigures) -> int:
     blind="offline",
     measured=lambda f: f.fp32_rows is not None,
     explains_skips=False,
+    speed=True,
 )
 def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
     # work autocast lowers, measured faster lowered on this device; an island is the user's choice
@@ -1167,8 +1193,8 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
     )
     return Advice(
         "silent_fp32",
-        f"{len(rows)} heavy module(s) ran in float32 under {figures.precision or 'mixed precision'}: {names};"
-        f" {top['name']}: {cause}.",
+        f"{len(rows)} heavy module{'s' if len(rows) != 1 else ''} ran in float32 under"
+        f" {figures.precision or 'mixed precision'}: {names}; {top['name']}: {cause}.",
         fix,
         {"modules": [{k: r.get(k) for k in ("name", "type", "time_share", "cause", "lowered_speedup")} for r in rows]},
     )
@@ -1186,6 +1212,7 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
     blind="offline",
     measured=lambda f: f.non_fused is not None,
     explains_skips=False,
+    speed=True,
 )
 def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
     gains = []
@@ -1198,17 +1225,14 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
     if not gains:
         return None
     names = "; ".join(
-        f"{o['name']}{' over ' + o['params'] if o.get('params') else ''} on {o['device']}: its fused step took"
-        f" {o['fused_step_ms']:.2f} ms against {o['step_ms']:.2f} ms (medians of {o.get('pairs', '?')} alternating"
-        f" steps on copies), saving at least {o['gain_low_ms']:.2f} ms in three of four,"
-        f" {100 * o['gain_low_ms'] / o['train_step_ms']:.0f}% of this run's {o['train_step_ms']:.1f} ms step"
+        f"{o['name']}{' over ' + o['params'] if o.get('params') else ''}: fused, its step takes"
+        f" {o['fused_step_ms']:.2f} ms, not {o['step_ms']:.2f} ms (timed here), at least"
+        f" {100 * o['gain_low_ms'] / o['train_step_ms']:.0f}% of the {o['train_step_ms']:.1f} ms step"
         for o in gains
     )
     return Advice(
         "fused_optimizer",
-        f"A fused optimizer kernel runs faster here: {names}. The trade-off: a fused step's skip is decided on the"
-        " device, so `NaNSkipReporter` tells it (offenders and origin read when its flag reaches the host) at the"
-        " next logging step, not at once (`sync_fused=True` reads each flag at its step: one host sync per step).",
+        f"{names}. Skips are then told at the next logging step.",
         "\n".join(o.get("fused_call") or f"torch.optim.{o['name']}(params, fused=True)" for o in gains),
         {"optimizers": gains},
     )

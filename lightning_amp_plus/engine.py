@@ -563,6 +563,18 @@ def refuse_closure_optimizer(owner: str, optimizer: Optimizer) -> None:
         )
 
 
+def _precision_hint(precision: Any) -> str:
+    """What a refused ``precision`` most likely meant: a mixed precision, named as Lightning names it."""
+    word = str(precision).lower().replace("_", "-")
+    if word in ("16-true", "bf16-true"):
+        return f"this plugin is mixed precision: for pure half precision leave it out (`Trainer(precision='{word}')`)."
+    if "bf16" in word or "bfloat16" in word:
+        return "use precision='bf16-mixed' (bfloat16 autocast, float32 weights)."
+    if word in ("16", "fp16", "float16", "half", "16-mixed", "mixed") or word.startswith(("16", "fp16")):
+        return "use precision='16-mixed' (float16 autocast with loss scaling, float32 weights)."
+    return "for fp32 leave the plugin out; for pure half precision use Lightning's `precision='16-true'`."
+
+
 def make_engine(
     owner: str,
     precision: Any,
@@ -578,13 +590,7 @@ def make_engine(
     ``sharded``: each rank holds a shard of the gradients (FSDP): the skip flag is reduced over the ranks, in both
     precisions. ``scaler``: the user's own (see :func:`take_scaler`); the knobs then are its own.
     """
-    check_choice(
-        owner,
-        "precision",
-        precision,
-        ("16-mixed", "bf16-mixed"),
-        hint="for fp32 leave the plugin out; for pure half precision use Lightning's `precision='16-true'`.",
-    )
+    check_choice(owner, "precision", precision, ("16-mixed", "bf16-mixed"), hint=_precision_hint(precision))
     check_device(owner, device)
     check_bool(owner, "skip_nonfinite", skip_nonfinite)
     if warn_skip_streak is not None:

@@ -258,16 +258,20 @@ class ScaleHistory:
         self._trailing_skips = trailing
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Write one row per change point or skipped step: ``step,scale,skipped``."""
+        """Write one row per change point, skipped step and the last step: ``step,scale,skipped``.
+
+        The scale column is empty in bf16-mixed (no scale exists). ``lightning-amp-plus plot`` and ``advise`` read it.
+        """
         self.flush()
-        steps = sorted(set(self._change_steps) | set(self._skipped))
+        last = [self.last_step] if self.last_step is not None else []
+        steps = sorted({*self._change_steps, *self._skipped, *last})
         skipped = set(self._skipped)
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["step", "scale", "skipped"])
             curve = self.curve()
             for step in steps:
-                writer.writerow([step, value_at(curve, step), int(step in skipped)])
+                writer.writerow([step, value_at(curve, step) if self.scaled else "", int(step in skipped)])
 
     def __repr__(self) -> str:
         return (

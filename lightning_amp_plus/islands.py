@@ -24,15 +24,39 @@ Fp32Entry = Union[str, type]
 
 
 def _resolve_class(entry: str) -> type | None:
-    """``"torch.nn.LayerNorm"`` -> the class, or None when ``entry`` is not an importable module class."""
+    """``"torch.nn.LayerNorm"`` -> the class; None when ``entry`` names no importable module class (a name pattern)."""
+    module = _module_of(entry)
+    obj = getattr(module, entry.rpartition(".")[2], None) if module is not None else None
+    return obj if isinstance(obj, type) and issubclass(obj, nn.Module) else None
+
+
+def _module_of(entry: str) -> Any:
+    """The Python module ``entry``'s part before its last dot imports (None: none does, or ``entry`` is a pattern)."""
     if "." not in entry or any(ch in entry for ch in "*?[]"):
         return None
-    module_name, _, attr = entry.rpartition(".")
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError):
+        return importlib.import_module(entry.rpartition(".")[0])
+    except (ImportError, ValueError):
         return None
-    return obj if isinstance(obj, type) and issubclass(obj, nn.Module) else None
+
+
+def _failed_import(entry: str) -> str:
+    """For an entry that matched no module name: the class path it may have meant, when its module imports."""
+    module = _module_of(entry)
+    if module is None:
+        return ""
+    module_name, _, attr = entry.rpartition(".")
+    classes = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)]
+    close = difflib.get_close_matches(attr, classes, n=3)
+    meant = f" Did you mean {', '.join(f'{module_name}.{c}' for c in close)}?" if close else ""
+    return f" HINT: read as a module name, since `{module_name}` has no module class `{attr}`.{meant}"
+
+
+def _class_path(cls: type) -> str:
+    """A module class's import path, ``torch.nn.LayerNorm`` where ``torch.nn`` exports it."""
+    return (
+        f"torch.nn.{cls.__name__}" if getattr(nn, cls.__name__, None) is cls else f"{cls.__module__}.{cls.__qualname__}"
+    )
 
 
 def check_entries(owner: str, entries: Any) -> list[Fp32Entry]:
@@ -123,9 +147,21 @@ class Fp32Islands:
             if not hits:
                 names = [n for n, _ in named]
                 close = difflib.get_close_matches(str(entry), names, n=5, cutoff=0.3) or names[:5]
+                classes = {
+                    type(m) for _, m in named if isinstance(entry, str) and fnmatch.fnmatchcase(type(m).__name__, entry)
+                }
+                hint = (
+                    f" HINT: {entry!r} is a class name: give the class or its import path, "
+                    + ", ".join(sorted(f'"{_class_path(c)}"' for c in classes))
+                    + ", to select every module of that class."
+                    if classes
+                    else _failed_import(entry)
+                    if isinstance(entry, str)
+                    else ""
+                )
                 raise ValueError(
                     f"`AmpPlusPrecision(fp32_modules=...)`: the {what} matches no module of"
-                    f" {type(model).__name__}. Close module names: {', '.join(close) or '(none)'}."
+                    f" {type(model).__name__}. Close module names: {', '.join(close) or '(none)'}.{hint}"
                 )
             selected.update(dict.fromkeys(hits))
         return list(selected)

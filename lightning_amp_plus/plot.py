@@ -25,7 +25,9 @@ _BF16_KEYS = ("applied_steps", "skip_rate")
 _LOSS_KEYS = ("train_loss", "train_loss_step", "loss", "train/loss")
 #: the series that say which updates a run logged (an event file's span), whatever their prefix
 _RUN_KEYS = ("loss_scale", "skipped_steps", "applied_steps", "step_skipped")
-_EXPECTED = "expected a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder"
+_EXPECTED = (
+    "expected a CSVLogger version folder, a metrics.csv, a ScaleHistory.to_csv() file, or a TensorBoard log folder"
+)
 _LISTED = 20
 
 
@@ -267,6 +269,14 @@ def naming(path: PathLike) -> Iterator[None]:
         raise named from None
 
 
+def the_run(path: PathLike) -> str:
+    """The one run at ``path``: its ``metrics.csv``, event file or event folder.
+
+    Raises an error where there is none or several.
+    """
+    return _the_run(os.fspath(path))
+
+
 def _the_run(path: str) -> str:
     """The one run at ``path``: a ``.csv`` file, an event file, or a folder holding event files itself."""
     if not os.path.exists(path):
@@ -341,11 +351,24 @@ def _read_loss(series: dict[str, list[tuple[int, float]]], curves: RunCurves) ->
 
 def _read_csv(path: str) -> dict[str, list[tuple[int, float]]]:
     try:
-        return _read_csv_rows(path)
+        return _history_export(_read_csv_rows(path))
     except csv.Error as error:  # a field over csv's limit, a NUL byte, ...: not a metrics.csv we can read
         raise ValueError(f"{path}: not a readable CSV file ({error}).") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a metrics.csv ({_not_utf8(path)}).") from None
+
+
+def _history_export(series: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """``ScaleHistory.to_csv``'s columns (``step,scale,skipped``) as the series ``LossScaleMonitor`` logs."""
+    if not series or not set(series) <= {"scale", "skipped"} or "skipped" not in series:
+        return series
+    marks = sorted(series["skipped"])
+    count, applied = 0, []
+    for step, skipped in marks:
+        count += int(skipped > 0)
+        applied.append((step, float(step + 1 - count)))
+    exported = {"step_skipped": marks, "applied_steps": applied}
+    return {**exported, "loss_scale": series["scale"]} if "scale" in series else exported
 
 
 def _not_utf8(path: str) -> str:

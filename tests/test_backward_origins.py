@@ -104,7 +104,7 @@ def test_an_fp16_overflow_in_backward_is_float16s_range_and_bf16_fixes_it():
     assert origin["kind"] == "inf"
     assert _codes(advisor) == ["bf16"]
     (advice,) = advisor.advice
-    assert "a rerun found their gradients finite in float32" in advice.message
+    assert "a rerun found the gradients finite in float32" in advice.message
     fixed = eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})
     _, fixed_plugin = _fit(Huge(optimizer="fused_sgd", lr=1e-12), plugin=fixed, steps=6)
     assert fixed_plugin.history.num_skipped == 0

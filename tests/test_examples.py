@@ -27,7 +27,8 @@ def test_main_example_writes_the_scale_curve(tmp_path, capsys):
     assert json.loads((tmp_path / "skips.json").read_text())["num_steps"] == 6
     tail = out[out.index(f"scale curve written to {png}") :].splitlines()[1:]
     assert tail[0].startswith("AmpAdvisor: ")  # the example ends with the advisor's output
-    assert "fused_optimizer" not in out  # its step-interval warmup reads the skip flag each step: fusing saves none
+    verdict = [line for line in tail if not line.startswith("speed hint [")]  # hints (this machine's) after it
+    assert not any("[fused_optimizer]" in line or "[silent_fp32]" in line for line in verdict)
     assert (tmp_path / "advice.md").read_text().startswith("# AmpAdvisor\n")
 
 

@@ -98,7 +98,7 @@ def test_state_dict_round_trip_and_csv(tmp_path):
     assert clone.curve() == [(0, 4.0), (2, 2.0)]
     path = tmp_path / "h.csv"
     history.to_csv(path)
-    assert path.read_text().splitlines() == ["step,scale,skipped", "0,4.0,1", "2,2.0,0"]
+    assert path.read_text().splitlines() == ["step,scale,skipped", "0,4.0,1", "2,2.0,0", "4,2.0,0"]  # to the last
     with pytest.raises(ValueError, match="version"):
         clone.load_state_dict({"version": 99})
 

@@ -174,3 +174,4 @@ def test_fp32_module_class_entries_resolve_only_to_module_classes():
     assert _resolve_class("torch.nn.NoSuchLayer") is None
     assert _resolve_class("LayerNorm") is None
     assert _resolve_class("torch.nn.Layer*") is None
+    assert _resolve_class("signal.proj") is None  # a module name whose first part is a stdlib module: a name

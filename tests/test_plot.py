@@ -87,8 +87,8 @@ def test_clear_errors(tmp_path, capsys):
     missing = tmp_path / "missing"
     assert main(["plot", str(missing)]) == 2
     assert capsys.readouterr().err == (
-        f"error: {str(missing)!r} does not exist: expected a CSVLogger version folder, a metrics.csv, or a"
-        " TensorBoard log folder.\n"
+        f"error: {str(missing)!r} does not exist: expected a CSVLogger version folder, a metrics.csv, a"
+        " ScaleHistory.to_csv() file, or a TensorBoard log folder.\n"
     )
     (tmp_path / "empty").mkdir()  # a folder that exists but holds no metrics
     assert main(["plot", str(tmp_path / "empty")]) == 2
@@ -370,7 +370,7 @@ def test_the_command_line_help(monkeypatch):
     named = [line.split()[0] for line in top.splitlines() if line.strip() and line.split()[0] in ("plot", "advise")]
     assert named == ["plot", "advise"]
     assert top.count("plot") == 1 + top.count("lightning-amp-plus plot")  # the listing, then the examples
-    folder = "a CSVLogger version folder, a metrics.csv, or a TensorBoard log folder"
+    folder = "a CSVLogger version folder, a metrics.csv, a ScaleHistory.to_csv() file, or a TensorBoard log folder"
     assert f"PATH is {folder}." in top
     plot = help_of("plot")
     assert plot.startswith("usage: lightning-amp-plus plot [-h] [-o OUTPUT] path")
@@ -559,8 +559,8 @@ def test_read_series_says_what_it_expected_where_nothing_is(tmp_path):
         with pytest.raises(FileNotFoundError) as err:
             read_series(missing)
         assert str(err.value) == (
-            f"{str(missing)!r} does not exist: expected a CSVLogger version folder, a metrics.csv, or a TensorBoard"
-            " log folder."
+            f"{str(missing)!r} does not exist: expected a CSVLogger version folder, a metrics.csv, a"
+            " ScaleHistory.to_csv() file, or a TensorBoard log folder."
         )
 
 

@@ -14,6 +14,8 @@ from torch import Tensor
 from lightning_amp_plus._identity import clean_name, resolve_module
 from lightning_amp_plus._ranks import distributed
 from lightning_amp_plus._repr import same_value
+from lightning_amp_plus._series import held
+from lightning_amp_plus.advice import RunFigures
 from lightning_amp_plus.knobs import DEFAULTS
 from lightning_amp_plus.precision import AmpPlusPrecision
 
@@ -27,6 +29,35 @@ def find_plugin(trainer: pl.Trainer, owner: str) -> AmpPlusPrecision:
             " HINT: `Trainer(plugins=[AmpPlusPrecision('16-mixed')])` (and no `precision=` flag)."
         )
     return plugin
+
+
+def run_figures(plugin: Any, skips: list[dict[str, Any]], **measured: Any) -> RunFigures:
+    """What the plugin's history and the skip records say of a run (the advisor adds what its callbacks measured).
+
+    The one place both the advisor and the reporter's collapse build what :func:`~lightning_amp_plus.advice.advise`
+    reads.
+    """
+    history, scaler = plugin.history, plugin.scaler
+    return RunFigures(
+        precision=plugin.precision,
+        num_updates=history.num_steps,
+        last_step=history.last_step,
+        curve=held(history.curve(), history.last_step) if history.scaled else [],
+        skipped=history.skipped_steps,
+        knobs=scaler.knobs() if scaler is not None else None,
+        origins=[{**r["origin"], "step": r["step"]} for r in skips if r.get("origin")],
+        bf16_available=bf16_available(plugin.device),
+        plugin=type(plugin).__name__,
+        plugin_args=plugin_arguments(plugin),
+        **measured,
+    )
+
+
+def bf16_available(device: Optional[str]) -> bool:
+    """Whether bfloat16 autocast runs on ``device`` (a CUDA GPU that supports it, or CPU, XPU, MPS, HPU)."""
+    if device == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    return device in ("cpu", "xpu", "mps", "hpu")
 
 
 def logging_interval(trainer: pl.Trainer, given: Optional[int] = None) -> int:

@@ -68,8 +68,7 @@ def _held(scale: float, hysteresis: int, min_scale: float) -> str:
         return f" (held at min_scale={number(min_scale)})"
     if hysteresis > 1:
         nth = _ordinal(hysteresis)
-        since = "since the last growth, one capped at max_scale too"
-        return f" (held by hysteresis={hysteresis}: it backs off from the {nth} overflow {since})"
+        return f" (kept: with hysteresis={hysteresis}, the scale backs off at the {nth} overflow since it last grew)"
     return ""
 
 
@@ -105,11 +104,17 @@ def describe_origin(told: Optional[dict[str, Any]]) -> str:
 
 
 def collapse_message(
-    record: dict[str, Any], consecutive: int, limit: Optional[int], min_scale: Optional[float], cause: Any
+    record: dict[str, Any],
+    consecutive: int,
+    limit: Optional[int],
+    min_scale: Optional[float],
+    cause: Any,
+    batch: tuple[int, int] = (0, 0),
 ) -> str:
     """``LossScaleCollapseError``'s message: why it stopped, the scale, the offenders, the advisor's diagnosis.
 
     ``min_scale`` given: it overflowed there. ``cause``: the advisor's ``Advice`` (its fix is the HINT), or None.
+    ``batch``: how many of how many skips so far were born in the batch (they drove the scale down too).
     """
     if min_scale is not None:
         why = (
@@ -122,6 +127,13 @@ def collapse_message(
     offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
     scale = number(record["scale"])
     message = f"Mixed-precision training collapsed: {why}; loss scale {scale}; last offenders: {offenders}."
+    if batch[0] and (cause is None or not cause.evidence.get("input")):  # unless the diagnosis says the batch
+        one = batch[0] == 1
+        message += (
+            f" Of the {plural(batch[1], 'skipped update')} so far, {batch[0]} {'was' if one else 'were'} born in the"
+            f" batch (inf/nan in the data): the scale backed off for {'it' if one else 'them'} too, though no loss"
+            " scale fixes data."
+        )
     if cause is not None:
         return f"{message} {cause.message} HINT: {cause.fix}"
     return (

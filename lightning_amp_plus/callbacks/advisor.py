@@ -14,16 +14,15 @@ from typing_extensions import override
 from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
-from lightning_amp_plus._series import held
 from lightning_amp_plus._validation import check_bool, check_path
 from lightning_amp_plus._warnings import warn_at_user
-from lightning_amp_plus.advice import Advice, RunFigures, advise, healthy_line, nothing_applied
+from lightning_amp_plus.advice import Advice, RunFigures, advise, findings, healthy_line, hint_line, judged
 from lightning_amp_plus.callbacks import _fused
 from lightning_amp_plus.callbacks._common import (
     check_writable,
     find_plugin,
     log_to_all,
-    plugin_arguments,
+    run_figures,
     write_json_atomically,
     write_text_atomically,
 )
@@ -52,10 +51,13 @@ class AmpAdvisor(KnobsRepr, Callback):
     * writes them to ``report_path`` (Markdown when it ends in ``.md``, JSON when ``.json``);
     * logs the count as ``amp/advice`` to every logger, and the text to TensorBoard (``amp/advice``).
 
-    It never runs ``training_step`` again: the underflow monitor it runs has no float32 reference (add
-    ``GradUnderflowMonitor(exact=True)`` yourself for one; the advisor reads yours), and every replay it makes (a
-    skip's origin, a flagged layer's speed) runs sandboxed, leaving the run bit-identical. It costs what the callbacks
-    it runs cost (the Performance page). :attr:`figures` keeps what the advice was computed from.
+    Speed hints (``fused_optimizer``, ``silent_fp32``) are kept apart in :attr:`hints`: one short line each, after
+    the verdict. They never make a run unhealthy.
+
+    It never runs your code again. The underflow monitor it runs has no float32 reference (add
+    ``GradUnderflowMonitor(exact=True)`` yourself for one; the advisor reads yours). The reporter it runs observes
+    (``find_origin=True``). A flagged layer's speed is measured on torch's own modules only. It costs what the
+    callbacks it runs cost (the Performance page). :attr:`figures` keeps what the advice was computed from.
 
     Args:
         report_path: write the advice here at the end of fit (``.md`` or ``.json``); checked at setup.
@@ -78,7 +80,8 @@ class AmpAdvisor(KnobsRepr, Callback):
                 " (Markdown) or .json."
             )
         self.print_advice = check_bool(owner, "print_advice", print_advice)
-        self.advice: list[Advice] = []
+        self.advice: list[Advice] = []  # health findings, most important first
+        self.hints: list[Advice] = []  # speed hints (a fused optimizer, float32 work autocast would lower)
         self.figures: Optional[RunFigures] = None
         self._plugin: Any = None  # the attributes below are set at setup, before anything reads them
         self._underflow: Optional[GradUnderflowMonitor]
@@ -97,7 +100,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         self._advised = False
         self._clock = (0, 0.0, 0.0)
         if self._fit_scope.starts_afresh(trainer):
-            self.advice = []
+            self.advice, self.hints = [], []
             self.figures = None
             self._own = []  # a new Trainer's fit: fresh inner callbacks
         theirs = {type(c): c for c in trainer.callbacks if c is not self}  # type: ignore[attr-defined]
@@ -195,7 +198,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         if self._reporter is not None:  # theirs or ours: the skips a fused optimizer decided, whatever hook runs first
             self._reporter.collect(check=False)  # reported; the collapse check stays its own
         self.figures = self.gather(trainer)
-        self.advice = advise(self.figures)
+        self.advice, self.hints = findings(advise(self.figures))
         text = self.format()
         if self.print_advice:
             say(text)
@@ -212,29 +215,16 @@ class AmpAdvisor(KnobsRepr, Callback):
 
     def gather(self, trainer: pl.Trainer) -> RunFigures:
         """The run's figures, from the plugin and the callbacks (see :class:`~lightning_amp_plus.advice.RunFigures`)."""
-        plugin = self._plugin
-        history = plugin.history
-        scaler = plugin.scaler
-        curve = held(history.curve(), history.last_step) if history.scaled else []
         assert self._reporter is not None  # theirs, or run inside since setup
         assert self._report is not None
+        scaler = self._plugin.scaler
         underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
-        origins = [{**r["origin"], "step": r["step"]} for r in self._reporter.skips if r.get("origin")]
-        rows = None if self._report.skipped_reason else [r for r in self._report.rows if r["flagged"]]
-        return RunFigures(
-            precision=plugin.precision,
-            num_updates=history.num_steps,
-            last_step=history.last_step,
-            curve=curve,
-            skipped=history.skipped_steps,
-            knobs=scaler.knobs() if scaler is not None else None,
+        return run_figures(
+            self._plugin,
+            self._reporter.skips,
             underflow=list(underflow) if underflow is not None else None,
-            origins=origins,
-            fp32_rows=rows,
+            fp32_rows=None if self._report.skipped_reason else [r for r in self._report.rows if r["flagged"]],
             non_fused=self._non_fused(trainer),
-            bf16_available=_bf16_available(plugin.device),  # set when the plugin was connected
-            plugin=type(plugin).__name__,
-            plugin_args=plugin_arguments(plugin),
         )
 
     def _non_fused(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
@@ -254,13 +244,15 @@ class AmpAdvisor(KnobsRepr, Callback):
         return None if count <= _WARM_BATCHES else 1e3 * (last - first) / (count - _WARM_BATCHES)
 
     def format(self) -> str:
-        """The console text: the advice, most important first, or the healthy line."""
+        """The console text: the findings, most important first, or the healthy line; then one line a speed hint."""
         assert self.figures is not None
         if not self.advice:
-            return f"AmpAdvisor: {healthy_line(self.figures)}"
-        lines = [f"AmpAdvisor: {len(self.advice)} finding{'s' if len(self.advice) != 1 else ''}, most important first:"]
-        lines.extend(f"{i}. {a}" for i, a in enumerate(self.advice, start=1))
-        return "\n".join(lines)
+            lines = [f"AmpAdvisor: {healthy_line(self.figures)}"]
+        else:
+            count = f"{len(self.advice)} finding{'s' if len(self.advice) != 1 else ''}"
+            lines = [f"AmpAdvisor: {count}, most important first:"]
+            lines.extend(f"{i}. {a}" for i, a in enumerate(self.advice, start=1))
+        return "\n".join([*lines, *map(hint_line, self.hints)])
 
     def markdown(self) -> str:
         """The advice as Markdown (the ``.md`` report and TensorBoard's text)."""
@@ -272,6 +264,9 @@ class AmpAdvisor(KnobsRepr, Callback):
             out += [f"## `{a.code}`", "", a.message, "", "```python", a.fix, "```", ""]
             out.append("Evidence: " + ", ".join(f"`{k}`: {v}" for k, v in a.evidence.items()))
             out.append("")
+        if self.hints:
+            out += ["", "## Speed hints", ""]
+            out += [f"- `{a.code}`: {a.message} Fix: `{'; '.join(a.fix.splitlines())}`" for a in self.hints]
         return "\n".join(out).rstrip() + "\n"
 
     def _write(self) -> None:
@@ -283,9 +278,10 @@ class AmpAdvisor(KnobsRepr, Callback):
                 write_json_atomically(
                     path,
                     {
-                        "healthy": not self.advice and not nothing_applied(self.figures),
+                        "healthy": not self.advice and judged(self.figures),
                         "summary": healthy_line(self.figures) if not self.advice else None,
                         "advice": [a.to_dict() for a in self.advice],
+                        "speed": [a.to_dict() for a in self.hints],
                     },
                 )
             else:
@@ -299,9 +295,3 @@ def _find(callbacks: dict[type, Callback], kind: type) -> Any:
         if issubclass(cls, kind):
             return callback
     return None
-
-
-def _bf16_available(device: str) -> bool:
-    if device == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    return device in ("cpu", "xpu", "mps", "hpu")

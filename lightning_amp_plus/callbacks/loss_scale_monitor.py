@@ -122,11 +122,13 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
             self._plugin = find_plugin(trainer, type(self).__name__)
         self._detach_bar()
         self._attach_bar(trainer)
-        if not trainer.loggers:
-            warn_at_user(
-                "`LossScaleMonitor`: the trainer has no logger, so nothing is logged; the curve is kept in"
-                " `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`)."
+        if not trainer.loggers and stage == "fit":  # it logs training only: validate and test are not told
+            kept = (
+                "the curve is kept in `AmpPlusPrecision.history` (`curve()`, `skipped_steps`, `to_csv()`)"
+                if self._stock is None
+                else "Lightning's own plugin keeps no curve (`AmpPlusPrecision` keeps it in `.history`)"
             )
+            warn_at_user(f"`LossScaleMonitor`: the trainer has no logger, so nothing is logged; {kept}.")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -22,14 +22,14 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import warn_at_user
-from lightning_amp_plus.advice import RunFigures, origin_advice
+from lightning_amp_plus.advice import collapse_advice
 from lightning_amp_plus.callbacks._common import (
     check_writable,
     find_plugin,
     is_logging_step,
     log_to_all,
     logging_interval,
-    plugin_arguments,
+    run_figures,
     shards_gradients,
     write_json_atomically,
 )
@@ -179,7 +179,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         if stage == "fit" and self._fit_scope.starts_afresh(trainer):
             self.reset()  # a new Trainer's fit starts afresh; a resumed one loads its checkpoint after this hook
         self.attach(find_plugin(trainer, type(self).__name__), pl_module, trainer)
-        if self.report_path is not None and trainer.is_global_zero:
+        if self.report_path is not None and trainer.is_global_zero and not self.quiet:
             check_writable(type(self).__name__, "report_path", self.report_path)
 
     def attach(self, plugin: EngineView, module: torch.nn.Module, trainer: Optional[pl.Trainer] = None) -> None:
@@ -437,14 +437,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         limit = self.max_consecutive_skips
         if not at_floor and (limit is None or self._consecutive < limit):
             return
-        # the origins read as AmpAdvisor reads them: one diagnosis, said the same way
-        figures = RunFigures(
-            origins=[{**r["origin"], "step": r["step"]} for r in self.skips if r.get("origin")],
-            plugin=type(self._plugin).__name__,
-            plugin_args=plugin_arguments(self._plugin),
-        )
+        figures = run_figures(self._plugin, self.skips)  # read as AmpAdvisor reads them: one diagnosis, said alike
         min_scale = scaler.knobs()["min_scale"] if at_floor and scaler is not None else None
-        message = collapse_message(record, self._consecutive, limit, min_scale, origin_advice(figures))
+        batch = sum(1 for r in self.skips if (r.get("origin") or {}).get("phase") == "input")
+        cause = collapse_advice(figures)
+        message = collapse_message(record, self._consecutive, limit, min_scale, cause, (batch, self._num_skips))
         try:
             self._write_report()
         except OSError as error:  # the collapse is the error that matters
@@ -457,10 +454,12 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.finish()
 
     def finish(self) -> None:
-        """Collect the skips a fused optimizer decided on the device, warn a summary, write the JSON report."""
+        """Collect the skips a fused optimizer decided on the device, say a summary, write the JSON report."""
         self._device_probe.look(self._tell, wait=True)
         self._collect_device_skips(updated=True)
         self._check_unchecked()
+        if self.quiet:  # records only
+            return
         if self._num_skips:
             say(summary(self.report()))
         try:

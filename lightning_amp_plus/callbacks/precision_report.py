@@ -110,10 +110,10 @@ class PrecisionReport(KnobsRepr, Callback):
     ``time_ms``, ``time_share``, ``autocast`` (whether autocast was on when the module ran), ``island`` (the fp32
     island it runs in, ``None`` outside one), ``compiled`` (inside a ``torch.compile``d submodule), ``flagged`` and
     ``cause``. A module is flagged when it does matmul/conv work (see ``HEAVY_TYPES``) or takes at least
-    ``flag_share`` of the forward time, yet produced float32 under mixed precision; the cause names the fp32 island
-    it sits in, autocast disabled around it (``autocast(enabled=False)``), or an explicit cast / an op autocast keeps
-    in fp32. Rows are in :attr:`rows` (the latest inspection); a table is printed on rank zero. Hooks are removed
-    right after the inspected batch, so the other batches cost nothing.
+    ``flag_share`` of the forward time, yet produced float32 under mixed precision outside an fp32 island (an island
+    is your choice); the cause names autocast disabled around it (``autocast(enabled=False)``), or an explicit cast /
+    an op autocast keeps in fp32. Rows are in :attr:`rows` (the latest inspection); a table is printed on rank zero.
+    Hooks are removed right after the inspected batch, so the other batches cost nothing.
 
     Works with any precision plugin (it only reads dtypes); islands are known with ``AmpPlusPrecision``.
 
@@ -338,19 +338,18 @@ class PrecisionReport(KnobsRepr, Callback):
             heavy = isinstance(module, HEAVY_TYPES)
             island = _island_of(name, self._islands)
             ran_in_island = island is not None  # hooks run outside the island's wrapper: what ran inside is fp32
-            flagged = mixed and output == torch.float32 and (heavy or share >= self.flag_share)
+            # an island is your choice, in float32 by design: no heavy work "left" there
+            flagged = mixed and output == torch.float32 and island is None and (heavy or share >= self.flag_share)
             cause = None
             if flagged:
-                if island is not None:
-                    cause = f"fp32 island {island!r} (AmpPlusPrecision(fp32_modules=...))"
-                elif not s.get("autocast"):
+                if not s.get("autocast"):
                     cause = "autocast disabled around it (an `autocast(enabled=False)` block)"
                 elif s.get("input") == torch.float32 and not heavy:
                     cause = "an op autocast keeps in float32 (its fp32 list), or fp32 inputs"
                 else:
                     cause = "an explicit cast to float32 (`.float()`), or an op autocast keeps in float32"
             speedup = None
-            if flagged and heavy and island is None and "call" in s and torch_own(module):  # never your code again
+            if flagged and heavy and "call" in s and torch_own(module):  # never your code again
                 low = torch.bfloat16 if self._precision.startswith("bf16") else torch.float16
                 args, kwargs = s["call"]
                 speedup, _ = attempt(lowered_speedup, module, args, kwargs, self._device_type, low)

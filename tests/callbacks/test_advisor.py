@@ -57,11 +57,12 @@ def fused_saves(monkeypatch):
 
 
 def codes(advisor):
-    return [a.code for a in advisor.advice]
+    """The findings' codes, then the speed hints' (as the advisor prints them)."""
+    return [a.code for a in advisor.advice + advisor.hints]
 
 
 def only(advisor, code):
-    (advice,) = [a for a in advisor.advice if a.code == code]
+    (advice,) = [a for a in advisor.advice + advisor.hints if a.code == code]
     return advice
 
 
@@ -134,7 +135,7 @@ def test_skips_born_in_the_batch_at_the_scale_floor_say_the_batch_not_bf16(tmp_p
     assert plugin.history.skipped_steps == [1, 3, 5]
     assert codes(advisor) == ["nonfinite_loss"]
     report = json.loads((tmp_path / "advice.json").read_text())
-    assert report == {"healthy": False, "summary": None, "advice": [a.to_dict() for a in advisor.advice]}
+    assert report == {"healthy": False, "summary": None, "advice": [a.to_dict() for a in advisor.advice], "speed": []}
 
 
 def test_nonfinite_loss_for_a_loss_that_is_inf_with_finite_outputs():
@@ -383,11 +384,10 @@ def test_fused_optimizer_for_a_non_fused_adamw(fused_saves):
     advice = only(advisor, "fused_optimizer")
     assert named(advice.evidence["optimizers"]) == [{"name": "AdamW", "device": "cpu"}]
     assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)"  # the user's own call
-    assert (
-        "its fused step took 1.00 ms against 1.50 ms (medians of 9 alternating steps on copies), saving at least"
-        " 0.50 ms in three of four, 5% of this run's 10.0 ms step" in advice.message
+    assert advice.message == (  # the trade-off is told
+        "AdamW over self.parameters(): fused, its step takes 1.00 ms, not 1.50 ms (timed here), at least 5% of the"
+        " 10.0 ms step. Skips are then told at the next logging step."
     )
-    assert "sync_fused=True" in advice.message  # the trade-off is told
     fixed, _ = fit(TinyModel(optimizer="fused_adamw"), max_steps=3)
     assert codes(fixed) == []
 
@@ -448,7 +448,7 @@ def test_a_healthy_run_gets_no_advice_and_says_so(tmp_path, caplog):
         f" headroom {headroom:.1f} bits, loss scale 2.0**10."
     )
     report = json.loads((tmp_path / "advice.json").read_text())
-    assert report == {"healthy": True, "summary": line[len("AmpAdvisor: ") :], "advice": []}
+    assert report == {"healthy": True, "summary": line[len("AmpAdvisor: ") :], "advice": [], "speed": []}
     with open(logger.experiment.metrics_file_path) as f:
         rows = [r for r in f.read().splitlines() if r]
     header = rows[0].split(",")
@@ -590,19 +590,20 @@ def test_tensorboard_gets_the_count_and_the_text(fused_saves, tmp_path):
     advisor = AmpAdvisor(print_advice=False)
     make_trainer(
         plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], logger=logger, max_steps=4
-    ).fit(TinyModel(optimizer="adamw"))
+    ).fit(TinyModel(optimizer="adamw", poison={0: "inf", 1: "inf", 2: "nan"}))
     logger.experiment.flush()
     acc = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("amp/advice")] == [(3, 1.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("amp/advice")] == [(3, 1.0)]  # the findings: a hint is none
     (text,) = acc.Tensors("amp/advice/text_summary")
-    assert "## `fused_optimizer`" in text.tensor_proto.string_val[0].decode()
+    assert "## `nonfinite_loss`" in text.tensor_proto.string_val[0].decode()
+    assert "## Speed hints\n\n- `fused_optimizer`" in text.tensor_proto.string_val[0].decode()
     assert text.step == 3  # the last update's step, like the count
 
 
 def test_any_logger_gets_the_count_and_only_tensorboard_the_text(fused_saves, tmp_path):
     """A minimal logger (no ``experiment``) gets the count; another logger's ``add_text`` is not TensorBoard's."""
-    fused_saves(1.0)  # one finding, whatever this machine's timings
+    fused_saves(1.0)  # one finding and one hint, whatever this machine's timings
     from lightning.pytorch.loggers import Logger
 
     class Minimal(Logger):
@@ -631,7 +632,7 @@ def test_any_logger_gets_the_count_and_only_tensorboard_the_text(fused_saves, tm
         callbacks=[advisor],
         logger=[minimal, texts],
         max_steps=4,
-    ).fit(TinyModel(optimizer="adamw"))
+    ).fit(TinyModel(optimizer="adamw", poison={0: "inf", 1: "inf", 2: "nan"}))
     for logger in (minimal, texts):
         assert [(step, m["amp/advice"]) for step, m in logger.metrics if "amp/advice" in m] == [(3, 1.0)]
     assert texts.texts == []
@@ -674,16 +675,18 @@ def test_the_printed_and_markdown_text(fused_saves, tmp_path, caplog):
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=3).fit(
         TinyModel(optimizer="adamw", poison={0: "inf", 1: "inf", 2: "nan"})
     )
-    assert codes(advisor) == ["nonfinite_loss", "fused_optimizer"]
-    first, second = advisor.advice
+    assert [a.code for a in advisor.advice] == ["nonfinite_loss"]
+    assert [a.code for a in advisor.hints] == ["fused_optimizer"]  # a speed hint is no finding
+    (first,), (hint,) = advisor.advice, advisor.hints
     (printed,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]
     assert printed == "\n".join(
         [
-            "AmpAdvisor: 2 findings, most important first:",
+            "AmpAdvisor: 1 finding, most important first:",
             f"1. [nonfinite_loss] {first.message}\n    fix: {first.fix}",
-            f"2. [fused_optimizer] {second.message}\n    fix: {second.fix}",
+            f"speed hint [fused_optimizer]: {hint.message} Fix: {hint.fix}",
         ]
     )
+    assert len(printed.splitlines()[-1]) < 270  # one short line, not a paragraph
     assert (tmp_path / "a.md").read_text() == "\n".join(
         [
             "# AmpAdvisor",
@@ -698,17 +701,10 @@ def test_the_printed_and_markdown_text(fused_saves, tmp_path, caplog):
             "",
             "Evidence: `input`: 0, `loss`: 2, `told`: 2",
             "",
-            "## `fused_optimizer`",
             "",
-            second.message,
+            "## Speed hints",
             "",
-            "```python",
-            second.fix,
-            "```",
-            "",
-            "Evidence: `optimizers`: [{'name': 'AdamW', 'device': 'cpu', 'params': 'self.parameters()', 'fused_call': "
-            "'torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)', 'step_ms': 2.0, 'fused_step_ms': 1.0,"
-            " 'gain_ms': 1.0, 'gain_low_ms': 1.0, 'pairs': 9, 'train_step_ms': 10.0}]",
+            f"- `fused_optimizer`: {hint.message} Fix: `{hint.fix}`",
             "",
         ]
     )
@@ -716,8 +712,21 @@ def test_the_printed_and_markdown_text(fused_saves, tmp_path, caplog):
     make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[one], max_steps=2).fit(
         TinyModel(optimizer="adamw")
     )
-    assert one.format().splitlines()[0] == "AmpAdvisor: 1 finding, most important first:"
-    assert one.format().splitlines()[1].startswith("1. [fused_optimizer]")
+    verdict, line = one.format().splitlines()
+    assert verdict.startswith("AmpAdvisor: the run looks healthy: 2 updates")  # the verdict stays about health
+    assert line.startswith("speed hint [fused_optimizer]: ")
+
+
+def test_a_speed_hint_keeps_a_json_report_healthy(fused_saves, tmp_path):
+    fused_saves(1.0)
+    advisor = AmpAdvisor(report_path=tmp_path / "a.json", print_advice=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[advisor], max_steps=3).fit(
+        TinyModel(optimizer="adamw")
+    )
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["healthy"] is True
+    assert report["advice"] == []
+    assert [a["code"] for a in report["speed"]] == ["fused_optimizer"]
 
 
 def test_what_the_advisor_gathers_in_bf16():
@@ -841,7 +850,7 @@ def test_a_fused_fix_names_the_parameters_each_optimizer_has():
 
 
 def test_bf16_availability_by_device(monkeypatch):
-    from lightning_amp_plus.callbacks.advisor import _bf16_available
+    from lightning_amp_plus.callbacks._common import bf16_available as _bf16_available
 
     assert [_bf16_available(d) for d in ("cpu", "xpu", "mps", "hpu", "meta")] == [True, True, True, True, False]
     assert _bf16_available("cuda") == bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())

@@ -1067,8 +1067,7 @@ def test_a_held_scale_says_why(caplog):
     make_trainer(plugins=[plugin], callbacks=[NaNSkipReporter()], max_steps=5).fit(model)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines[0].endswith(
-        "loss scale 1024 -> 1024 (held by hysteresis=2: it backs off from the 2nd overflow since the last growth,"
-        " one capped at max_scale too)"
+        "loss scale 1024 -> 1024 (kept: with hysteresis=2, the scale backs off at the 2nd overflow since it last grew)"
     )
     assert lines[1].endswith("loss scale 1024 -> 512")  # the second backs off: no reason to give
     floor = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=1.0)
@@ -1089,8 +1088,7 @@ def test_a_skip_on_the_last_step_before_a_log_says_what_it_did_to_the_scale(capl
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert line.startswith("step 3 skipped: ")
     assert line.endswith(
-        "loss scale 1024 -> 1024 (held by hysteresis=2: it backs off from the 2nd overflow since the last growth,"
-        " one capped at max_scale too)"
+        "loss scale 1024 -> 1024 (kept: with hysteresis=2, the scale backs off at the 2nd overflow since it last grew)"
     )
 
 
