@@ -117,8 +117,8 @@ class Rule:
         explains_skips: the advice says why updates were skipped (``skip_rate`` stays silent beside it).
         unless_explained: told only when no advice that explains skips was (``skip_rate``).
         speed: a speed hint, not a health finding (said after the verdict, one short line).
-        evidence, fix, look_alike, blind: the documentation table's row (what it reads, what it proposes, the
-            healthy run it stays silent on, what it cannot see).
+        evidence, fix, look_alike, blind: the documentation's entry (what it reads, what it proposes, the
+            healthy run it stays silent on, what ``advise`` cannot see of it).
     """
 
     code: str
@@ -199,10 +199,15 @@ def collapse_advice(figures: RunFigures) -> Optional[Advice]:
 
 
 def docs_table() -> str:
-    """The documentation's table of the advice codes (docs/guide/advisor.md holds it verbatim; a test checks)."""
-    lines = ["| code | evidence | fix | healthy look-alike (silent) | cannot see |", "|---|---|---|---|---|"]
-    lines += [f"| `{r.code}` | {r.evidence} | {r.fix} | {r.look_alike} | {r.blind} |" for r in RULES.values()]
-    return "\n".join(lines)
+    """The documentation's list of the advice codes (docs/guide/advisor.md holds it verbatim; a test checks)."""
+    lines: list[str] = []
+    for r in RULES.values():
+        lines += [f"### `{r.code}`", ""]
+        if r.speed:
+            lines += ["A speed hint: said on one line after the verdict, never a health finding.", ""]
+        lines += [f"- **Evidence**: {r.evidence}", f"- **Fix**: {r.fix}", f"- **Silent on**: {r.look_alike}"]
+        lines += [f"- **Offline** (`advise`): {r.blind or 'read from the logged series'}.", ""]
+    return "\n".join(lines).rstrip("\n")
 
 
 def nothing_applied(figures: RunFigures) -> bool:
@@ -335,12 +340,11 @@ def _model_made(figures: RunFigures) -> list[Origin]:
 # ---------------------------------------------------------------------------------------------- the rules
 @rule(
     "nonfinite_loss",
-    evidence="in at least half the skips whose origin is known, the batch's inf/nan reached the model or the loss"
-    " was inf/nan with every watched module output finite",
-    fix="a guard for the batch (also where the loss was inf/nan while the batch held inf/nan: its targets), or the"
-    " loss in float32; never an island",
-    look_alike="a module's fp16 overflow; NaN-coded values the step fills in before the model",
-    blind="offline",
+    evidence="Half or more of the skips with a known origin: the batch held inf/nan, or the loss was inf/nan "
+    "while every watched module output was finite.",
+    fix="A guard on the batch (its targets too), or the loss in float32. Never an island.",
+    look_alike="A module's fp16 overflow. NaN-coded values the step fills in before the model.",
+    blind="only live: `advise` cannot see it",
     measured=_origins_measured,
 )
 def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
@@ -400,12 +404,12 @@ def _guard(op: Optional[str]) -> Optional[str]:
 
 @rule(
     "model_nonfinite",
-    evidence="most told skips were born in one place that makes inf/nan recomputed in float32 too: a module's"
-    " forward, or (with `NaNSkipReporter(backward_origin=True)`) a backward op",
-    fix="fix the module's inputs (one unmasked key per attention row) or guard the op (`sqrt(x.clamp_min(eps))`);"
-    " no island, scale or bf16",
-    look_alike="an fp16 overflow (finite in float32)",
-    blind="offline",
+    evidence="Most told skips were born in one place that makes inf/nan in float32 too: a module's forward, or "
+    "a backward op (`backward_origin=True`).",
+    fix="Fix the module's inputs (one unmasked key per attention row) or guard the op "
+    "(`sqrt(x.clamp_min(eps))`). No island, scale or bf16 helps.",
+    look_alike="An fp16 overflow (finite in float32).",
+    blind="only live: `advise` cannot see it",
     measured=_origins_measured,
 )
 def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
@@ -450,14 +454,13 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
 
 @rule(
     "fp32_module",
-    evidence="a module's forward made the non-finite values in more than half of the told skips (2 at least), or"
-    " several modules' did together: watched (nothing measured), or replayed with the islands it names in float32"
-    ' and finite (`find_origin="replay"`)',
-    fix='`fp32_modules=[..., "that.module", ...]`: the module watched (run it in float32: if they are born there'
-    " again, float32 makes them too: `model_nonfinite`; if in the module after it, that one joins), or every module"
-    " a replay had to put in float32; your own islands kept",
-    look_alike="a NaN the model makes in float32 too; an overflow no island contains (bf16)",
-    blind="offline",
+    evidence="One module's forward made the inf/nan in over half the told skips (2 at least), or several "
+    'modules did together. The watch names the module; a replay (`find_origin="replay"`) also '
+    "measures its islands finite in float32.",
+    fix='`fp32_modules=[..., "that.module"]`, your own islands kept. Born there again in float32: '
+    "`model_nonfinite`. Born in the next module: it joins.",
+    look_alike="A NaN the model makes in float32 too. An overflow no island contains (`bf16`).",
+    blind="only live: `advise` cannot see it",
     measured=_origins_measured,
 )
 def _fp32_module(figures: RunFigures) -> Optional[Advice]:
@@ -537,15 +540,14 @@ def _own_code_origins(figures: RunFigures, float32: Optional[Verdict]) -> list[O
 
 @rule(
     "own_code",
-    evidence="most told skips (2+) were born in the LightningModule's own code between its module calls, which no"
-    " replay reads: nothing measured tells a float16 overflow there (bf16 fixes it) from inf/nan the code makes in"
-    " any precision (only a code fix does); or the step's rerun found them finite in float32 but not under bfloat16"
-    " (float16's precision, not its range)",
-    fix="`NaNSkipReporter(backward_origin=True)`: a sandboxed rerun of the step tells which (then `bf16`,"
-    " `model_nonfinite` or the precision reading); for precision: `fp32_modules=` the modules whose outputs that code"
-    " takes in, as a rerun with them measured",
-    look_alike="a module's fp16 overflow (`fp32_module`)",
-    blind="offline",
+    evidence="Most told skips (2+) were born in the LightningModule's own code between module calls. Nothing "
+    "measured tells a float16 overflow (bf16 fixes it) from inf/nan in any precision (a code fix "
+    "does). Or a rerun found them finite in float32, not in bfloat16: float16's precision, not its "
+    "range.",
+    fix="`NaNSkipReporter(backward_origin=True)`: it reruns your step to tell which. For precision: "
+    "`fp32_modules=` the modules whose outputs that code takes in.",
+    look_alike="A module's fp16 overflow (`fp32_module`).",
+    blind="only live: `advise` cannot see it",
     measured=_origins_measured,
 )
 def _own_code(figures: RunFigures) -> Optional[Advice]:
@@ -581,21 +583,20 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
         f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}). No replay reads that code, so nothing this"
         " run measured tells a float16 overflow there (bf16 fixes that) from inf/nan the code makes in any"
         f" precision (a log, sqrt or division of 0: only a code fix does).{_batch_too(unread)}",
-        "NaNSkipReporter(backward_origin=True)  # reruns a skipped step in float32, sandboxed: which of the two",
+        "NaNSkipReporter(backward_origin=True)  # runs your step again on skips, in float32: which of the two",
         {"own_code": len(unread), "told": len(origins), "kinds": dict(kinds)},
     )
 
 
 @rule(
     "bf16",
-    evidence="float16's range is what fails: the float32 reference finds no scale that fits; or underflow >= 0.5"
-    " with < 1 bit of headroom; or a forward overflow no island contains (in a module, or in the LightningModule's"
-    " own code, whose rerun is finite in float32 and under bfloat16); or 2+ overflows in backward at"
-    " `min_scale` (or one the run stopped at) while clean updates there left under a bit of headroom (or a rerun"
-    " found them finite in float32); bf16 autocast exists there",
-    fix='`AmpPlusPrecision("bf16-mixed", ...)` (the scaler\'s knobs dropped)',
-    look_alike="a run where a scale fits; a NaN the backward makes in any precision",
-    blind="origins offline",
+    evidence="Float16's range fails, and bf16 autocast runs on the device. One of: the float32 reference finds "
+    "no scale that fits; underflow >= 0.5 with under 1 bit of headroom; a forward overflow no island "
+    "contains; 2+ backward overflows at `min_scale` (or one the run stopped at) with under a bit of "
+    "headroom, or a rerun finite in float32.",
+    fix='`AmpPlusPrecision("bf16-mixed", ...)`, the scaler\'s knobs dropped.',
+    look_alike="A run where a scale fits. A NaN the backward makes in any precision.",
+    blind="partly: the origins are seen live only",
 )
 def _bf16(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or figures.bf16_available is False:
@@ -729,13 +730,13 @@ def _bf16_at_floor(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
 
 @rule(
     "backward_skips",
-    evidence="2+ updates skipped at `min_scale` (or one the run stopped at) with forward and loss finite, and nothing"
-    " measured tells float16's"
-    " range (bf16 fixes it) from a backward that makes inf/nan in any precision (nothing but a model fix does)",
-    fix="`NaNSkipReporter(backward_origin=True)`: on such skips, a sandboxed rerun of the step names the op and"
-    " module and says whether float32 makes them too (then `model_nonfinite` or `bf16`)",
-    look_alike="overflows at `min_scale` with a measured range cause (`bf16`)",
-    blind="offline",
+    evidence="2+ updates skipped at `min_scale` (or one the run stopped at) with forward and loss finite. "
+    "Nothing measured tells float16's range (bf16 fixes it) from a backward that makes inf/nan in any "
+    "precision (a model fix does).",
+    fix="`NaNSkipReporter(backward_origin=True)`: it reruns your step on such skips, names the op, and "
+    "says if float32 makes it too. Then `model_nonfinite` or `bf16`.",
+    look_alike="Overflows at `min_scale` with a measured range cause (`bf16`).",
+    blind="only live: `advise` cannot see it",
 )
 def _backward_skips(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed":
@@ -753,19 +754,19 @@ def _backward_skips(figures: RunFigures) -> Optional[Advice]:
         f" min_scale={_scale(min_scale)}: either the gradients exceed float16's range even unscaled (bf16 fixes"
         " that) or the backward makes inf/nan in any precision (a sqrt, log or division at 0; no precision fixes"
         " that). Nothing this run measured tells which, without running the step again.",
-        "NaNSkipReporter(backward_origin=True)  # reruns a skipped step, sandboxed: the op and its float32 verdict",
+        "NaNSkipReporter(backward_origin=True)  # runs your step again on skips: the op and its float32 verdict",
         {"skipped_at_min_scale": len(at_floor), "first": at_floor[0], "min_scale": min_scale},
     )
 
 
 @rule(
     "zero_gradients",
-    evidence="without a float32 reference, most measurements found every gradient element float16 held exactly"
-    " zero while the loss was finite and not zero: nothing trained, flushed or truly zero (only float32 tells)",
-    fix="`GradUnderflowMonitor(exact=True)`, the reference that tells which and measures the scale that keeps them"
-    " (then `max_scale` or `bf16`)",
-    look_alike="a loss of exactly 0",
-    blind="offline (the loss is measured live)",
+    evidence="No float32 reference. Most measurements found every gradient element float16 held exactly zero, "
+    "with a finite non-zero loss. Flushed or truly zero: only float32 tells.",
+    fix="`GradUnderflowMonitor(exact=True)`: the float32 reference tells which and measures the scale "
+    "that keeps them. Then `max_scale` or `bf16`.",
+    look_alike="A loss of exactly 0.",
+    blind="only live: the loss is measured live",
     measured=lambda f: f.underflow is not None and all("loss" in m for m in f.underflow),
     explains_skips=False,
 )
@@ -786,7 +787,7 @@ def _zero_gradients(figures: RunFigures) -> Optional[Advice]:
         f" {_scale(dead[-1]['scale'])}): the optimizer consumed zeros. Either float16 flushed gradients too small for"
         " this scale, or they are zero in float32 too (the loss does not depend on the weights); measuring once"
         " against float32 tells which, and the scale that keeps them.",
-        "GradUnderflowMonitor(exact=True)  # a float32 reference: it reruns training_step, sandboxed, every N steps",
+        "GradUnderflowMonitor(exact=True)  # a float32 reference: it runs your step again every N steps",
         {"measurements": len(measured), "all_zero": len(dead), "loss": dead[-1]["loss"], "scale": dead[-1]["scale"]},
     )
 
@@ -807,13 +808,12 @@ def _leading_skips(figures: RunFigures) -> int:
 
 @rule(
     "init_scale",
-    evidence="the first 2+ updates were skipped while the scale came down from `init_scale` (and a later update"
-    " applied); or, without a float32 reference, underflow >= 0.5 in most measurements while the weights' largest"
-    " gradient leaves 2+ bits of headroom and the scale is below its cap: the scale is too low for these gradients",
-    fix="`init_scale=` the scale it settled at (its lowest before it first grew); for a scale too low: the scale"
-    " each measurement's headroom allows, a doubling below overflow and below any scale the run's backward"
-    " overflowed at (`max_scale` too where that is above the cap, or the cap is not known)",
-    look_alike="one calibration skip; high underflow with under 2 bits of headroom (`bf16`, or nothing to gain)",
+    evidence="The first 2+ updates were skipped while the scale came down from `init_scale`, and a later one "
+    "applied. Or, without a float32 reference: underflow >= 0.5 in most measurements, 2+ bits of "
+    "headroom, the scale below its cap.",
+    fix="`init_scale=` the scale it settled at. For a scale too low: the scale the headroom allows, a "
+    "doubling below overflow (`max_scale` too where needed).",
+    look_alike="One calibration skip. High underflow with under 2 bits of headroom.",
 )
 def _init_scale(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve:
@@ -924,14 +924,11 @@ def _referenced(figures: RunFigures) -> list[tuple[dict[str, Any], tuple[float, 
 
 @rule(
     "max_scale",
-    evidence="underflow >= 0.5 in most measurements and the float32 reference shows a higher scale that fits (the"
-    " largest gradient at the weights and at each module's output, a doubling below overflow) and keeps them;"
-    " without a reference: the scale pinned at `max_scale` with 2+ bits of the weights' headroom",
-    fix="with the reference: `max_scale=`, `init_scale=` that scale (a dead run, `loss * 1e-14`, trains again);"
-    " without: `init_scale=` and `max_scale=` the scale the headroom allows, a doubling below overflow and below"
-    " any scale the run's backward overflowed at",
-    look_alike="an embedding run whose zeros are structural",
-    blind="the reference offline",
+    evidence="Underflow >= 0.5 in most measurements, and the float32 reference shows a higher scale that fits. "
+    "Without a reference: the scale pinned at `max_scale` with 2+ bits of headroom.",
+    fix="`max_scale=` and `init_scale=` that scale: a doubling below overflow, below any scale the run overflowed at.",
+    look_alike="An embedding run whose zeros are structural.",
+    blind="partly: the float32 reference is live only",
     measured=lambda f: f.underflow is not None and f.knobs is not None,  # needs the measurements and the cap
 )
 def _max_scale(figures: RunFigures) -> Optional[Advice]:
@@ -993,10 +990,10 @@ def _changes(curve: list[tuple[int, float]]) -> list[tuple[int, float, float]]:
 
 @rule(
     "growth_interval",
-    evidence="after a backoff (past the calibration, from an overflow a scale can avoid) the scale never grew back"
-    " in 50+ clean updates, while 5%+ of the true gradient was lost at the lower scale",
-    fix="`growth_interval=` a quarter of those updates, rounded to 1, 2 or 5 x 10^k",
-    look_alike="a scale that grew back",
+    evidence="After a backoff past the calibration, the scale did not grow back in 50+ clean updates, while "
+    "5%+ of the true gradient was lost at the lower scale.",
+    fix="`growth_interval=` a quarter of those updates, rounded to 1, 2 or 5 x 10^k.",
+    look_alike="A scale that grew back.",
 )
 def _growth_interval(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve or figures.last_step is None:
@@ -1061,13 +1058,11 @@ def _spikes(figures: RunFigures, interval: int, cap: float) -> list[int]:
 
 @rule(
     "hysteresis",
-    evidence="3+ isolated overflows at `max_scale`, each after `growth_interval`+ clean updates there (a held scale,"
-    " not its ceiling), each halving it, regrown in between, with 5%+ of the true gradient lost at the halved"
-    " scale",
-    fix="`hysteresis=2`",
-    look_alike="the saw-tooth (each growth into the ceiling overflows once: `hysteresis=2` there measured to add"
-    " skips)",
-    blind="offline (needs the cap)",
+    evidence="3+ isolated overflows at `max_scale`, each after `growth_interval`+ clean updates there, each "
+    "halving the scale, with 5%+ of the true gradient lost at the halved scale.",
+    fix="`hysteresis=2`.",
+    look_alike="The saw-tooth: each growth into the ceiling overflows once (`hysteresis=2` adds skips there).",
+    blind="only live: it needs the cap",
 )
 def _hysteresis(figures: RunFigures) -> Optional[Advice]:
     """Rare spikes at ``max_scale``, each halving a scale the run holds, where the halved scale loses gradient bits.
@@ -1120,10 +1115,10 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
 
 @rule(
     "skip_rate",
-    evidence="half the updates or more were skipped, or the run ended in 3+ skips in a row, and no cause above"
-    " explains it (told beside speed hints; never called healthy)",
-    fix="`NaNSkipReporter(report_path=...)` to see each skip",
-    look_alike="a few spikes",
+    evidence="Half the updates or more were skipped, or the run ended in 3+ skips in a row, and no code above "
+    "explains it.",
+    fix="`NaNSkipReporter(report_path=...)` to see each skip.",
+    look_alike="A few spikes.",
     unless_explained=True,
 )
 def _skip_rate(figures: RunFigures) -> Optional[Advice]:
@@ -1161,11 +1156,11 @@ def trailing_streak(figures: RunFigures) -> int:
 
 @rule(
     "silent_fp32",
-    evidence="a matmul/conv module autocast lowers ran in float32 outside an island, and runs its recorded inputs"
-    " at least 1.2x faster lowered on this device (median of 5 timed runs each)",
-    fix="the module, its time share, the speed-up and the cause",
-    look_alike="float16 on a CPU (slower lowered there), a LayerNorm or GELU",
-    blind="offline",
+    evidence="A matmul/conv module ran in float32 outside an island, and its recorded inputs run 1.2x+ faster "
+    "lowered on this device (median of 5 runs).",
+    fix="Remove the cast, or the `autocast(enabled=False)`, the hint names.",
+    look_alike="Float16 on a CPU (slower there). A LayerNorm or GELU.",
+    blind="only live: `advise` cannot see it",
     measured=lambda f: f.fp32_rows is not None,
     explains_skips=False,
     speed=True,
@@ -1202,14 +1197,11 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
 
 @rule(
     "fused_optimizer",
-    evidence="a torch `SGD`/`Adam`/`AdamW` (`Adagrad` on CPU) with a fused implementation on its device runs"
-    " non-fused, and its fused step, timed on copies on this device in alternating pairs, saves 2%+ of the run's"
-    " step in three pairs of four (the gains' lower quartile: beyond the timing's noise, never one delta)",
-    fix="your own optimizer call in `configure_optimizers`, as written (`lr=self.lr` kept), with `fused=True`"
-    " (its settings' values where that call cannot be read); the trade-off said: a fused step's skip is decided"
-    " on the device, and told at the next logging step, not at once",
-    look_alike="an optimizer whose fused step saves nothing beyond the timing's noise here (SGD on a CPU)",
-    blind="offline",
+    evidence="A torch `SGD`/`Adam`/`AdamW` (`Adagrad` on CPU) runs non-fused, and its fused step, timed here "
+    "on copies, saves 2%+ of the step in three of four pairs.",
+    fix="Your own optimizer call with `fused=True`. A fused step's skip is then told at the next logging step.",
+    look_alike="An optimizer whose fused step saves nothing beyond noise (SGD on a CPU).",
+    blind="only live: `advise` cannot see it",
     measured=lambda f: f.non_fused is not None,
     explains_skips=False,
     speed=True,

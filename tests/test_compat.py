@@ -73,3 +73,22 @@ def test_update_listener_is_importable_from_the_package():
     from lightning_amp_plus.engine import UpdateListener
 
     assert lightning_amp_plus.UpdateListener is UpdateListener
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("lightning_amp_plus.origins", "OriginFinder", "lightning_amp_plus.forensics.finder"),
+        ("lightning_amp_plus.sandbox", "sandboxed", "lightning_amp_plus.forensics.sandbox"),
+        ("lightning_amp_plus.sandbox", "attempt", "lightning_amp_plus.forensics.sandbox"),
+    ],
+)
+def test_the_0_3_forensics_paths_warn_at_your_line_and_give_the_same_object(old, name, new):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=rf"`{old}.{name}` moved to `{new}.{name}`") as caught:
+        found = getattr(importlib.import_module(old), name)
+    assert found is getattr(importlib.import_module(new), name)
+    assert caught[0].filename == __file__  # the user's line, not ours
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        importlib.import_module(old).nothing  # noqa: B018

@@ -275,8 +275,10 @@ def test_the_performance_page_includes_what_the_command_it_names_prints(monkeypa
 
     table = benchmark.configs("cpu", "16-mixed", floor=True)
     per_step = {name: (1000 + 10 * i, 50 + i) for i, name in enumerate(table)}  # stand-in counts
-    fits = iter([fit for name in table for fit in ((200 * per_step[name][0] + 7, 200 * per_step[name][1] + 3), (7, 3))])
-    monkeypatch.setattr(benchmark, "count_fit", lambda *args: next(fits))  # a 300-step fit, then a 100-step fit
+    fits = iter(
+        [fit for name in table for fit in ((1, 1), (200 * per_step[name][0] + 7, 200 * per_step[name][1] + 3), (7, 3))]
+    )
+    monkeypatch.setattr(benchmark, "count_fit", lambda *args: next(fits))  # warm-up, a 300-step fit, a 100-step fit
     benchmark.main(["--size", "small", "--counts"])
     markdown = conf.counts_markdown(capsys.readouterr().out)
     assert markdown.startswith(f"Printed by `{command}` when this site was built: ")
@@ -296,9 +298,8 @@ def test_the_advice_codes_table_is_the_rules_own():
 
     page = _read(os.path.join(DOCS, "guide", "advisor.md"))
     assert docs_table() in page
-    rows = [line for line in page.splitlines() if line.startswith("| `")]
-    table = [line for line in rows if line in docs_table().splitlines()]
-    assert [line.split("`")[1] for line in table] == list(CODES)
+    headings = re.findall(r"^### `(\w+)`$", page, re.MULTILINE)
+    assert headings == list(CODES)  # each code once, in the rules' order, and no other
 
 
 def test_the_logger_sections_say_what_a_fresh_machine_needs():
@@ -314,5 +315,58 @@ def test_the_logger_sections_say_what_a_fresh_machine_needs():
 def test_a_user_page_says_what_a_skip_line_means():
     page = _read(os.path.join(DOCS, "guide", "callbacks.md"))
     reading = page[page.index("**Reading a skip line**") :].split("\n\n**")[0]
-    for words in ("step 412 skipped", "born in", "backward", "gradients non-finite in", "held by hysteresis"):
+    for words in ("step 412 skipped", "born in", "backward", "gradients non-finite in", "kept: with hysteresis"):
         assert words in reading, words
+
+
+def test_the_first_page_says_each_line_the_package_prints_and_each_code():
+    """`something-wrong.md` quotes what the package prints, made here by the code that prints it."""
+    from lightning_amp_plus.advice import CODES
+    from lightning_amp_plus.callbacks._skip_text import _held, collapse_message, describe_origin
+    from lightning_amp_plus.forensics.origin import WATCHING
+
+    page = " ".join(_read(os.path.join(DOCS, "guide", "something-wrong.md")).split())
+    for code in CODES:
+        assert f"**`{code}`**" in page, code
+    for origin in (
+        {"phase": "backward"},
+        {"phase": "input"},
+        {"phase": "forward", "module": None, "kind": "nan", "reason": WATCHING},
+        {"phase": "forward", "module": "encoder.3.ff", "kind": "inf"},
+        {"phase": "loss"},
+    ):
+        assert f"`{describe_origin(origin)}`" in page, origin
+    own = describe_origin({"phase": "forward", "module": "", "kind": "inf"})
+    assert f"`{own.rsplit(' (', 1)[0]}`" in page  # its kind left out
+    assert f"`loss scale 1 -> 1{_held(1.0, 1, 1.0)}`" in page
+    assert f"`{_held(4.0, 2, 1.0).strip()}`" in page
+    record = {"step": 16, "scale": 1.0, "offenders": []}
+    at_floor = collapse_message(record, 17, 25, 1.0, None, (8, 17))
+    assert f"`{at_floor.split(' (')[0]}`" in page
+    assert "`Of the 17 skipped updates so far, 8 were born in the batch (inf/nan in the data)`" in page
+    assert "Of the 17 skipped updates so far, 8 were born in the batch (inf/nan in the data)" in at_floor
+    streak = collapse_message(record, 25, 25, None, None)
+    assert f"`collapsed: {streak.split('collapsed: ')[1].split(';')[0]}`" in page
+
+
+def test_ci_runs_the_readmes_two_commands():
+    """The README's first command installs what running needs and runs the example; the second installs the test
+    extra and runs the tests. `.ci/run`'s first leg runs exactly those installs and commands, in that order."""
+    readme = _read(os.path.join(ROOT, "README.md"))
+    setup = readme[readme.index("## Set up") : readme.index("## Quick start")]
+    first, second = re.findall(r"```bash\n(.*?)\n```", setup, re.DOTALL)
+    assert 'pip install -c requirements/ci-cpu.txt -e ".[plot]"' in first
+    assert first.endswith("&& python examples/train_transformer.py")
+    assert ".[test]" not in first  # running needs no test extra
+    assert 'pip install -c requirements/ci-cpu.txt -e ".[test]"' in second
+    assert second.endswith("&& python -m pytest -q")
+    ci = _read(os.path.join(ROOT, ".ci", "run"))
+    leg = ci[ci.index("=== leg 1") : ci.index("=== leg 2")]
+    steps = [
+        'python -m pip install -c requirements/ci-cpu.txt -e ".[plot]"',
+        'python "$repo/examples/train_transformer.py"',
+        'python -m pip install -c requirements/ci-cpu.txt -e ".[test]"',
+        "python -m pytest -q\n",
+    ]
+    positions = [leg.index(step) for step in steps]
+    assert positions == sorted(positions)

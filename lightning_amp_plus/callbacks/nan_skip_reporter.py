@@ -68,11 +68,13 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     skip the offenders are counted from the gradients it left and the origin told; the skip is reported at the next
     logging step. ``sync_fused=True`` reads each flag at its step instead.
 
-    The ``origin`` (``find_origin=True``, Trainer only) is :meth:`OriginFinder.origin
-    <lightning_amp_plus.origins.OriginFinder.origin>`'s: the batch, a module's forward (with the float32 verdict and
-    the islands a fix needs), the loss, backward, or unknown with the reason; it replays only in a sandbox, so the
-    run is bit-identical with and without it. ``None`` when it cannot be told: a fused optimizer's skip whose flag
-    reached the host too late (``sync_fused=True`` tells it), Fabric, sharded models (FSDP: only ``"input"``).
+    The ``origin`` (Trainer only) says where the inf/nan were born: the batch, a module's forward, the LightningModule's
+    own code, the loss or backward. It is observed: nothing of yours runs again. After the first skip whose loss held
+    inf/nan, every module is watched (a forward hook each, read only on a skipped step), so the next such skip names
+    the module. ``find_origin="watch"`` watches from the start; ``"replay"`` also runs the module's call again, in a
+    sandbox, to measure the float32 verdict and the islands a fix needs (opt-in: anything its code does outside the
+    model's parameters, buffers and random streams happens again). ``None`` when it cannot be told: a fused
+    optimizer's skip whose flag reached the host too late (``sync_fused=True`` tells it), Fabric.
 
     Args:
         max_consecutive_skips: raise :class:`LossScaleCollapseError` after this many skipped steps in a row
@@ -85,8 +87,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             step; default False: read without waiting, told at the next logging step).
         prefix: key prefix of the logged metrics (default ``"amp/"``).
         max_records: skip records kept in full (the first and the last half; default 100; ``None`` keeps all).
-        find_origin: tell where each skip's non-finite values were born (default True; see above).
-        backward_origin: run a skipped batch's ``training_step`` again, sandboxed, to tell what no replay reads:
+        find_origin: where each skip's inf/nan were born: True (observe; the default), ``"watch"`` (watch every
+            module from the start), ``"replay"`` (also run the module's call again to measure), False (none).
+        backward_origin: run a skipped batch's ``training_step`` again, sandboxed, to tell what no watch reads:
             where in backward (op, module) inf/nan were born, or whether float32 makes them too in backward or in
             the LightningModule's own code (default False: it runs your step twice; automatic optimization only).
         quiet: records only: no metric, line, error or file (for a callback that holds this one, as ``AmpAdvisor``).

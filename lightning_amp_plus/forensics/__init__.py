@@ -1,7 +1,7 @@
 """Where a skipped update's inf/nan were born: observe (default) -> replay (opt-in, by name) -> verdict.
 
 * :mod:`.observe`: what the step computed, read on a skip: the batch, the losses, and after the first skip whose loss
-  or batch held inf/nan a watch on every module (one device-side maximum per tensor a call takes or gives).
+  held inf/nan a watch on every module (one device-side reduction per tensor a call takes or gives).
 * :mod:`.replay` (``NaNSkipReporter(find_origin="replay")``) and :mod:`.rerun` (``backward_origin=True``,
   ``GradUnderflowMonitor(exact=True)``): run your code again, in :mod:`.sandbox`, to measure what observation cannot.
 * :mod:`.verdict`: the one reading of what was observed into an :class:`~.origin.Origin`.
