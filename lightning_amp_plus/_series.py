@@ -88,3 +88,25 @@ def skipped_steps(series: Series, prefix: str) -> Optional[list[int]]:
             found.append(step)
             count = value
     return found
+
+
+def logged_updates(series: Series, prefix: str, skipped: Optional[list[int]], first: int, last: int) -> int:
+    """How many updates a log from step ``first`` to ``last`` covers.
+
+    ``LossScaleMonitor``'s counts at the last step they were logged, where every skip they count is in the log (a
+    fit logged from its first update, or a ``to_csv`` export); else the steps' span (a resumed run's log counts
+    updates it does not hold).
+
+    Example:
+        >>> series = {"amp/applied_steps": [(1, 2.0), (3, 2.0)], "amp/skipped_steps": [(1, 0.0), (3, 2.0)]}
+        >>> logged_updates(series, "amp/", [2, 3], first=1, last=3)  # the log starts at its first logging point
+        4
+    """
+    applied = dict(series.get(prefix + "applied_steps", []))
+    if applied and skipped is not None:
+        step = max(applied)
+        told = sum(1 for s in skipped if s <= step)
+        counted = dict(series.get(prefix + "skipped_steps", [])).get(step)
+        if counted is None or counted == told:
+            return int(applied[step]) + told + (last - step)
+    return last - first + 1

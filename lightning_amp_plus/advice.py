@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from lightning_amp_plus import knobs
 from lightning_amp_plus._limits import MAX_ISLANDS, scale_floor
-from lightning_amp_plus._series import prefix_of, scale_changes, scale_key, skipped_steps, value_at
+from lightning_amp_plus._series import logged_updates, prefix_of, scale_changes, scale_key, skipped_steps, value_at
 from lightning_amp_plus.forensics.origin import IN_ISLAND, Origin, Phase, Verdict
 
 #: an underflow fraction from which the gradients count as losing much to fp16 (GradUnderflowMonitor's default)
@@ -1353,7 +1353,7 @@ def figures_from_series(
     steps = {s for values in series.values() for s, _ in values}
     if steps:
         figures.last_step = max(steps)
-        figures.num_updates = figures.last_step - min(steps) + 1
+        figures.num_updates = logged_updates(series, prefix, figures.skipped, min(steps), figures.last_step)
     return figures
 
 

@@ -882,3 +882,30 @@ def test_a_pinned_scale_is_not_raised_where_the_runs_backward_overflowed():
     overflowed = run([(0, 2.0**12), (6, 2.0**11), (106, 2.0**12)], [5], 200, underflow=pinned)
     overflowed.knobs = {**overflowed.knobs, "max_scale": 2.0**12}
     assert "max_scale" not in codes(overflowed)
+
+
+@pytest.mark.parametrize("cap", [2.0**64, 2.0**70])
+def test_a_scale_pinned_at_or_beyond_the_highest_proposed_scale_gets_no_noop_fix(cap):
+    """No fix raises a cap past 2**64: the scale pinned there has nothing higher to be given."""
+    pinned = [_measure(0.9, 10.0, scale=cap)] * 3
+    figures = run([(0, cap)], [], 200, underflow=pinned)
+    figures.knobs = {**figures.knobs, "max_scale": cap}
+    assert "max_scale" not in codes(figures)
+    below = run([(0, 2.0**60)], [], 200, underflow=[_measure(0.9, 10.0, scale=2.0**60)] * 3)
+    below.knobs = {**below.knobs, "max_scale": 2.0**60}
+    assert only_code(below, "max_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**64, max_scale=2.0**64)'
+
+
+def test_a_scale_too_low_is_raised_at_most_to_the_highest_proposed_scale():
+    low = [_low(100.0, scale=2.0**10, step=s) for s in range(0, 9, 3)]
+    advice = only_code(run([(0, 2.0**10)], [], 40, underflow=low), "init_scale")
+    assert advice.evidence["proposed_scale"] == 2.0**64
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**64, max_scale=2.0**64)'
+
+
+def test_the_settled_scale_is_the_first_one_even_when_a_later_backoff_goes_lower():
+    # two leading skips to 2**14, growth at step 30, then a calibration backoff to 2**12 at step 60
+    curve = [(0, 2.0**16), (1, 2.0**15), (2, 2.0**14), (30, 2.0**15), (61, 2.0**14), (62, 2.0**13), (63, 2.0**12)]
+    advice = only_code(run(curve, [0, 1, 60, 61, 62], 100), "init_scale")
+    assert advice.evidence["settled_scale"] == 2.0**14
+    assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**14)'

@@ -471,3 +471,73 @@ def test_the_logged_call_names_the_given_scalers_knobs(tmp_path):
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
         logged = yaml.safe_load(f)["amp/plugin"]
     assert logged == 'AmpPlusPrecision("16-mixed", init_scale=2.0**12, hysteresis=2)'
+
+
+# ------------------------------------------------------------------------------------ 0.3: the checks that must hold
+def test_an_update_override_that_calls_super_only_on_some_updates_is_the_same_clear_error():
+    """Its other updates would leave the last record in place: read as the update's, it would be recorded twice."""
+
+    class EveryOther(DynamicLossScaler):
+        updates = 0
+
+        def update(self, new_scale=None):
+            self.updates += 1
+            if self.updates % 2:
+                super().update(new_scale)
+
+    scaler = EveryOther("cpu")
+    trainer = make_trainer(plugins=[AmpPlusPrecision(scaler=scaler)], max_steps=4)
+    with pytest.raises(
+        RuntimeError, match=r"`EveryOther.update\(\)` kept no record .* must call `super\(\).update\(\)`"
+    ):
+        trainer.fit(TinyModel())
+    assert scaler.updates == 2  # at the first update that skipped `super()`
+
+
+def test_the_logged_call_of_a_used_grad_scaler_starts_at_its_scale():
+    used = _used_grad_scaler()  # backed off 1024 -> 512
+    plugin = AmpPlusPrecision("16-mixed", scaler=used)
+    assert plugin_arguments(plugin)["init_scale"] == 512.0
+    assert "init_scale=512.0" in repr(plugin)
+
+
+def test_a_sharded_grad_scaler_given_to_the_fsdp_plugin_keeps_its_process_group(monkeypatch):
+    """HSDP: the overflow flag is reduced over the scaler's group (a replica's shards), not over the world."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from tests.helpers.sharded import FakePeer
+
+    group = object()
+    plugin = AmpPlusFSDPPrecision("16-mixed", scaler=ShardedGradScaler("cpu", init_scale=2.0**10, process_group=group))
+    assert type(plugin.scaler) is ShardedDynamicLossScaler
+    assert plugin.scaler.process_group is group
+    peer = FakePeer(monkeypatch, lambda tensor, op: torch.zeros_like(tensor))
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plugin.scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    plugin.scaler.step(opt)
+    plugin.scaler.update()
+    assert [c["group"] for c in peer.calls] == [group]
+
+
+def test_setting_an_unsharded_scaler_on_the_fsdp_plugin_is_refused_as_the_constructor_does():
+    plugin = AmpPlusFSDPPrecision("16-mixed")
+    before = plugin.scaler
+    with pytest.raises(
+        TypeError,
+        match=r"^`AmpPlusFSDPPrecision\(scaler=DynamicLossScaler\(device='cpu'\)\)` is invalid: each rank holds",
+    ):
+        plugin.scaler = DynamicLossScaler("cpu")
+    assert plugin.scaler is before
+    plugin.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    assert type(plugin.scaler) is ShardedDynamicLossScaler
+
+
+def test_a_mock_wrapping_a_disabled_scaler_is_refused_like_the_scaler_itself():
+    wrapped = Mock(wraps=DynamicLossScaler("cpu", enabled=False))
+    refused = r"is invalid: the scaler is disabled .* a disabled scaler scales nothing"
+    with pytest.raises(ValueError, match=refused):
+        AmpPlusPrecision("16-mixed", scaler=wrapped)
+    plugin = AmpPlusPrecision("16-mixed")
+    with pytest.raises(ValueError, match=refused):
+        plugin.scaler = wrapped

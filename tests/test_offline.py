@@ -341,3 +341,57 @@ def test_odd_files_and_names(tmp_path, capsys):
     assert main(["plot", str(parent), "-o", str(tmp_path / "out.png")]) == 0
     assert main(["plot", os.fsdecode(os.path.join(os.fsencode(parent), b"v\xe5")), "-o", str(tmp_path / "x")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "x.png")
+
+
+def test_an_hparams_file_with_a_python_tagged_mapping_is_read(tmp_path, capsys):
+    """An ``argparse.Namespace`` hyperparameter is written ``!!python/object:argparse.Namespace``: read as a mapping."""
+    import argparse
+
+    class Configured(TinyModel):
+        def __init__(self, args=None):
+            super().__init__()
+            self.save_hyperparameters()
+
+    logger = CSVLogger(tmp_path, name="run")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor(logging_interval=5)], logger=logger, max_steps=30).fit(
+        Configured(args=argparse.Namespace(width=16, depth=2))
+    )
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
+        assert "!!python/object:argparse.Namespace" in f.read()
+    run = read_logged(logger.log_dir)
+    assert run.hparams_note is None
+    assert run.hparams["args"] == {"width": 16, "depth": 2}
+    assert run.hparams["amp/plugin"] == 'AmpPlusPrecision("16-mixed", init_scale=2.0**24, growth_interval=100)'
+    assert main(["advise", logger.log_dir]) == 0
+    assert ", growth_interval=100)\n" in capsys.readouterr().out
+
+
+def test_advise_on_a_bf16_runs_log_reads_its_skips_without_a_scale(tmp_path, capsys):
+    logger = CSVLogger(tmp_path, name="bf16")
+    make_trainer(
+        plugins=[AmpPlusPrecision("bf16-mixed")],
+        callbacks=[LossScaleMonitor(logging_interval=2), NaNSkipReporter(max_warnings=0, max_consecutive_skips=None)],
+        logger=logger,
+        max_steps=20,
+        log_every_n_steps=2,
+    ).fit(TinyModel(poison={s: "inf" for s in range(2, 20)}))
+    assert main(["advise", logger.log_dir]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert "1 finding from the logged series" in captured.out
+    # the log starts at its first logging point (step 1): the monitor's counts say 20 updates, not the span's 19
+    assert "[skip_rate] 18 of 20 updates were skipped (90%)" in captured.out
+
+
+def test_advise_on_a_tensorboard_folder_without_scalars_is_one_error_line(tmp_path, capsys):
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = tmp_path / "tb"
+    writer = SummaryWriter(str(folder))
+    writer.add_text("note", "no scalar here", 0)
+    writer.close()
+    assert main(["advise", str(folder)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: {folder}: no amp/ series found (keys: []); log them with `LossScaleMonitor`.\n"

@@ -837,3 +837,81 @@ def test_asking_about_an_optimizer_it_never_saw_changes_nothing():
             scaler.update()
         ops.append(dict(counter.ops))
     assert ops[0] == ops[1]  # still the host's fast path: the stranger left no state behind
+
+
+# ------------------------------------------------------------------ 0.3: what a reset forgets, what an update needs
+def test_an_update_whose_cycle_never_stepped_raises_torchs_error_as_gradscaler_does():
+    """scale, backward, update with the step forgotten: no inf check was recorded, and torch's message says so."""
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=8.0), DynamicLossScaler("cpu", init_scale=8.0)):
+        model, opt = _setup()
+        _clean_cycle(scaler, model, opt)  # a cycle first: the host knows the last update kept the scale
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(1, 4)).pow(2).mean()).backward()
+        with pytest.raises(AssertionError, match=r"^No inf checks were recorded prior to update\.$"):
+            scaler.update()
+        assert scaler.get_scale() == 8.0, type(scaler).__name__
+
+
+def test_a_reset_forgets_the_last_updates_record():
+    model, opt = _setup()
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    _clean_cycle(scaler, model, opt)
+    assert scaler.last_update() is not None
+    scaler.reset()
+    assert scaler.last_update() is None  # a new run: no update yet, as before the first
+
+
+def test_a_reset_starts_the_growth_tracker_at_zero_after_a_loaded_one():
+    model, opt = _setup()
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=3)
+    scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 2})
+    scaler.reset()
+    assert scaler.state_dict()["_growth_tracker"] == 0
+    scales = []
+    for _ in range(3):
+        _clean_cycle(scaler, model, opt)
+        scales.append(scaler.get_scale())
+    assert scales == [8.0, 8.0, 16.0]  # grown after exactly growth_interval clean updates of the new run
+
+
+def test_from_grad_scaler_lets_the_callers_knobs_win_over_torchs_rule():
+    made = DynamicLossScaler.from_grad_scaler(
+        torch.amp.GradScaler("cpu", init_scale=2.0**10), min_scale=4.0, max_scale=2.0**12, hysteresis=3
+    )
+    assert made.knobs() == {
+        "init_scale": 2.0**10,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "min_scale": 4.0,
+        "max_scale": 2.0**12,
+        "hysteresis": 3,
+    }
+    model, opt = _setup()
+    _cycle(made, model, opt, torch.ones(1, 4), overflow=True)
+    assert made.get_scale() == 2.0**10  # hysteresis 3: the first overflow keeps the scale
+
+
+def test_from_grad_scaler_refuses_a_disabled_scaler_by_name():
+    with pytest.raises(
+        ValueError, match=r"^`DynamicLossScaler.from_grad_scaler\(scaler\)` is invalid: the `GradScaler`"
+    ):
+        DynamicLossScaler.from_grad_scaler(torch.amp.GradScaler("cpu", enabled=False))
+
+
+def test_a_used_grad_scaler_gives_a_scaler_whose_repr_and_reset_start_at_its_scale():
+    """A GradScaler backed off 1024 -> 512: the scaler made from it starts a new run at 512, and says so."""
+    model, opt = _setup()
+    used = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    _cycle(used, model, opt, torch.ones(1, 4), overflow=True)
+    assert used.get_scale() == 512.0
+    made = DynamicLossScaler.from_grad_scaler(used)
+    assert (
+        repr(made)
+        == "DynamicLossScaler(device='cpu', init_scale=512.0, growth_interval=3, min_scale=0.0, max_scale=inf)"
+    )
+    _cycle(made, model, opt, torch.ones(1, 4), overflow=True)
+    made.reset()
+    assert made.knobs()["init_scale"] == 512.0
+    made.scale(torch.ones(()))
+    assert made.get_scale() == 512.0

@@ -1331,3 +1331,50 @@ def test_a_resumed_fit_advises_as_the_uninterrupted_one(tmp_path):
     assert [step for step, _ in resumed[0]] == [0, 1, 2, 3]  # (the resumed epoch restarts its batches: Lightning's)
     assert resumed[1] == whole[1]  # and the fix is the same
     assert [code for code, _ in whole[1]] == ["fp32_module"]
+
+
+def test_the_fused_fix_reads_settings_passed_by_position():
+    from lightning.pytorch import LightningModule
+
+    from lightning_amp_plus.callbacks._fused import candidates
+
+    class Positional(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+            self.lr = 3e-3  # not Adam's default: a call that left it out did not build the optimizer
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), self.lr)
+
+    class Literal(Positional):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), 0.01, (0.5, 0.9))
+
+    for module, fix in [
+        (Positional(), "torch.optim.Adam(self.parameters(), self.lr, fused=True)"),
+        (Literal(), "torch.optim.Adam(self.parameters(), 0.01, (0.5, 0.9), fused=True)"),
+    ]:
+        ((_, entry),) = candidates([module.configure_optimizers()], module)
+        assert entry["fused_call"] == fix
+
+
+def test_the_fused_fix_copies_neither_of_two_calls_that_could_have_built_the_optimizer():
+    from lightning.pytorch import LightningModule
+
+    from lightning_amp_plus.callbacks._fused import candidates
+
+    class Branches(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+            self.lr, self.warm = 3e-3, False
+
+        def configure_optimizers(self):
+            if self.warm:
+                return torch.optim.Adam(self.parameters(), lr=self.lr * 10)
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    module = Branches()
+    ((_, entry),) = candidates([module.configure_optimizers()], module)
+    assert entry["fused_call"] == "torch.optim.Adam(self.parameters(), lr=0.003, fused=True)"  # the values it ran with

@@ -1100,3 +1100,31 @@ def test_a_scale_is_shown_in_full():
     assert number(2.0**50) == "1125899906842624"
     assert float(number(2.0**-20)) == 2.0**-20
     assert number(float("inf")) == "inf"
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize(("optimizer", "raised_at"), [("fused_adamw", 12), ("sgd", 8)])
+def test_a_collapse_is_raised_at_the_same_step_with_checkpoints_and_the_checkpoint_before_it_is_written(
+    tmp_path, optimizer, raised_at, checkpoint
+):
+    """Three overflows in a row at steps 6, 7, 8. A fused optimizer's are found at the logging steps (7, 11): the
+    third at step 11. A checkpoint after step 8 collects it first, without the collapse check: the check follows at
+    step 11 all the same, not at the end of fit, and the checkpoint is written."""
+    reporter = NaNSkipReporter(max_consecutive_skips=3, max_warnings=0)
+    callbacks = [reporter]
+    if checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1))
+    trainer = make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)],
+        callbacks=callbacks,
+        max_steps=15,
+        log_every_n_steps=4,
+        enable_checkpointing=checkpoint,
+    )
+    with pytest.raises(LossScaleCollapseError, match=r"3 consecutive optimizer steps were skipped"):
+        trainer.fit(TinyModel(poison={6: "inf", 7: "inf", 8: "inf"}, optimizer=optimizer, lr=1e-3))
+    assert trainer.global_step == raised_at
+    assert reporter.skipped_steps == [6, 7, 8]
+    if checkpoint:  # every checkpoint before the collapse, the one that collected the last skip included
+        saved = [f"epoch=0-step={s}.ckpt" for s in range(3, raised_at, 3)]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(saved)
