@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: group -> (module patterns, test selection); every selection also runs the package's doctests
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "tools": (
-        ["plot", "__main__", "_series", "_tree", "_identity", "islands", "syncs", "fabric", "fsdp"],
+        ["plot", "__main__", "_series", "forensics._tree", "_identity", "islands", "syncs", "fabric", "fsdp"],
         [
             "tests/test_plot.py",
             "tests/test_islands.py",
@@ -68,11 +68,13 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "callbacks": (
-        ["callbacks", "origins", "sandbox"],
+        ["callbacks", "forensics"],
         # the callbacks' messages are pinned in test_bad_input, what the monitor logs in bf16 in test_plot
         [
             "tests/callbacks/",
             "tests/test_origins.py",
+            "tests/test_side_effects.py",
+            "tests/test_first_hour.py",
             "tests/test_backward_origins.py",
             "tests/test_readings.py",
             "tests/test_watch_never_touches.py",
