@@ -25,14 +25,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import (
-    AmpAdvisor,
     AmpPlusPrecision,
-    GradUnderflowMonitor,
-    LossScaleMonitor,
     NaNSkipReporter,
-    PrecisionReport,
 )
-from tests.helpers.trainer import make_trainer
+from tests.helpers.trainer import AT_DEFAULTS, make_trainer
 
 STEPS = 12
 LOUD = (2, 5, 8)  # batches whose first layer overflows float16: forward-born skips
@@ -167,14 +163,7 @@ def _fit(tmp_path, name: str, callbacks: list, pattern: str = "module-level list
     }
 
 
-CONFIGS = {
-    "LossScaleMonitor": lambda: [LossScaleMonitor()],
-    "NaNSkipReporter": lambda: [NaNSkipReporter()],
-    "GradUnderflowMonitor": lambda: [GradUnderflowMonitor()],
-    "PrecisionReport": lambda: [PrecisionReport()],
-    "AmpAdvisor": lambda: [AmpAdvisor()],
-    "all": lambda: [LossScaleMonitor(), NaNSkipReporter(), GradUnderflowMonitor(), PrecisionReport(), AmpAdvisor()],
-}
+CONFIGS = AT_DEFAULTS
 
 
 @pytest.fixture(scope="module")

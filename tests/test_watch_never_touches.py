@@ -24,14 +24,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import (
-    AmpAdvisor,
     AmpPlusPrecision,
-    GradUnderflowMonitor,
-    LossScaleMonitor,
     NaNSkipReporter,
-    PrecisionReport,
 )
-from tests.helpers.trainer import make_trainer
+from tests.helpers.trainer import AT_DEFAULTS, make_trainer
 
 STEPS = 16
 #: batches whose inputs are so large that the first layer's float16 output overflows (a forward-born skip)
@@ -220,14 +216,7 @@ def _assert_identical(a: dict, b: dict) -> None:
     assert a["skipped"] == b["skipped"]
 
 
-CONFIGS = {
-    "LossScaleMonitor": lambda: [LossScaleMonitor()],
-    "NaNSkipReporter": lambda: [NaNSkipReporter()],
-    "GradUnderflowMonitor": lambda: [GradUnderflowMonitor()],
-    "PrecisionReport": lambda: [PrecisionReport()],
-    "AmpAdvisor": lambda: [AmpAdvisor()],
-    "all": lambda: [LossScaleMonitor(), NaNSkipReporter(), GradUnderflowMonitor(), PrecisionReport(), AmpAdvisor()],
-}
+CONFIGS = AT_DEFAULTS
 
 
 @pytest.fixture(scope="module")

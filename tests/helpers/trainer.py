@@ -7,6 +7,24 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_amp_plus import (
+    AmpAdvisor,
+    GradUnderflowMonitor,
+    LossScaleMonitor,
+    NaNSkipReporter,
+    PrecisionReport,
+)
+
+#: each of our callbacks at its defaults, alone and all together: what must leave a run bit for bit as without them
+AT_DEFAULTS: dict[str, Any] = {
+    "LossScaleMonitor": lambda: [LossScaleMonitor()],
+    "NaNSkipReporter": lambda: [NaNSkipReporter()],
+    "GradUnderflowMonitor": lambda: [GradUnderflowMonitor()],
+    "PrecisionReport": lambda: [PrecisionReport()],
+    "AmpAdvisor": lambda: [AmpAdvisor()],
+    "all": lambda: [LossScaleMonitor(), NaNSkipReporter(), GradUnderflowMonitor(), PrecisionReport(), AmpAdvisor()],
+}
+
 
 def make_trainer(**kwargs: Any) -> Trainer:
     defaults: dict[str, Any] = dict(
