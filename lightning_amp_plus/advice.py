@@ -824,13 +824,16 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
         return too_low  # one skip is calibration; all skipped: the scale never settled (others say)
     init = figures.curve[0][1]
     assert figures.skipped is not None
-    settled = _settled(figures.curve, figures.skipped[leading - 1] + 1, set(_scaling_skips(figures)))
+    after = figures.skipped[leading - 1] + 1
+    settled = _settled(figures.curve, after, set(_scaling_skips(figures)))
     if settled >= init:
         return None
+    down = value_at(figures.curve, after)  # where the leading skips left it
+    later = f", and settled at {_scale(settled)} before it first grew" if settled < down else ""
     return Advice(
         "init_scale",
         f"The first {leading} updates were skipped while the loss scale came down from {_scale(init)} to"
-        f" {_scale(settled)}: those batches trained nothing.",
+        f" {_scale(down)}{later}: those batches trained nothing.",
         plugin_fix(figures, init_scale=settled),
         {"leading_skips": leading, "init_scale": init, "settled_scale": settled},
     )

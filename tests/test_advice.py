@@ -829,7 +829,7 @@ def test_the_settled_scale_leaves_out_a_backoff_from_a_nan_batch():
     origins = [{"phase": "input", "step": 50}]
     advice = only_code(run(curve, [0, 1, 2, 3, 4, 5, 25, 50], 80, origins=origins), "init_scale")
     assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**15)'  # the batch's skip is no scale's
-    assert "to 2.0**15" in advice.message
+    assert "came down from 2.0**22 to 2.0**16, and settled at 2.0**15 before it first grew" in advice.message
     told_by_scale = run(curve, [0, 1, 2, 3, 4, 5, 25, 50], 80, origins=[{"phase": "backward", "step": 50}])
     assert only_code(told_by_scale, "init_scale").fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**14)'
 
@@ -909,3 +909,15 @@ def test_the_settled_scale_is_the_first_one_even_when_a_later_backoff_goes_lower
     advice = only_code(run(curve, [0, 1, 60, 61, 62], 100), "init_scale")
     assert advice.evidence["settled_scale"] == 2.0**14
     assert advice.fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**14)'
+
+
+def test_the_leading_skips_message_says_where_they_left_the_scale():
+    """Four skips halve the scale four times: a later skip's backoff is said apart, never as theirs."""
+    curve = [(0, 2.0**20), (1, 2.0**19), (2, 2.0**18), (3, 2.0**17), (4, 2.0**16), (6, 2.0**15), (12, 2.0**16)]
+    advice = only_code(run(curve, [0, 1, 2, 3, 5], 20), "init_scale")
+    assert advice.message.startswith(
+        "The first 4 updates were skipped while the loss scale came down from 2.0**20 to 2.0**16, and settled at"
+        " 2.0**15 before it first grew"
+    )
+    alone = only_code(run(curve[:5] + [(10, 2.0**17)], [0, 1, 2, 3], 20), "init_scale")
+    assert "came down from 2.0**20 to 2.0**16: those batches trained nothing." in alone.message

@@ -171,8 +171,12 @@ def test_a_collapse_driven_by_bad_batches_says_the_batches():
     assert error.split("HINT: ")[1].startswith("assert all(torch.isfinite(t).all() for t in batch")
 
 
-def test_a_collapse_with_some_bad_batches_counts_them_beside_its_diagnosis():
-    error = _fit(HugeAfterANaNBatch(), AmpPlusPrecision("16-mixed"), [NaNSkipReporter(max_warnings=0)])
+@pytest.mark.parametrize("max_records", [100, 4])
+def test_a_collapse_with_some_bad_batches_counts_them_beside_its_diagnosis(max_records):
+    """Counted over every skip, not only the records kept (`max_records`)."""
+    reporter = NaNSkipReporter(max_warnings=0, max_records=max_records)
+    error = _fit(HugeAfterANaNBatch(), AmpPlusPrecision("16-mixed"), [reporter])
+    assert len(reporter.skips) == min(17, max_records)
     assert "collapsed: step 16 overflowed while the loss scale already sat at min_scale=1" in error
     assert (
         "Of the 17 skipped updates so far, 8 were born in the batch (inf/nan in the data): the scale backed off for"
@@ -276,3 +280,14 @@ def test_plot_names_the_one_run_it_drew(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"the one run at {tmp_path}: {run}"
     assert main(["plot", run, "-o", str(tmp_path / "b.png")]) == 0
     assert not capsys.readouterr().out.startswith("the one run at")  # the run itself: no need to name it
+
+
+def test_the_advice_reads_every_skips_origin_not_only_the_records_kept():
+    reporter = NaNSkipReporter(max_warnings=0, max_records=4, max_consecutive_skips=None)
+    advisor = AmpAdvisor(print_advice=False)
+    _fit(NaNBatches(), AmpPlusPrecision("16-mixed"), [reporter, advisor], 16)
+    assert (reporter.num_skips, len(reporter.skips)) == (8, 4)
+    (advice,) = advisor.advice
+    assert advice.code == "nonfinite_loss"
+    assert advice.evidence["input"] == advice.evidence["told"] == 8
+    assert "in 8 of 8 skipped updates" in advice.message

@@ -72,7 +72,7 @@ def _profiled(run) -> tuple[list[str], int]:
 
     def profile(frame, event, arg):
         if event == "call":
-            names.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+            names.append(f"{frame.f_code.co_filename}:{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}")
 
     sys.setprofile(profile)  # apart from the op count: the dispatch mode's own Python would count
     try:
@@ -103,7 +103,9 @@ def test_a_watched_module_call_costs_four_python_calls_of_ours_and_two_device_op
     names, ops = _profiled(lambda: model.outer(x))
     assert len(trace) == 8  # two runs of two calls, each with its inputs and its output
     ours = [name.rsplit(":", 1)[1] for name in names if "lightning_amp_plus" in name]
-    assert ours == ["before", "_extremes", "before", "_extremes", "after", "_extremes", "after", "_extremes"]
+    qualified = hasattr(_profiled.__code__, "co_qualname")  # Python 3.11+
+    before, after = ("_Before.__call__", "_After.__call__") if qualified else ("__call__", "__call__")
+    assert ours == [before, "_extremes", before, "_extremes", after, "_extremes", after, "_extremes"]
     assert len(names) - len(plain_names) <= 8 + 2 * 3  # with torch's own dispatch of two hooked modules
     # the step's own input to `outer`: detach, a view, aminmax per sample; the other three a detach and a maximum
     assert ops - plain_ops == 3 + 3 * 2

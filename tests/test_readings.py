@@ -4,6 +4,7 @@ only moves the overflow, figures of gradients float16 never held)."""
 
 import math
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -634,3 +635,72 @@ def test_a_scale_pinned_at_its_cap_gets_a_fix_that_helps_within_the_run_and_advi
     out = capsys.readouterr().out
     assert "[max_scale]" in out  # the logged call's cap, read offline: not "init_scale ... too low"
     assert f"    fix: {advice.fix}\n" in out
+
+
+# ------------------------------------------------------------------------------------------ -inf made in float16
+class Scores(nn.Module):
+    """Causal attention scores masked with -inf in float16 (nanoGPT's `masked_fill`): by design, no overflow."""
+
+    def forward(self, q, k):
+        s = q @ k.transpose(-1, -2) / 4.0
+        causal = torch.triu(torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool), 1)
+        return s.masked_fill(causal, float("-inf"))
+
+
+class Loud(nn.Module):
+    """A Linear whose output is multiplied by 1e6 on the batches holding a large value: it overflows float16."""
+
+    def __init__(self, out=16):
+        super().__init__()
+        self.fc = nn.Linear(16, out)
+        self.loud = False
+
+    def forward(self, x):
+        return self.fc(x) * (1e6 if self.loud else 1.0)
+
+
+class MaskedThenLoud(TinyModel):
+    """Float16 -inf made on purpose (masked scores, or a -inf bias banning classes), then a real overflow in `big`."""
+
+    def __init__(self, bias):
+        super().__init__(lr=1e-3)
+        self.bias = bias
+        self.emb, self.qkv, self.scores = nn.Linear(8, 16), nn.Linear(16, 48), Scores()
+        self.cls = nn.Linear(16, 10)
+        with torch.no_grad():
+            self.cls.bias[7:] = float("-inf")  # classes 7-9 banned
+        self.cls.bias.requires_grad_(False)
+        self.big, self.head = Loud(), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.emb(x)
+        if self.bias:
+            loss = self.cls(h).float()[..., :7].logsumexp(-1).mean() * 0  # its -inf columns left out
+        else:
+            q, k, v = self.qkv(h).split(16, -1)
+            h = torch.softmax(self.scores(q, k).float(), -1).to(v.dtype) @ v
+            loss = 0
+        self.big.loud = bool(x.abs().max() > 100)
+        return loss + nn.functional.mse_loss(self.head(self.big(h)).float().mean(1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _loud_at(steps):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, 8, generator=g)
+    for step in steps:
+        x[4 * step, 0, 0] = 1000.0
+    return DataLoader(TensorDataset(x, torch.randn(40, 1, generator=g)), batch_size=4)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["masked scores", "-inf bias"])
+def test_minus_inf_made_in_float16_on_purpose_is_no_overflow_the_later_one_is_named(bias):
+    for find_origin in (True, "replay"):
+        reporter = NaNSkipReporter(find_origin=find_origin, quiet=True)
+        _, plugin = _fit(MaskedThenLoud(bias), _loud_at((1, 4, 7)), callbacks=[reporter], steps=10)
+        assert plugin.history.skipped_steps == [1, 4, 7]
+        told = [r["origin"] for r in reporter.skips][0 if find_origin == "replay" else 1 :]  # the first starts it
+        assert [(o["phase"], o["module"]) for o in told] == [("forward", "big")] * len(told), find_origin

@@ -27,6 +27,7 @@ from lightning_amp_plus import (
     AmpPlusPrecision,
     NaNSkipReporter,
 )
+from tests.helpers.models import TinyModel
 from tests.helpers.trainer import AT_DEFAULTS, make_trainer
 
 STEPS = 16
@@ -277,3 +278,27 @@ def test_the_sandbox_reaches_the_random_streams_the_model_holds():
     found = streams("cpu", model)
     for stream in (model.augment, model.layerdrop.rng):  # held as attributes of its modules
         assert any(s is stream for s in found)
+
+
+def test_a_watched_model_pickles_and_a_copy_of_it_is_not_watched():
+    """The user's own `torch.save(module)` and `copy.deepcopy(module)` (an EMA teacher) after the watch started."""
+    import copy
+    import io
+
+    seen = {}
+
+    class Saving(TinyModel):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if batch_idx == 5:  # the watch started at step 3, after the NaN at step 2
+                seen["hooked"] = bool(self.net[0]._forward_hooks)
+                torch.save(self.net, io.BytesIO())  # pickles
+                teacher = copy.deepcopy(self.net)
+                teacher(batch[0])
+                seen["copy"] = [m._forward_hooks or m._forward_pre_hooks for m in teacher.modules()]
+
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    model = Saving(poison={2: "nan"})
+    make_trainer(plugins=[plugin], callbacks=[NaNSkipReporter(max_warnings=0)], max_steps=8).fit(model)
+    assert seen["hooked"]  # watched when saved and copied
+    assert not any(seen["copy"])  # the copy's hooks took themselves off at its first call: it is not watched
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # none left after fit

@@ -31,8 +31,8 @@ def find_plugin(trainer: pl.Trainer, owner: str) -> AmpPlusPrecision:
     return plugin
 
 
-def run_figures(plugin: Any, skips: list[dict[str, Any]], **measured: Any) -> RunFigures:
-    """What the plugin's history and the skip records say of a run (the advisor adds what its callbacks measured).
+def run_figures(plugin: Any, origins: list[dict[str, Any]], **measured: Any) -> RunFigures:
+    """What the plugin's history and the skips' origins say of a run (the advisor adds what its callbacks measured).
 
     The one place both the advisor and the reporter's collapse build what :func:`~lightning_amp_plus.advice.advise`
     reads.
@@ -45,7 +45,7 @@ def run_figures(plugin: Any, skips: list[dict[str, Any]], **measured: Any) -> Ru
         curve=held(history.curve(), history.last_step) if history.scaled else [],
         skipped=history.skipped_steps,
         knobs=scaler.knobs() if scaler is not None else None,
-        origins=[{**r["origin"], "step": r["step"]} for r in skips if r.get("origin")],
+        origins=list(origins),
         bf16_available=bf16_available(plugin.device),
         plugin=type(plugin).__name__,
         plugin_args=plugin_arguments(plugin),

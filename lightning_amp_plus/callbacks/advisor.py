@@ -221,7 +221,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
         return run_figures(
             self._plugin,
-            self._reporter.skips,
+            self._reporter.origins_told,
             underflow=list(underflow) if underflow is not None else None,
             fp32_rows=None if self._report.skipped_reason else [r for r in self._report.rows if r["flagged"]],
             non_fused=self._non_fused(trainer),

@@ -150,6 +150,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             "tail", functools.partial(deque, maxlen=tail), save=list, load=functools.partial(deque, maxlen=tail)
         )
         self._num_skips = self.add_state("num_skips", 0)
+        # every skip's origin with its step, records dropped from `skips` included: what the advice reads
+        self._origins_told: list[dict[str, Any]] = self.add_state("origins_told", list, load=list)
         self._skipped_steps: list[int] = self.add_state("skipped_steps", list, load=_ints)
         self._offender_counts: Counter[str] = self.add_state("offender_counts", Counter, save=dict, load=Counter)
         self._consecutive = self.add_state("consecutive", 0)
@@ -166,6 +168,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def skips(self) -> list[dict[str, Any]]:
         """The skip records kept in full (all of them up to ``max_records``; then the first and the last half)."""
         return [*self._head, *self._tail]
+
+    @property
+    def origins_told(self) -> list[dict[str, Any]]:
+        """Every skip's origin that was told, with its ``step`` (records dropped from :attr:`skips` included)."""
+        return list(self._origins_told)
 
     @property
     def num_skips(self) -> int:
@@ -440,9 +447,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         limit = self.max_consecutive_skips
         if not at_floor and (limit is None or self._consecutive < limit):
             return
-        figures = run_figures(self._plugin, self.skips)  # read as AmpAdvisor reads them: one diagnosis, said alike
+        figures = run_figures(self._plugin, self._origins_told)  # as AmpAdvisor reads them: one diagnosis, said alike
         min_scale = scaler.knobs()["min_scale"] if at_floor and scaler is not None else None
-        batch = sum(1 for r in self.skips if (r.get("origin") or {}).get("phase") == "input")
+        batch = sum(1 for origin in self._origins_told if origin["phase"] == "input")
         cause = collapse_advice(figures)
         message = collapse_message(record, self._consecutive, limit, min_scale, cause, (batch, self._num_skips))
         try:
@@ -488,6 +495,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def _keep(self, record: dict[str, Any]) -> None:
         self._num_skips += 1
         bisect.insort(self._skipped_steps, record["step"])
+        if record.get("origin"):
+            self._origins_told.append({**record["origin"], "step": record["step"]})
         for offender in record["offenders"] or []:
             self._offender_counts[offender["name"]] += 1
         if self.max_records is None or len(self._head) < self.max_records // 2:
@@ -520,6 +529,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
                 "reported_upto": old.get("reported_upto", -1),
             }
         super().load_state_dict(state_dict)
+        if "origins_told" not in state_dict:  # 0.3's: the origins of the records it kept
+            self._origins_told = [{**r["origin"], "step": r["step"]} for r in self.skips if r.get("origin")]
 
 
 def _island_names(plugin: Any) -> list[str]:

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.nn.utils import parametrize
 from typing_extensions import override
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
@@ -236,9 +237,16 @@ class PrecisionReport(KnobsRepr, Callback):
                 else:  # one row, from outside its graph: what it took and gave
                     self._hook_leaf(clean_name(raw_name), module, device_type, compiled=False, handles=self._handles)
                     self._stats[clean_name(raw_name)]["compiled"] = True
+        whole: set[int] = set()  # inside a module read as one row
         for raw_name, module in pl_module.named_modules():
-            if not raw_name or is_compiled_wrapper(module) or id(module) in compiled or list(module.children()):
-                continue  # inside a compiled graph: inspected by the replay
+            if not raw_name or is_compiled_wrapper(module) or id(module) in compiled or id(module) in whole:
+                continue  # inside a compiled graph: one row, or inspected by the replay
+            # a row: a leaf, or heavy work whose children are its own parts (`MultiheadAttention.out_proj`, a
+            # parametrization computing a weight)
+            if isinstance(module, HEAVY_TYPES) or parametrize.is_parametrized(module):
+                whole.update(id(m) for m in module.modules() if m is not module)
+            elif list(module.children()):
+                continue
             self._hook_leaf(clean_name(raw_name), module, device_type, compiled=False, handles=self._handles)
 
     def _hook_leaf(self, name: str, module: nn.Module, device_type: str, *, compiled: bool, handles: list[Any]) -> None:

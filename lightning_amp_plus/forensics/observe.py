@@ -3,8 +3,9 @@
 The batch and the losses are held by reference until the batch ends. After the first skip whose loss was inf/nan,
 a :class:`Watch` hooks every module: before and after each call, one device-side ``aminmax`` per floating tensor the
 call takes in and gives out, kept in the batch's trace and read on the host only when its update was skipped
-(:func:`read`: one transfer). ``+inf`` and NaN show in it; a ``-inf`` alone is an additive mask or a bias by design,
-unless in half precision beside values other than 0 (an overflow), or in the batch where it is no mask.
+(:func:`read`: one transfer). ``+inf`` and NaN show in it. A ``-inf`` alone is a mask or a bias by design; one in
+half precision beside values other than 0 counts where a later call turns it into ``+inf`` or NaN
+(:func:`~.verdict.first_born`), and in the batch where it is no mask.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class Watch:
                 continue
             self.names.append(clean_name(raw))
             self._handles += [
-                module.register_forward_pre_hook(self._before(len(self.names) - 1), with_kwargs=True),
-                module.register_forward_hook(self._after(-len(self.names)), with_kwargs=True),
+                module.register_forward_pre_hook(_Before(self, len(self.names) - 1), with_kwargs=True),
+                module.register_forward_hook(_After(self, -len(self.names)), with_kwargs=True),
             ]
         self.on = True
 
@@ -139,36 +140,77 @@ class Watch:
             handle.remove()
         self._handles, self.names, self.unwatched, self.trace, self.on = [], [], [], None, False
 
-    def _before(self, index: int) -> Any:
-        def before(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            if self.trace is not None:
-                try:
-                    self.trace.append((index, _extremes(args, kwargs, top=not self.depth)))
-                    self.depth += 1
-                except Exception as error:  # noqa: BLE001 - a watch never raises into the step
-                    self.failed, self.trace = f"a watch hook raised {type(error).__name__}: {error}", None
 
-        return before
+class _Hook:
+    """A watch hook, for the module at ``index`` of ``watch``.
 
-    def _after(self, index: int) -> Any:
-        def after(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if self.trace is not None:
-                try:
-                    self.depth -= 1
-                    self.trace.append((index, _extremes(output)))
-                except Exception as error:  # noqa: BLE001
-                    self.failed, self.trace = f"a watch hook raised {type(error).__name__}: {error}", None
+    A copy of the model (``copy.deepcopy``, ``torch.save``) gets an inert one instead (:class:`_Gone`): the copy is
+    not watched, and it pickles.
+    """
 
-        return after
+    __slots__ = ("watch", "index")
+
+    def __init__(self, watch: Watch, index: int) -> None:
+        self.watch, self.index = watch, index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Gone, ())
+
+
+class _Before(_Hook):
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        watch = self.watch
+        if watch.trace is not None:
+            try:
+                watch.trace.append((self.index, _extremes(args, kwargs, top=not watch.depth)))
+                watch.depth += 1
+            except Exception as error:  # noqa: BLE001 - a watch never raises into the step
+                watch.failed, watch.trace = f"a watch hook raised {type(error).__name__}: {error}", None
+
+
+class _After(_Hook):
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        watch = self.watch
+        if watch.trace is not None:
+            try:
+                watch.depth -= 1
+                watch.trace.append((self.index, _extremes(output)))
+            except Exception as error:  # noqa: BLE001
+                watch.failed, watch.trace = f"a watch hook raised {type(error).__name__}: {error}", None
+
+
+#: a module's per-hook flags (``always_called`` from torch 2.1)
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class _Gone:
+    """A copied watch hook: it does nothing, and takes itself off the module at its first call."""
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [key for key, hook in hooks.items() if hook is self]:
+                del hooks[key]
+                for flags in _HOOK_FLAGS:
+                    getattr(module, flags, {}).pop(key, None)
 
 
 def _kind(low: float, high: float, half: bool) -> Optional[str]:
-    """``"nan"``; ``"inf"`` (``+inf``, or a half-precision ``-inf`` beside values other than 0); ``"-inf"``; None."""
+    """A tensor's kind from its extremes: ``"nan"``, ``"inf"`` (``+inf``), ``"-inf16"`` or ``"-inf"``; None.
+
+    ``"-inf16"``: a half-precision ``-inf`` beside values other than 0 (an overflow, or a mask or a bias made in half
+    precision). ``"-inf"``: any other (a mask or a bias by design).
+    """
     if high != high:
         return "nan"
-    if high == float("inf") or (low == float("-inf") and half and high != 0):
+    if high == float("inf"):
         return "inf"
-    return "-inf" if low == float("-inf") else None
+    if low == float("-inf"):
+        return "-inf16" if half and high != 0 else "-inf"
+    return None
+
+
+#: an event's kind: the first its tensors hold, in this order
+_ORDER = ("inf", "nan", "-inf16", "-inf")
 
 
 def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, list[Optional[str]]]]]]:
@@ -188,8 +230,8 @@ def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, l
             n = extremes[0].numel()
             samples = [_kind(a, b, half) for a, b in zip(low[at : at + n], high[at : at + n], strict=True)]
             at += n
-            kinds.append(next((k for k in ("inf", "nan", "-inf") if k in samples), None))
+            kinds.append(next((k for k in _ORDER if k in samples), None))
             if storage:
                 tops.append((storage[0], samples))
-        events.append((index, next((k for k in ("inf", "nan", "-inf") if k in kinds), None), tops))
+        events.append((index, next((k for k in _ORDER if k in kinds), None), tops))
     return events

@@ -34,9 +34,22 @@ def replaying() -> bool:
 
 
 def torch_own(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward is torch's own code (``nn.Linear``), not yours: a default path may run it again."""
-    forward = vars(module).get("forward", type(module).forward)
-    return str(getattr(forward, "__module__", "")).startswith("torch.") and not module._forward_hooks
+    """Whether all ``module`` runs is torch's own code (``nn.Linear``), not yours: a default path may run it again.
+
+    Its class is torch's (a subclass of yours may override any method its forward calls), with no forward of its
+    own, no hook (its own or global), no parametrization, and its children the same.
+    """
+    from torch.nn.modules import module as torch_module
+    from torch.nn.utils import parametrize
+
+    return (
+        type(module).__module__.startswith("torch.")
+        and "forward" not in vars(module)
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+        and not parametrize.is_parametrized(module)
+        and all(torch_own(child) for child in module.children())
+    )
 
 
 def attempt(run: Callable[..., T], *args: Any) -> tuple[Optional[T], Optional[str]]:

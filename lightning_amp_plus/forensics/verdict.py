@@ -20,23 +20,34 @@ from lightning_amp_plus.forensics.origin import IN_ISLAND, OWN_CODE, WATCHING, O
 def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[tuple[Optional[int], str, int]]:
     """The module inf/nan were born in, their kind and the event's position; None where every call was finite.
 
-    A call's output holding them, its inputs not: born in it (inner modules end first: the innermost). A call's
-    inputs holding them: made by the code around it, the enclosing module's (its index) or, at the top, the step's
-    own code or the batch (None). A ``-inf`` alone counts at the top only, with ``minus`` (the batch holds one).
+    A call's output holding ``+inf`` or NaN, its inputs not: born in it (inner modules end first: the innermost). A
+    call's inputs holding them: made by the code around it, the enclosing module's (its index) or, at the top, the
+    step's own code or the batch (None). A half-precision ``-inf`` counts only where a later call turns it into
+    ``+inf`` or NaN (a mask or a bias made in float16 is no overflow): born where it appeared, the latest module
+    whose output held it first, else the code that handed it to a call. A ``-inf`` alone counts at the top only, with
+    ``minus`` (the batch holds one).
     """
-    calls: list[int] = []
+    calls: list[int] = []  # the calls in progress
+    took: list[bool] = []  # whether each took a half-precision -inf in
+    minus16: Optional[tuple[Optional[int], int]] = None  # where a half-precision -inf appeared, and the event
     for position, (index, kind, *_) in enumerate(events):
         if kind == "-inf":
             kind = "inf" if minus and index >= 0 and not calls else None
         if index >= 0:
-            if kind is not None:
+            if kind is not None and kind != "-inf16":
                 return (calls[-1] if calls else None), kind, position
+            if kind == "-inf16" and minus16 is None:
+                minus16 = (calls[-1] if calls else None), position
             calls.append(index)
+            took.append(kind == "-inf16")
         else:
+            fed = took.pop() if took else False
             if calls:
                 calls.pop()
-            if kind is not None:
-                return ~index, kind, position
+            if kind == "-inf16" and not fed:
+                minus16 = ~index, position
+            elif kind is not None and kind != "-inf16":
+                return (minus16[0], "inf", minus16[1]) if fed and minus16 else (~index, kind, position)
     return None
 
 
@@ -92,7 +103,7 @@ def _from_batch(batch: Any, tops: list[tuple[Any, ...]], minus: bool) -> bool:
     Yes for a batch tensor (or a view of one) holding them, or where each tensor holding them holds them only at
     samples where the batch does (the step's code carries a sample on in its sample).
     """
-    counted = ("inf", "nan", "-inf") if minus else ("inf", "nan")
+    counted = ("inf", "nan", "-inf16", "-inf") if minus else ("inf", "nan", "-inf16")
     told = [(p, {i for i, k in enumerate(kinds) if k in counted}, len(kinds)) for p, kinds in tops]
     told = [t for t in told if t[1]]
     bad = [t.detach() for t in values(batch) if t.is_floating_point() and nonfinite_kinds(t, masks=True)]

@@ -268,3 +268,87 @@ def test_a_modules_input_dtype_is_its_first_calls():
     make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[report], max_steps=1).fit(_TwoDtypes())
     (probe,) = [r for r in report.rows if r["name"] == "probe"]
     assert probe["input_dtype"] == "float16"
+
+
+def test_only_torchs_own_modules_are_timed_again():
+    """`lowered_speedup` runs a flagged module again: only where all it runs is torch's own code."""
+    from torch.nn.utils import parametrize
+
+    from lightning_amp_plus.forensics.sandbox import torch_own
+
+    class WSConv2d(nn.Conv2d):  # weight standardization: a method its forward calls is the user's
+        def _conv_forward(self, x, w, b):
+            return super()._conv_forward(x, (w - w.mean()) / (w.std() + 1e-5), b)
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    parametrized = nn.Linear(4, 4)
+    parametrize.register_parametrization(parametrized, "weight", Scale())
+    hooked = nn.Linear(4, 4)
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    assert torch_own(nn.Linear(4, 4))
+    assert torch_own(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert not torch_own(WSConv2d(3, 4, 3))
+    assert not torch_own(parametrized)
+    assert not torch_own(hooked)
+    assert not torch_own(nn.Sequential(WSConv2d(3, 4, 3)))
+
+
+def test_a_subclass_of_a_torch_layer_runs_once_a_batch_with_the_report():
+    calls = []
+
+    class WSConv2d(nn.Conv2d):
+        def _conv_forward(self, x, w, b):
+            calls.append(1)
+            return super()._conv_forward(x, w, b)
+
+    class Convs(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.conv = WSConv2d(1, 2, 3, padding=1)
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):  # float32 heavy work: flagged
+                h = self.conv(x.float()[:, None, None, :])
+            return self.net(h.mean((1, 2)))
+
+    for callbacks in ([], [PrecisionReport(print_table=False)]):
+        calls.clear()
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=callbacks, max_steps=3).fit(Convs())
+        assert len(calls) == 3, callbacks  # once a batch: the report never runs it again
+    (row,) = [r for r in callbacks[0].rows if r["name"] == "conv"]
+    assert row["flagged"]
+    assert row["lowered_speedup"] is None  # not timed: not torch's own code
+
+
+def test_heavy_modules_with_children_are_one_row_each():
+    """`MultiheadAttention` (its `out_proj` is its own part) and a parametrized Linear (weight norm's way)."""
+    from torch.nn.utils import parametrize
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return w * 1.0
+
+    class Parts(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.proj = nn.Linear(8, 8)
+            parametrize.register_parametrization(self.proj, "weight", Scale())
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):  # float32 heavy work: both flagged
+                h = self.proj(x.float())
+                h = self.attn(h[:, None], h[:, None], h[:, None], need_weights=False)[0][:, 0]
+            return self.net(h)
+
+    report = PrecisionReport(print_table=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[report], max_steps=1).fit(Parts())
+    rows = {r["name"]: r for r in report.rows}
+    assert rows["attn"]["flagged"]
+    assert rows["proj"]["flagged"]
+    assert rows["proj"]["type"] == "ParametrizedLinear"
+    assert not [name for name in rows if name.startswith(("attn.", "proj."))]  # their parts are no rows
+    assert rows["proj"]["lowered_speedup"] is None  # a parametrization is code of yours: not timed again
