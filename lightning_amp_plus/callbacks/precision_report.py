@@ -106,8 +106,9 @@ def _name(dtype: Optional[torch.dtype]) -> str:
 class PrecisionReport(KnobsRepr, Callback):
     """Record, for each leaf module, the dtypes it ran in and its share of forward time; flag fp32 heavy work.
 
-    On the first training batch (and every ``every_n_batches`` batches when given) it hooks every leaf module for
-    one forward pass and records a row: ``name``, ``type``, ``input_dtype``, ``output_dtype``, ``param_dtype``,
+    On the first training batch (and every ``every_n_batches`` batches when given) it hooks every leaf module (and
+    heavy modules with parts of their own, ``MultiheadAttention``, a parametrized Linear, as one) for one forward
+    pass and records a row: ``name``, ``type``, ``input_dtype``, ``output_dtype``, ``param_dtype``,
     ``time_ms``, ``time_share``, ``autocast`` (whether autocast was on when the module ran), ``island`` (the fp32
     island it runs in, ``None`` outside one), ``compiled`` (inside a ``torch.compile``d submodule), ``flagged`` and
     ``cause``. A module is flagged when it does matmul/conv work (see ``HEAVY_TYPES``) or takes at least
