@@ -1,5 +1,7 @@
 """0.2's public names, kept one release with a DeprecationWarning naming their replacement, work as they did."""
 
+import os
+
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -89,6 +91,7 @@ def test_the_0_3_forensics_paths_warn_at_your_line_and_give_the_same_object(old,
     with pytest.warns(DeprecationWarning, match=rf"`{old}.{name}` moved to `{new}.{name}`") as caught:
         found = getattr(importlib.import_module(old), name)
     assert found is getattr(importlib.import_module(new), name)
-    assert caught[0].filename == __file__  # the user's line, not ours
+    if not os.environ.get("MUTANT_UNDER_TEST"):  # mutmut's trampolines add a frame of their own
+        assert caught[0].filename == __file__  # the user's line, not ours
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         importlib.import_module(old).nothing  # noqa: B018
