@@ -892,6 +892,22 @@ def test_from_grad_scaler_lets_the_callers_knobs_win_over_torchs_rule():
     assert made.get_scale() == 2.0**10  # hysteresis 3: the first overflow keeps the scale
 
 
+def test_from_grad_scaler_takes_torchs_own_knobs_as_given():
+    """A GradScaler built with other factors and interval than torch's defaults: each one carried over, and used."""
+    given = torch.amp.GradScaler("cpu", init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=1)
+    made = DynamicLossScaler.from_grad_scaler(given)
+    assert {k: made.knobs()[k] for k in ("growth_factor", "backoff_factor", "growth_interval")} == {
+        "growth_factor": 4.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 1,
+    }
+    model, opt = _setup()
+    _cycle(made, model, opt, torch.ones(1, 4), overflow=True)
+    assert made.get_scale() == 2.0  # backed off by 0.25
+    _cycle(made, model, opt, torch.ones(1, 4), overflow=False)
+    assert made.get_scale() == 8.0  # grown by 4 after one clean update
+
+
 def test_from_grad_scaler_refuses_a_disabled_scaler_by_name():
     with pytest.raises(
         ValueError, match=r"^`DynamicLossScaler.from_grad_scaler\(scaler\)` is invalid: the `GradScaler`"
