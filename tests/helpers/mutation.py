@@ -42,6 +42,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
         ["scaler", "knobs", "history", "advice", "_validation", "_repr", "_scope", "_log", "_limits"],
         [
             "tests/test_scaler.py",
+            "tests/test_extension_points.py",  # the scaler's extension points, through the plugins
             "tests/test_cycle_rules.py",
             "tests/test_history.py",
             "tests/test_advice.py",
