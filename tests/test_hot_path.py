@@ -107,5 +107,7 @@ def test_a_watched_module_call_costs_four_python_calls_of_ours_and_two_device_op
     before, after = ("_Before.__call__", "_After.__call__") if qualified else ("__call__", "__call__")
     assert ours == [before, "_extremes", before, "_extremes", after, "_extremes", after, "_extremes"]
     assert len(names) - len(plain_names) <= 8 + 2 * 3  # with torch's own dispatch of two hooked modules
-    # the step's own input to `outer`: detach, a view, aminmax per sample; the other three a detach and a maximum
-    assert ops - plain_ops == 3 + 3 * 2
+    # per tensor a detach and an aminmax; the step's own input to `outer` a view more (per sample). A detach is one
+    # aten op on torch 2.13, two on torch 2.4: counted on this torch
+    _, detach = _profiled(lambda: x.detach())
+    assert ops - plain_ops == 4 * (detach + 1) + 1
