@@ -7,11 +7,12 @@ and removes it again; parameters, buffers and ``state_dict()`` keys are never ch
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fnmatch
 import functools
 import importlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Union
 
 import torch
@@ -99,7 +100,41 @@ def fp32_forward(original: Any, device_type: str) -> Any:
         with torch.autocast(device_type, enabled=False):
             return original(*_cast_inputs(args), **_cast_inputs(kwargs))
 
+    forward.fp32_island = True  # type: ignore[attr-defined]
     return forward
+
+
+def set_aside(modules: Iterable[nn.Module], device_type: str) -> list[tuple[nn.Module, Any]]:
+    """Run each of ``modules`` in float32 (:func:`fp32_forward`); one already an island stays as it is.
+
+    A forward set on the instance (a library's hook) is wrapped, not replaced. Returns what :func:`put_back` undoes.
+    """
+    installed = []
+    for module in modules:
+        previous = vars(module).get("forward")
+        if not getattr(previous, "fp32_island", False):
+            module.forward = fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
+            installed.append((module, previous))
+    return installed
+
+
+def put_back(installed: list[tuple[nn.Module, Any]]) -> None:
+    """Each module's forward as :func:`set_aside` found it."""
+    for module, previous in reversed(installed):
+        if previous is None:
+            vars(module).pop("forward", None)
+        else:
+            module.forward = previous  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def in_float32(modules: Iterable[nn.Module], device_type: str) -> Iterator[None]:
+    """``modules`` run in float32 inside, as ``fp32_modules`` runs them."""
+    installed = set_aside(modules, device_type)
+    try:
+        yield
+    finally:
+        put_back(installed)
 
 
 class Fp32Islands:
@@ -171,21 +206,13 @@ class Fp32Islands:
         self.remove()
         names = self.match(model)
         modules = dict(model.named_modules())
-        for name in names:
-            module = modules[name]
-            previous = module.__dict__.get("forward")
-            module.forward = fp32_forward(module.forward, device_type)  # type: ignore[method-assign]
-            self._installed.append((module, previous))
+        self._installed = set_aside([modules[name] for name in names], device_type)
         # reported as the user wrote them (a compiled submodule's `_orig_mod.` dropped): the names every report uses
         self.names = list(dict.fromkeys(clean_name(name) for name in names))
         return list(self.names)
 
     def remove(self) -> None:
         """Restore every wrapped module exactly as it was."""
-        for module, previous in self._installed:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous  # type: ignore[method-assign]
+        put_back(self._installed)
         self._installed = []
         self.names = []

@@ -4,6 +4,7 @@ The watch names where inf/nan were born; the opt-in replay measures the float32 
 printed from either, pasted as printed, is measured to help, and a chain of fixes ends in the one that works.
 """
 
+import functools
 import random
 
 import pytest
@@ -941,3 +942,34 @@ def test_a_nan_in_any_precision_fed_by_the_own_code_is_not_read_as_a_rounding():
         "nan",
         Verdict.NONFINITE,
     )  # the own code's mean: no replay
+
+
+def _hooked(module):
+    """``module`` with its forward wrapped on the instance, as accelerate's ``add_hook_to_module`` does."""
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    module.forward = forward
+    return module
+
+
+class _HookedTower(_Tower):
+    """``lin`` overflows float16 (8e4 and up) and carries a library's forward on its instance."""
+
+    def __init__(self):
+        super().__init__()
+        _hooked(self.lin)
+
+
+def test_a_module_whose_forward_a_library_set_on_its_instance_is_measured_in_float32():
+    model = _HookedTower()
+    hook = vars(model.lin)["forward"]
+    told = _told(model, torch.randn(4, 8), lambda model, x: model(x).float().sum())
+    assert (told.module, told.kind, told.float32, told.islands) == ("lin", "inf", Verdict.FINITE, ("lin",))
+    assert vars(model.lin)["forward"] is hook  # the library's forward, as the replay found it
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=["net.lin"])
+    make_trainer(plugins=[plugin], max_steps=4).fit(_tiny(_HookedTower()))
+    assert plugin.history.num_skipped == 0  # measured: the island the replay claims ends the skips

@@ -8,7 +8,6 @@ Your modules' code runs again: what it does beyond parameters, buffers and rando
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from lightning_amp_plus.forensics.sandbox import (
     sandboxed,
 )
 from lightning_amp_plus.forensics.verdict import first_born
-from lightning_amp_plus.islands import fp32_forward
+from lightning_amp_plus.islands import in_float32
 
 
 @dataclass
@@ -226,7 +225,8 @@ def _replay(
     trace = watch.begin()
     modules = [c.module for c in calls]  # a compiled one runs eagerly inside the sandbox, watched from outside
     try:
-        with sandboxed(modules, device), no_logging(model), torch.enable_grad(), _in_float32(model, islands, device):
+        set_aside = [m for n, m in model.named_modules() if clean_name(n) in islands]
+        with sandboxed(modules, device), no_logging(model), torch.enable_grad(), in_float32(set_aside, device):
             for call, module in zip(calls, modules, strict=True):
                 give_back(call.rng)
                 args, kwargs = copied_inputs(map_tensors(lambda t: replaced.get(id(t), t), (call.args, call.kwargs)))
@@ -245,18 +245,3 @@ def _replay(
         return None, outputs, failed
     where, kind, _ = found
     return (watch.names[where] if where is not None else "", kind), outputs, None
-
-
-@contextlib.contextmanager
-def _in_float32(model: torch.nn.Module, islands: list[str], device: str) -> Iterator[None]:
-    """The modules named ``islands`` run in float32 inside, as ``fp32_modules`` runs them (a forward set aside)."""
-    set_aside = []
-    for name, module in model.named_modules():
-        if clean_name(name) in islands and "forward" not in vars(module):  # an island already is float32
-            module.forward = fp32_forward(module.forward, device)  # type: ignore[method-assign]
-            set_aside.append(module)
-    try:
-        yield
-    finally:
-        for module in set_aside:
-            del module.forward

@@ -25,7 +25,7 @@ from lightning_amp_plus.forensics._tree import tensors
 from lightning_amp_plus.forensics.observe import BatchRecord
 from lightning_amp_plus.forensics.origin import OWN_CODE, Origin, Phase, Verdict
 from lightning_amp_plus.forensics.sandbox import attempt, copied_inputs, no_logging, sandboxed
-from lightning_amp_plus.islands import fp32_forward
+from lightning_amp_plus.islands import in_float32
 
 #: modules tried one at a time as the island that makes an own-code precision loss finite (each a rerun)
 _ISLAND_TRIES = 6
@@ -186,10 +186,7 @@ def _gradients(
         torch.enable_grad(),
         contextlib.ExitStack() as stack,
     ):
-        for m in islands:
-            if "forward" not in vars(m):  # an island already runs in float32
-                m.forward = fp32_forward(m.forward, device_type)  # type: ignore[method-assign]
-                stack.callback(delattr, m, "forward")
+        stack.enter_context(in_float32(islands, device_type))
         if watch is not None:
             stack.callback(_removed, [m.register_forward_hook(watch) for m in module.modules()])
         with forward:
