@@ -130,7 +130,8 @@ class Watch:
             self.names.append(clean_name(raw))
             self._handles += [
                 module.register_forward_pre_hook(_Before(self, len(self.names) - 1), with_kwargs=True),
-                module.register_forward_hook(_After(self, -len(self.names)), with_kwargs=True),
+                # always: a call that raises (a caught fallback, checkpointing's recompute stopped early) ends too
+                module.register_forward_hook(_After(self, -len(self.names)), with_kwargs=True, always_call=True),
             ]
         self.on = True
 
