@@ -11,6 +11,7 @@ without them, and `fit` ends as it does without them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -22,6 +23,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import (
@@ -37,6 +39,33 @@ LOUD = (2, 5, 8)  # batches whose first layer overflows float16: forward-born sk
 LOAD_STATS: list[float] = []
 #: a compiled block's calls, counted through a helper
 BLOCK_CALLS: list[int] = []
+#: what the user's tensor code saw: a tensor subclass's and a mode's `__torch_function__`, a dict's `__getitem__`
+USER_CALLS: list[str] = []
+
+
+class Counted(torch.Tensor):
+    """A tensor subclass that logs every op it takes part in (a metadata-carrying or logging tensor)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        USER_CALLS.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class CountMode(TorchFunctionMode):
+    """A mode the step runs under that logs every op (an op logger or counter)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        USER_CALLS.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class Logged(dict):
+    """A result dict that logs which keys were read."""
+
+    def __getitem__(self, key):
+        USER_CALLS.append(f"read {key}")
+        return dict.__getitem__(self, key)
 
 
 def _record_load(value: float) -> None:
@@ -58,7 +87,18 @@ def _cached_calls() -> int:
 
 
 #: each pattern of state outside the tensors, tested alone (one cannot hide another)
-PATTERNS = ("module-level list", "numpy array", "ctypes counter", "iterator", "file", "lru_cache", "compiled block")
+PATTERNS = (
+    "module-level list",
+    "numpy array",
+    "ctypes counter",
+    "iterator",
+    "file",
+    "lru_cache",
+    "compiled block",
+    "tensor subclass",
+    "function mode",
+    "dict subclass",
+)
 
 
 class Expert(nn.Module):
@@ -86,6 +126,10 @@ class Expert(nn.Module):
                 f.write(f"{float(h.detach().float().sum())}\n")
         elif self.pattern == "lru_cache":
             h = h * _scale_for(h.shape[-1]) * 16
+        elif self.pattern == "tensor subclass":
+            h = h.as_subclass(Counted)
+        elif self.pattern == "dict subclass":
+            return Logged(h=h)
         return h
 
 
@@ -110,7 +154,10 @@ class Stateful(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        out = self.head(self.block(self.expert(x))).float()
+        with CountMode() if self.pattern == "function mode" else contextlib.nullcontext():
+            h = self.expert(x)
+            out = self.head(self.block(h["h"] if self.pattern == "dict subclass" else h)).float()
+        out = out.as_subclass(torch.Tensor)
         if self.pattern == "module-level list":
             loads = list(LOAD_STATS)
             LOAD_STATS.clear()
@@ -136,6 +183,7 @@ def _fit(tmp_path, name: str, callbacks: list, pattern: str = "module-level list
     random.seed(0)
     np.random.seed(0)
     LOAD_STATS.clear()
+    USER_CALLS.clear()
     calls_before, cached_before = len(BLOCK_CALLS), _cached_calls()
     log = tmp_path / f"{name}.log"
     log.write_text("")
@@ -153,6 +201,9 @@ def _fit(tmp_path, name: str, callbacks: list, pattern: str = "module-level list
         "file": log.read_text(),
         "lru_cache": _cached_calls() - cached_before,
         "compiled block": len(BLOCK_CALLS) - calls_before,
+        "tensor subclass": list(USER_CALLS),
+        "function mode": list(USER_CALLS),
+        "dict subclass": list(USER_CALLS),
     }
     return {
         "model": model,

@@ -112,3 +112,81 @@ def test_a_call_that_raised_is_not_blamed_for_what_the_own_code_made_later(make)
     origins, advisor = _watched(make)
     assert origins == [{"phase": "forward", "module": "", "kind": "inf"}] * 2  # the own code, no module
     assert "fp32_module" not in [a.code for a in advisor.advice]  # no island that cannot help
+
+
+# ------------------------------------------------------------------------------- what the watch reads, and how
+def _ops_of_watched_call(module, *args):
+    """The aten ops a watched call of ``module`` dispatches beyond the plain call's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_amp_plus.forensics.observe import Watch
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    holder = nn.Module()
+    holder.inner = module
+    with Ops() as plain:
+        holder.inner(*args)
+    watch = Watch()
+    watch.install(holder)
+    watch.begin()
+    with Ops() as watched:
+        holder.inner(*args)
+    watch.remove()
+    extra = list(watched.names)
+    for name in plain.names:
+        extra.remove(name)
+    return extra
+
+
+class _Masked(nn.Module):
+    def forward(self, x, mask):
+        return x + mask
+
+
+def test_a_broadcast_input_is_reduced_where_it_lies_not_copied():
+    x = torch.randn(64, 32, 32)
+    mask = torch.zeros(64, 1, 32).expand(64, 32, 32)  # a padding mask broadcast over the rows
+    extra = _ops_of_watched_call(_Masked(), x, mask)
+    assert not [op for op in extra if "copy" in op or "clone" in op or "contiguous" in op], extra
+
+
+class _Dispatching(torch.Tensor):
+    """A tensor whose ops run code of its own (``__torch_dispatch__``, as a quantized or sharded tensor's)."""
+
+    seen: list = []
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype)
+
+    def __init__(self, data):
+        self.data_ = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        unwrap = torch.utils._pytree.tree_map_only(cls, lambda t: t.data_, (args, kwargs or {}))
+        return func(*unwrap[0], **unwrap[1])
+
+
+def test_a_tensor_whose_ops_run_its_own_code_is_not_read():
+    from lightning_amp_plus.forensics.observe import Watch
+
+    holder = nn.Module()
+    holder.inner = nn.Identity()
+    watch = Watch()
+    watch.install(holder)
+    trace = watch.begin()
+    x = _Dispatching(torch.randn(4, 8))
+    _Dispatching.seen.clear()
+    holder.inner(x)
+    assert _Dispatching.seen == []  # nothing of its code ran for the watch
+    assert trace == [(0, []), (-1, [])]  # the call is kept, its tensor unread

@@ -17,7 +17,7 @@ from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
-from lightning_amp_plus.forensics._tree import map_tensors, tensors
+from lightning_amp_plus.forensics._tree import map_tensors, tensors, torch_only
 from lightning_amp_plus.forensics.sandbox import attempt, replaying, sandboxed, torch_own
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
@@ -38,7 +38,8 @@ HEAVY_TYPES: tuple[type[nn.Module], ...] = (
 
 
 def _first_dtype(value: Any) -> Optional[torch.dtype]:
-    return next((t.dtype for t in tensors(value) if t.is_floating_point()), None)
+    with torch_only():
+        return next((t.dtype for t in tensors(value) if t.is_floating_point()), None)
 
 
 def _island_of(name: str, islands: list[str]) -> Optional[str]:
@@ -84,7 +85,7 @@ def lowered_speedup(module: nn.Module, args: Any, kwargs: Any, device_type: str,
             module.forward(*map_tensors(high, args), **map_tensors(high, kwargs))
 
     times: dict[Any, list[float]] = {lowered: [], full: []}
-    with sandboxed([module], device_type), torch.no_grad():
+    with sandboxed([module], device_type), torch.no_grad(), torch_only():
         for run in range(SPEED_RUNS + 1):
             for variant in (lowered, full):
                 if cuda:

@@ -22,6 +22,15 @@ _DEEPEST = 32
 _RESULTS = (UserDict, SimpleNamespace)
 
 
+#: inside it a tensor's ops run torch's own code only: no ``__torch_function__`` (a tensor subclass's, a mode's)
+torch_only = torch._C.DisableTorchFunction
+
+
+def dispatches_to_torch(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s ops run torch's own kernels (its type has no ``__torch_dispatch__`` of its own)."""
+    return type(tensor) is torch.Tensor or type(tensor).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+
+
 def _node(value: Any, inside: int, depth: int) -> Optional[tuple[list[Any], Callable[[list[Any]], Any]]]:
     """``value``'s children and how to build one like it around new ones; None for a leaf.
 
@@ -29,11 +38,13 @@ def _node(value: Any, inside: int, depth: int) -> Optional[tuple[list[Any], Call
     """
     if isinstance(value, torch.Tensor) or depth >= _DEEPEST:
         return None
+    # read by the built-in type's own methods: a subclass's `__iter__` or `__getitem__` is your code
     if isinstance(value, (list, tuple)):
-        return list(value), lambda items: rebuilt(value, [], items)
+        base: Any = tuple if isinstance(value, tuple) else list
+        return list(base.__iter__(value)), lambda items: rebuilt(value, [], items)
     if isinstance(value, dict):
-        keys = list(value)
-        return [value[k] for k in keys], lambda items: rebuilt(value, keys, items)
+        keys = list(dict.keys(value))
+        return list(dict.values(value)), lambda items: rebuilt(value, keys, items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = [f.name for f in dataclasses.fields(value)]
         return [getattr(value, n, None) for n in names], lambda items: rebuilt(value, names, items)

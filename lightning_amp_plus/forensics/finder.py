@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_amp_plus.forensics._tree import torch_only
 from lightning_amp_plus.forensics.observe import BatchRecord, Watch, read
 from lightning_amp_plus.forensics.origin import WATCHING, Origin, unknown
 from lightning_amp_plus.forensics.replay import Recorder, measure
@@ -143,7 +144,8 @@ class OriginFinder:
         record = record if record is not None else self.current
         if record is None:
             return None
-        told, error = attempt(self._tell, record)
+        with torch_only():  # what the step computed is read by torch's code alone
+            told, error = attempt(self._tell, record)
         return unknown(f"telling it raised {error}") if error is not None else told
 
     def _tell(self, record: BatchRecord) -> Optional[Origin]:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
-from lightning_amp_plus.forensics._tree import tensors, values
+from lightning_amp_plus.forensics._tree import dispatches_to_torch, tensors, torch_only, values
 from lightning_amp_plus.forensics.sandbox import States
 
 #: which ``-inf`` counts (see :func:`nonfinite_kinds`): every one (False), all but an additive mask's (True)
@@ -53,13 +53,14 @@ def nonfinite_kinds(value: Any, masks: Masks = False, minus: bool = False) -> se
     ``"-inf"`` too.
     """
     found: set[str] = set()
-    for tensor in values(value):
-        if tensor.is_floating_point() and tensor.numel():
-            t = tensor.detach()
-            found.update(("nan",) if bool(torch.isnan(t).any()) else ())
-            found.update(("inf",) if bool(torch.isposinf(t).any()) else ())
-            if masks != "all" and bool(torch.isneginf(t).any()) and not (masks and _mask_like(t)):
-                found.update(("inf", "-inf") if minus else ("inf",))
+    with torch_only():
+        for tensor in values(value):
+            if tensor.is_floating_point() and tensor.numel() and dispatches_to_torch(tensor):
+                t = tensor.detach()
+                found.update(("nan",) if bool(torch.isnan(t).any()) else ())
+                found.update(("inf",) if bool(torch.isposinf(t).any()) else ())
+                if masks != "all" and bool(torch.isneginf(t).any()) and not (masks and _mask_like(t)):
+                    found.update(("inf", "-inf") if minus else ("inf",))
     return found
 
 
@@ -76,18 +77,31 @@ def _mask_like(tensor: Tensor) -> bool:
 
 
 def _extremes(value: Any, kwargs: Any = None, top: bool = False) -> list[tuple[Any, ...]]:
-    """A call's ``value`` (and ``kwargs``) as an :data:`Event` keeps them, on the device, not read."""
+    """A call's ``value`` (and ``kwargs``) as an :data:`Event` keeps them, on the device, not read.
+
+    Only torch's own code runs: no ``__torch_function__`` (a subclass's, a mode's); a tensor whose type dispatches
+    to code of its own (``__torch_dispatch__``) is not read.
+    """
     found: list[tuple[Any, ...]] = []
     items = value if type(value) is tuple else (value,)  # a call's arguments, or the one value it returned
-    for item in (*items, *kwargs.values()) if kwargs else items:
-        for t in (item,) if type(item) is Tensor else () if isinstance(item, _PLAIN) else tensors(item):
-            if t.is_floating_point() and t.numel() and t.layout is torch.strided:
-                d = t.detach()
-                if top and d.dim():  # per sample, to tell the batch's (:func:`~.verdict._from_batch`)
-                    low_high = torch.aminmax(d.reshape(d.shape[0], -1), dim=1)
+    with torch_only():
+        for item in (*items, *kwargs.values()) if kwargs else items:
+            for t in (item,) if type(item) is Tensor else () if isinstance(item, _PLAIN) else tensors(item):
+                if (
+                    t.is_floating_point()
+                    and t.numel()
+                    and t.layout is torch.strided
+                    and (type(t) is Tensor or dispatches_to_torch(t))
+                ):
+                    d = t.detach()
+                    if not top or not d.dim():
+                        found.append((d.dtype in _HALF, torch.aminmax(d)))
+                        continue
+                    # per sample, to tell the batch's (:func:`~.verdict._from_batch`); reduced where it lies (a
+                    # broadcast mask is not copied)
+                    dims = tuple(range(1, d.dim()))
+                    low_high = (d.amin(dims), d.amax(dims)) if dims else torch.aminmax(d.reshape(-1, 1), dim=1)
                     found.append((d.dtype in _HALF, low_high, d.untyped_storage().data_ptr()))
-                else:
-                    found.append((d.dtype in _HALF, torch.aminmax(d)))
     return found
 
 
@@ -219,8 +233,9 @@ def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, l
 
     One transfer to the host.
     """
-    flat = [torch.stack([m.float().flatten() for m in entry[1]]) for _, entries in trace for entry in entries]
-    numbers = iter(torch.cat([m.to(flat[0].device) for m in flat], dim=1).tolist() if flat else [[], []])
+    with torch_only():  # a mode the step runs under is not called
+        flat = [torch.stack([m.float().flatten() for m in entry[1]]) for _, entries in trace for entry in entries]
+        numbers = iter(torch.cat([m.to(flat[0].device) for m in flat], dim=1).tolist() if flat else [[], []])
     low, high = next(numbers), next(numbers)
     events: list[tuple[int, Optional[str], list[tuple[Any, list[Optional[str]]]]]] = []
     at = 0
