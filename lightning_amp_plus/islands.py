@@ -176,8 +176,11 @@ class Fp32Islands:
             else:
                 # names as the user wrote them; the raw name only for a pattern that spells `_orig_mod` itself (so
                 # "net.*" selects what it selects without compile, never the compiled `net` as `net._orig_mod`)
+                # a module's name as printed selects that module: `[0]` in a `ModuleDict` key is no pattern there
                 raw = "_orig_mod" in entry
-                hits = [n for n, _ in named if fnmatch.fnmatchcase(n if raw else clean_name(n), entry)]
+                names = [(n, n if raw else clean_name(n)) for n, _ in named]
+                hits = [n for n, shown in names if shown == entry]
+                hits = hits or [n for n, shown in names if fnmatch.fnmatchcase(shown, entry)]
                 what = f"pattern {entry!r}"
             if not hits:
                 names = [n for n, _ in named]

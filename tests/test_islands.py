@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from lightning_amp_plus import AmpPlusPrecision
+from lightning_amp_plus.islands import Fp32Islands
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -175,3 +176,15 @@ def test_fp32_module_class_entries_resolve_only_to_module_classes():
     assert _resolve_class("LayerNorm") is None
     assert _resolve_class("torch.nn.Layer*") is None
     assert _resolve_class("signal.proj") is None  # a module name whose first part is a stdlib module: a name
+
+
+def test_a_module_name_with_pattern_characters_selects_that_module_as_printed():
+    model = nn.Module()
+    model.heads = nn.ModuleDict({"proj[0]": nn.Linear(4, 4), "proj0": nn.Linear(4, 4)})
+    islands = Fp32Islands(["heads.proj[0]"])  # as the advisor prints a name: not the pattern matching `proj0`
+    assert islands.install(model, "cpu") == ["heads.proj[0]"]
+    with torch.autocast("cpu", dtype=torch.float16):
+        x = torch.randn(2, 4)
+        assert (model.heads["proj[0]"](x).dtype, model.heads["proj0"](x).dtype) == (torch.float32, torch.float16)
+    islands.remove()
+    assert Fp32Islands(["heads.proj?"]).match(model) == ["heads.proj0"]  # a pattern still selects by pattern
