@@ -178,9 +178,9 @@ class Fp32Islands:
                 # "net.*" selects what it selects without compile, never the compiled `net` as `net._orig_mod`)
                 # a module's name as printed selects that module: `[0]` in a `ModuleDict` key is no pattern there
                 raw = "_orig_mod" in entry
-                names = [(n, n if raw else clean_name(n)) for n, _ in named]
-                hits = [n for n, shown in names if shown == entry]
-                hits = hits or [n for n, shown in names if fnmatch.fnmatchcase(shown, entry)]
+                shown = [(n, n if raw else clean_name(n)) for n, _ in named]
+                hits = [n for n, as_shown in shown if as_shown == entry]
+                hits = hits or [n for n, as_shown in shown if fnmatch.fnmatchcase(as_shown, entry)]
                 what = f"pattern {entry!r}"
             if not hits:
                 names = [n for n, _ in named]
