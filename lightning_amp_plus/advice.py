@@ -484,14 +484,21 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     for name, _ in modules.most_common():  # the most frequent module's islands first
         for o in fixable:
             if o.name == name:
-                islands += [i for i in o.islands or (o.name,) if i not in islands]
+                islands += [i for i in o.islands or _watched_islands(o) if i not in islands]
     watched = any(o.observed for o in fixable)
     if watched and len(islands) > MAX_ISLANDS:
         return None  # a chain of islands that long: bf16 (below)
     born = set(modules)
     kinds = Counter(o.kind for o in fixable)
-    moved = [i for i in islands if i not in born and i not in given]
+    fed = sorted({o.fed_by for o in fixable if o.fed_by in islands and o.fed_by not in born and o.fed_by not in given})
+    moved = [i for i in islands if i not in born and i not in given and i not in fed]
     also = f"; in float32 it overflows float16 again in {', '.join(moved)}, which join it" if moved else ""
+    took = (
+        f" It took a float16 -inf from {', '.join(fed)} (a mask there, or an overflow to -inf), which runs in float32"
+        " too."
+        if fed
+        else ""
+    )
     if len(modules) == 1:
         where, whose = f"the forward of {module} in {count}", "its output"
     else:
@@ -502,10 +509,10 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             f" (watched: nothing measured whether float32 avoids them). Run {'it' if len(modules) == 1 else 'them'}"
             " in float32: a float16 overflow ends there; if they are born there again, float32 makes them too, and"
             ' the advisor says so. `NaNSkipReporter(find_origin="replay")` measures it in the run, by running'
-            " the module again."
+            f" the module again.{took}"
         )
     else:
-        said = f": {whose} overflows float16{also}. A replay with these islands computed finite values."
+        said = f": {whose} overflows float16{also}.{took} A replay with these islands computed finite values."
     return Advice(
         "fp32_module",
         f"Non-finite values were born in {where} of {len(origins)} skipped updates"
@@ -521,6 +528,11 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             **({"modules": dict(modules)} if len(modules) > 1 else {}),
         },
     )
+
+
+def _watched_islands(origin: Origin) -> tuple[str, ...]:
+    """A watched origin's fix: its module and, where it took a float16 ``-inf`` in, the module that made it."""
+    return (origin.name, origin.fed_by) if origin.fed_by else (origin.name,)
 
 
 def _batch_too(origins: list[Origin]) -> str:

@@ -333,6 +333,7 @@ def test_the_first_page_says_each_line_the_package_prints_and_each_code():
         {"phase": "input"},
         {"phase": "forward", "module": None, "kind": "nan", "reason": WATCHING},
         {"phase": "forward", "module": "encoder.3.ff", "kind": "inf"},
+        {"phase": "forward", "module": "attn", "kind": "nan", "fed_by": "bias"},
         {"phase": "loss"},
     ):
         assert f"`{describe_origin(origin)}`" in page, origin

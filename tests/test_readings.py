@@ -108,11 +108,20 @@ def test_a_minus_inf_overflow_is_no_mask_and_its_island_fixes_it():
     advisor, plugin = _fit(EnergyModel())
     assert plugin.history.num_skipped == 12
     origin = advisor._reporter.skips[1]["origin"]  # watched from the second skip on
-    assert origin["module"] == "energy"  # a half-precision -inf beside values other than 0: born there
+    # NaN made of energy's half-precision -inf in the next module: named there, with where the -inf came from
+    assert (origin["module"], origin["fed_by"]) == ("net.0", "energy")
     assert "model_nonfinite" not in _codes(advisor)  # not called the model's own, no nan_to_num to hide it
     (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["net.0", "energy"]
+    assert "It took a float16 -inf from energy" in advice.message
     _, fixed = _fit(EnergyModel(), plugin=_applied(advice.fix))
     assert fixed.history.num_skipped == 0
+    _, alone = _fit(EnergyModel(), plugin=AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["net.0"]))
+    assert alone.history.num_skipped > 0  # the -inf's maker is needed: the island where NaN appeared alone fails
+    replayed = NaNSkipReporter(find_origin="replay", max_consecutive_skips=None, quiet=True)
+    _fit(EnergyModel(), callbacks=[replayed])
+    measured = [r["origin"] for r in replayed.skips]  # the replay watches from the start
+    assert measured and all(o["float32"] == "finite" and o["islands"] == ["net.0", "energy"] for o in measured)
     _, bf16 = _fit(EnergyModel(), plugin=AmpPlusPrecision("bf16-mixed"))
     assert bf16.history.num_skipped == 0
 

@@ -28,9 +28,9 @@ def _loader(steps=10, scale=100.0, features=8):
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=4)
 
 
-def _fit(model, callbacks=(), steps=10, loader=None, **plugin):
+def _fit(model, callbacks=(), steps=10, loader=None, plugin=None, **knobs):
     torch.manual_seed(0)
-    plugin = AmpPlusPrecision("16-mixed", **{"init_scale": 2.0**10, "growth_interval": 4, **plugin})
+    plugin = plugin or AmpPlusPrecision("16-mixed", **{"init_scale": 2.0**10, "growth_interval": 4, **knobs})
     make_trainer(plugins=[plugin], callbacks=list(callbacks), max_steps=steps).fit(model, loader or _loader(steps))
     return plugin
 
@@ -97,7 +97,7 @@ class _Fallback(LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         h = self.pre(x)
-        try:
+        try:  # noqa: SIM105 - the fallback as users write it
             h = self.fast(h)
         except RuntimeError:
             pass
@@ -190,3 +190,72 @@ def test_a_tensor_whose_ops_run_its_own_code_is_not_read():
     holder.inner(x)
     assert _Dispatching.seen == []  # nothing of its code ran for the watch
     assert trace == [(0, []), (-1, [])]  # the call is kept, its tensor unread
+
+
+# ------------------------------------------------------------------------------- a float16 mask beside an overflow
+T = 6
+
+
+class _Bias(nn.Module):
+    """A learned relative-position bias made causal with ``-inf`` under autocast: float16 ``-inf`` by design."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(1, 1)
+        self.register_buffer("rel", (torch.arange(T)[None, :] - torch.arange(T)[:, None]).float()[..., None] / T)
+
+    def forward(self):
+        b = self.proj(self.rel)[..., 0]
+        return b.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, bias):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)  # beyond float16 on the loud batches: its own overflow
+        return torch.softmax(scores + bias, -1) @ self.v(x / x.norm(dim=-1, keepdim=True))
+
+
+class _BiasedAttention(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.bias, self.attn, self.head = _Bias(), _Attention(), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.head(self.attn(x.view(-1, T, 8), self.bias())).float().mean(1)
+        return nn.functional.mse_loss(out, y.view(-1, T).mean(1, keepdim=True))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _sequences(steps=10):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * 2 * T, 8, generator=g)
+    for step in LOUD:
+        x[step * 2 * T : (step + 1) * 2 * T] *= 300.0
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=2 * T)
+
+
+def test_a_float16_mask_is_no_overflow_the_call_that_took_it_and_overflowed_is_named():
+    origins, advisor = _watched(_BiasedAttention, _sequences())
+    assert origins == [{"phase": "forward", "module": "attn", "kind": "nan", "fed_by": "bias"}] * 2
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["attn", "bias"]  # a watch cannot tell a mask from an overflow to -inf
+    assert _fit(_BiasedAttention(), loader=_sequences(), plugin=_pasted(advice)).history.num_skipped == 0
+    assert _fit(_BiasedAttention(), loader=_sequences(), fp32_modules=["attn"]).history.num_skipped == 0
+    assert _fit(_BiasedAttention(), loader=_sequences(), fp32_modules=["bias"]).history.skipped_steps == list(LOUD)
+    replayed = NaNSkipReporter(find_origin="replay", max_consecutive_skips=None, quiet=True)
+    _fit(_BiasedAttention(), [replayed], loader=_sequences())
+    assert [(r["origin"]["float32"], r["origin"]["islands"]) for r in replayed.skips] == [("finite", ["attn"])] * 3
+
+
+def test_the_skip_line_says_where_the_float16_minus_inf_came_from():
+    from lightning_amp_plus.callbacks._skip_text import describe_origin
+
+    told = {"phase": "forward", "module": "attn", "kind": "nan", "fed_by": "bias"}
+    assert describe_origin(told) == "born in forward of attn (nan; it took a float16 -inf from bias)"

@@ -92,7 +92,8 @@ def describe_origin(told: Optional[dict[str, Any]]) -> str:
         if origin.module is None:
             return f"born in forward of {origin.within} (the module inside: unknown, {origin.reason})"
         where = f"{origin.where} (between its module calls)" if origin.own_code else origin.where
-        return f"born in forward of {where} ({origin.kind})"
+        fed = f"; it took a float16 -inf from {origin.fed_by}" if origin.fed_by else ""
+        return f"born in forward of {where} ({origin.kind}{fed})"
     if origin.phase is Phase.BACKWARD and origin.batch_too:
         return "born in backward (the loss was finite; the batch held inf/nan)"
     return {

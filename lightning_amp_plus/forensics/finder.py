@@ -114,7 +114,7 @@ class OriginFinder:
         events = read(record.trace) if record.trace is not None else []
         found = first_born(events)
         depth, names = 0, []
-        for index, *_ in events[: found[2] if found is not None else len(events)]:
+        for index, *_ in events[: found.position if found is not None else len(events)]:
             depth += 1 if index >= 0 else -1
             if index < 0 and depth == 0:
                 names.append(self.watch.names[~index])
@@ -159,4 +159,4 @@ class OriginFinder:
         found = first_born(events) if events is not None else None
         if origin is None or not origin.observed or not self.replay or record.calls is None or found is None:
             return origin
-        return measure(origin, record, found[2], self.watch, self._context, self._device, self._model)  # type: ignore
+        return measure(origin, record, found.start, self.watch, self._context, self._device, self._model)  # type: ignore

@@ -58,6 +58,8 @@ class Origin:
         islands: the modules that, run in float32, made it finite (measured); ``()``: none found; None: not measured.
         within: the call 0.3's replay could not name a module inside (read from old reports).
         op: the backward node (``SqrtBackward0``).
+        fed_by: the module whose half-precision ``-inf`` the module took before it made them (a mask there, or an
+            overflow to ``-inf``: a watch cannot tell; a fix runs both in float32).
         batch_too: the batch held that kind too (the step's own code may have spread the batch's).
         reason: why nothing more was told. rank: the rank that saw it born (DDP). step: the update's step.
 
@@ -77,6 +79,7 @@ class Origin:
     islands: Optional[tuple[str, ...]] = None
     within: Optional[str] = None
     op: Optional[str] = None
+    fed_by: Optional[str] = None
     batch_too: bool = False
     reason: Optional[str] = None
     rank: Optional[int] = None
@@ -121,7 +124,7 @@ class Origin:
         told: dict[str, Any] = {"phase": self.phase.value}
         if self.module is not None or self.within is not None:
             told["module"] = "" if self.module is OWN_CODE else self.module
-        for key in ("within", "op", "kind"):
+        for key in ("within", "op", "kind", "fed_by"):
             if getattr(self, key) is not None:
                 told[key] = getattr(self, key)
         for key in ("float32", "bf16"):
@@ -140,7 +143,7 @@ class Origin:
     def from_dict(cls, told: Mapping[str, Any]) -> Origin:
         """An origin from its JSON form (:meth:`to_dict`)."""
         islands = told.get("islands", False)  # absent: not measured; None: none contain it
-        kept: dict[str, Any] = {k: told.get(k) for k in ("kind", "within", "op", "reason", "rank", "step")}
+        kept: dict[str, Any] = {k: told.get(k) for k in ("kind", "within", "op", "fed_by", "reason", "rank", "step")}
         kept.update({k: Verdict(told[k]) for k in ("float32", "bf16") if told.get(k) is not None})
         return cls(
             Phase(told.get("phase", "unknown")),

@@ -188,9 +188,12 @@ def measure(
             return origin.but(reason=f"not measured: the replay of {call.name} computed other values than the step")
         if found is None:
             return origin.but(float32=Verdict.FINITE, islands=() if fed else tuple(islands))
-        name, kind = found
+        name, kind, by = found
         if not name or (round == 0 and name != origin.name):  # what the own code passed on, not replayed
             return origin.but(float32=Verdict.FINITE if round else None, islands=() if round else None)
+        if name in islands and by is not None and by not in islands:  # fed a float16 -inf: where it was made too
+            islands.append(by)
+            continue
         whole = [calls[i].name for i in [*upstream, index] if calls[i].name not in islands]
         if name in islands and whole and replayable:  # the calls that fed it, and its own, in float32 too
             covered, islands = sorted({*upstream, *covered}), [*islands, *whole]
@@ -217,8 +220,12 @@ def _same(replayed: Any, recorded: Optional[list[Tensor]]) -> bool:
 
 def _replay(
     calls: list[Call], islands: list[str], watch: Watch, context: Callable[[], Any], device: str, model: torch.nn.Module
-) -> tuple[Optional[tuple[str, str]], list[Any], Optional[str]]:
-    """The calls again, sandboxed and watched, ``islands`` in float32: where inf/nan were born, the outputs, error."""
+) -> tuple[Optional[tuple[str, str, Optional[str]]], list[Any], Optional[str]]:
+    """The calls again, sandboxed and watched, ``islands`` in float32.
+
+    Returns where inf/nan were born (the module, their kind, the module whose float16 ``-inf`` it took), the outputs
+    and what it raised.
+    """
     replaced: dict[int, Tensor] = {}
     outputs: list[Any] = []
     saved = watch.trace, watch.depth
@@ -243,5 +250,6 @@ def _replay(
     found, failed = attempt(first_born, read(trace))
     if found is None:
         return None, outputs, failed
-    where, kind, _ = found
-    return (watch.names[where] if where is not None else "", kind), outputs, None
+    where, kind, _, by, _ = found
+    by_name = watch.names[by] if by is not None else None
+    return (watch.names[where] if where is not None else "", kind, by_name), outputs, None

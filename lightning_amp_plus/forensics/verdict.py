@@ -7,7 +7,7 @@ or the batch). :func:`tell` turns that, the batch and the losses into an :class:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -17,37 +17,61 @@ from lightning_amp_plus.forensics.observe import _mask_like, nonfinite_kind, non
 from lightning_amp_plus.forensics.origin import IN_ISLAND, OWN_CODE, WATCHING, Origin, Phase, Verdict
 
 
-def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[tuple[Optional[int], str, int]]:
-    """The module inf/nan were born in, their kind and the event's position; None where every call was finite.
+class Born(NamedTuple):
+    """Where :func:`first_born` found inf/nan born.
+
+    The module's index (None: the step's own code or the batch), their kind, the event's position, and the module
+    whose half-precision ``-inf`` the call took (``fed_by``) and its event.
+    """
+
+    call: Optional[int]
+    kind: str
+    position: int
+    fed_by: Optional[int] = None
+    fed_at: Optional[int] = None
+
+    @property
+    def start(self) -> int:
+        """The first event of what made them: the ``-inf``'s maker where the call was fed one."""
+        return self.fed_at if self.fed_at is not None else self.position
+
+
+def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[Born]:
+    """Where inf/nan were first born in a trace's events; None where every call was finite.
 
     A call's output holding ``+inf`` or NaN, its inputs not: born in it (inner modules end first: the innermost). A
     call's inputs holding them: made by the code around it, the enclosing module's (its index) or, at the top, the
-    step's own code or the batch (None). A half-precision ``-inf`` counts only where a later call turns it into
-    ``+inf`` or NaN (a mask or a bias made in float16 is no overflow): born where it appeared, the latest module
-    whose output held it first, else the code that handed it to a call. A ``-inf`` alone counts at the top only, with
-    ``minus`` (the batch holds one).
+    step's own code or the batch (None). A ``-inf`` alone counts at the top only, with ``minus`` (the batch holds one).
+
+    A half-precision ``-inf`` is no overflow by itself (a mask or a bias made in float16). A call that takes one and
+    makes ``+inf`` or NaN is born in, ``fed_by`` the latest module whose output held it first (a mask there, or an
+    overflow to ``-inf``: observation cannot tell, and a fix runs both in float32); where the code around a call made
+    it, that code is named (no island holds it).
     """
     calls: list[int] = []  # the calls in progress
     took: list[bool] = []  # whether each took a half-precision -inf in
-    minus16: Optional[tuple[Optional[int], int]] = None  # where a half-precision -inf appeared, and the event
+    maker: Optional[tuple[bool, Optional[int], int]] = None  # where one appeared: made by a module?, which, the event
     for position, (index, kind, *_) in enumerate(events):
         if kind == "-inf":
             kind = "inf" if minus and index >= 0 and not calls else None
         if index >= 0:
             if kind is not None and kind != "-inf16":
-                return (calls[-1] if calls else None), kind, position
-            if kind == "-inf16" and minus16 is None:
-                minus16 = (calls[-1] if calls else None), position
+                return Born(calls[-1] if calls else None, kind, position)
+            if kind == "-inf16" and maker is None:
+                maker = False, calls[-1] if calls else None, position
             calls.append(index)
             took.append(kind == "-inf16")
         else:
-            fed = took.pop() if took else False
+            fed = (took.pop() if took else False) and maker is not None
             if calls:
                 calls.pop()
             if kind == "-inf16" and not fed:
-                minus16 = ~index, position
+                maker = True, ~index, position
             elif kind is not None and kind != "-inf16":
-                return (minus16[0], "inf", minus16[1]) if fed and minus16 else (~index, kind, position)
+                if not fed:
+                    return Born(~index, kind, position)
+                by_module, by, at = maker  # type: ignore[misc]
+                return Born(~index, kind, position, by, at) if by_module else Born(by, "inf", at)
     return None
 
 
@@ -83,18 +107,23 @@ def tell(
         return Origin(Phase.BACKWARD, batch_too=bool(in_batch))  # no watch: the scale calibrates this way
     found = first_born(events, minus)
     if found is not None:
-        index, kind, position = found
+        index, kind, position, fed_by, _ = found
         if index is None:  # the batch's only where they can be its own (a batch tensor, or its samples carried on)
             if kind in in_batch and _from_batch(batch, events[position][2], minus):
                 return Origin(Phase.INPUT)
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
-        name = names[index]
-        if any(name == i or name.startswith(i + ".") for i in islands):  # it ran in float32: measured by the run
+        name, by = names[index], names[fed_by] if fed_by is not None else None
+        if in_island(name, islands) and (by is None or in_island(by, islands)):  # float32 made them: the run says
             return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND)
-        return Origin(Phase.FORWARD, name, kind)
+        return Origin(Phase.FORWARD, name, kind, fed_by=by)
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
         return Origin(Phase.LOSS, batch_too=bool(nonfinite_kinds(batch)))
     return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
+
+
+def in_island(name: str, islands: list[str]) -> bool:
+    """Whether the module ``name`` runs in float32: it or a module around it is one of ``islands``."""
+    return any(name == i or name.startswith(i + ".") for i in islands)
 
 
 def _from_batch(batch: Any, tops: list[tuple[Any, ...]], minus: bool) -> bool:
