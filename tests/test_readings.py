@@ -121,7 +121,8 @@ def test_a_minus_inf_overflow_is_no_mask_and_its_island_fixes_it():
     replayed = NaNSkipReporter(find_origin="replay", max_consecutive_skips=None, quiet=True)
     _fit(EnergyModel(), callbacks=[replayed])
     measured = [r["origin"] for r in replayed.skips]  # the replay watches from the start
-    assert measured and all(o["float32"] == "finite" and o["islands"] == ["net.0", "energy"] for o in measured)
+    assert measured
+    assert all(o["float32"] == "finite" and o["islands"] == ["net.0", "energy"] for o in measured)
     _, bf16 = _fit(EnergyModel(), plugin=AmpPlusPrecision("bf16-mixed"))
     assert bf16.history.num_skipped == 0
 

@@ -259,3 +259,73 @@ def test_the_skip_line_says_where_the_float16_minus_inf_came_from():
 
     told = {"phase": "forward", "module": "attn", "kind": "nan", "fed_by": "bias"}
     assert describe_origin(told) == "born in forward of attn (nan; it took a float16 -inf from bias)"
+
+
+# ------------------------------------------------------------------------------- a batch the step changes in place
+class _Standardized(LightningModule):
+    """The step standardizes its batch in place; a batch with a constant feature makes 0/0 in that own code."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.loaded_finite = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.loaded_finite.append(bool(torch.isfinite(x).all()))
+        x.sub_(x.mean(0)).div_(x.std(0))
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _constant_feature(steps=10):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * 4, 8, generator=g)
+    for step in LOUD:
+        x[step * 4 : step * 4 + 4, 3] = 1.0
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=4)
+
+
+def test_a_batch_the_step_changed_in_place_is_not_blamed_and_a_rerun_starts_from_it_as_loaded():
+    model = _Standardized()
+    reporter, advisor = NaNSkipReporter(max_consecutive_skips=None, quiet=True), AmpAdvisor(print_advice=False)
+    plugin = _fit(model, [reporter, advisor], loader=_constant_feature())
+    assert plugin.history.skipped_steps == list(LOUD)
+    assert all(model.loaded_finite)
+    assert [r["origin"]["phase"] for r in reporter.skips] == ["forward"] * 3  # never "input": the data was finite
+    assert [r["origin"].get("module") for r in reporter.skips][1:] == [""] * 2  # the own code
+    (advice,) = advisor.advice
+    assert advice.code == "own_code"
+    reporter = eval(advice.fix.split("  #")[0], {"NaNSkipReporter": NaNSkipReporter})  # pasted as printed
+    _fit(_Standardized(), [reporter], loader=_constant_feature())
+    told = [r["origin"] for r in reporter.skips]
+    assert [o.get("float32") for o in told][1:] == ["nonfinite"] * 2  # 0/0 in any precision, rerun as loaded
+
+
+class _Exponentiated(_Standardized):
+    """The step exponentiates its batch in place, then its own matmul overflows float16 (not float32) on batches with
+    a feature at 10: ``exp(10) * 4``. A rerun on the batch as the step left it would take ``exp(exp(10))``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x.exp_()
+        h = x @ torch.full((8, 8), 4.0, device=x.device)  # float16 under autocast
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(h))).float(), y)
+
+
+def _feature_at_ten(steps=10):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * 4, 8, generator=g).clamp(-2, 2)
+    for step in LOUD:
+        x[step * 4 : step * 4 + 4, 3] = 10.0
+    return DataLoader(TensorDataset(x, torch.zeros(steps * 4, 1)), batch_size=4)
+
+
+def test_a_rerun_starts_from_the_batch_as_loaded_when_the_step_changes_it_in_place():
+    reporter = NaNSkipReporter(backward_origin=True, max_consecutive_skips=None, quiet=True)
+    plugin = _fit(_Exponentiated(), [reporter], loader=_feature_at_ten(), init_scale=1.0, growth_interval=1000)
+    assert plugin.history.skipped_steps == list(LOUD)
+    told = [r["origin"] for r in reporter.skips][1:]  # the first starts the watch
+    assert [(o["module"], o["float32"], o["bf16"]) for o in told] == [("", "finite", "finite")] * 2  # float16's range

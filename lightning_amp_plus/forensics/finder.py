@@ -17,7 +17,7 @@ from lightning_amp_plus.forensics._tree import torch_only
 from lightning_amp_plus.forensics.observe import BatchRecord, Watch, read
 from lightning_amp_plus.forensics.origin import WATCHING, Origin, unknown
 from lightning_amp_plus.forensics.replay import Recorder, measure
-from lightning_amp_plus.forensics.sandbox import attempt, capture, streams
+from lightning_amp_plus.forensics.sandbox import attempt, capture, copied_inputs, streams
 from lightning_amp_plus.forensics.verdict import first_born, tell
 
 
@@ -127,8 +127,9 @@ class OriginFinder:
             record.trace = self.watch.begin()
             if self._recorder is not None:
                 record.calls = self._recorder.calls = []
-        if self._rerun:
+        if self._rerun:  # a rerun starts where the step did: its random state, and its batch (the step may change it)
             record.start = capture(streams(self._device, self._model))  # type: ignore[arg-type]
+            record.loaded, _ = attempt(copied_inputs, batch)  # None where it cannot be copied: the batch itself
 
     def take_batch(self) -> Optional[BatchRecord]:
         """This batch's record, handed over (and kept as :attr:`last`); nothing more is kept until the next batch."""
@@ -153,8 +154,8 @@ class OriginFinder:
             return unknown(self.watch.failed)
         events = read(record.trace) if record.trace is not None else None
         reason = self._unwatchable or WATCHING
-        origin = tell(
-            record.batch, record.losses, events, self.watch.names, self._islands(), self._accumulating, reason
+        origin = tell(  # a batch tensor the step changed in place is not the batch's as loaded: not blamed
+            record.as_loaded(), record.losses, events, self.watch.names, self._islands(), self._accumulating, reason
         )
         found = first_born(events) if events is not None else None
         if origin is None or not origin.observed or not self.replay or record.calls is None or found is None:

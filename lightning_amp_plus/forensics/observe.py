@@ -33,16 +33,36 @@ class BatchRecord:
     """One training batch as observed: the batch and its ``losses`` by reference, and what was kept of it.
 
     ``trace``: the watch's events (None: not watched); ``calls``: the recorded module calls (replay only);
-    ``start``: the random streams' states as it started (where a rerun of its step may need them).
+    ``start``: the random streams' states as it started (where a rerun of its step may need them), ``loaded`` a copy
+    of the batch then (a rerun starts from it); ``versions``: the batch's own tensors (top level) with their version
+    counters as it started.
     """
 
-    __slots__ = ("batch", "calls", "index", "losses", "start", "trace")
+    __slots__ = ("batch", "calls", "index", "loaded", "losses", "start", "trace", "versions")
 
     def __init__(self, batch: Any, index: int = -1, losses: Optional[list[Tensor]] = None, start: Any = None) -> None:
         self.batch, self.index, self.losses = batch, index, losses if losses is not None else []
         self.trace: Optional[list[Event]] = None
         self.calls: Optional[list[Any]] = None
         self.start: Optional[States] = start
+        self.loaded: Any = None
+        items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else (batch,)
+        self.versions = [(t, t._version) for t in items if isinstance(t, Tensor) and not t.is_inference()]
+
+    def changed(self) -> list[Tensor]:
+        """The batch's tensors the step changed in place (``x.sub_(mean)``): they no longer hold what was loaded."""
+        return [t for t, version in self.versions if t._version != version]
+
+    def as_loaded(self) -> Any:
+        """The batch without the tensors the step changed in place (None in their place)."""
+        changed = {id(t) for t in self.changed()}
+        if not changed:
+            return self.batch
+        if isinstance(self.batch, dict):
+            return {k: None if id(v) in changed else v for k, v in self.batch.items()}
+        if isinstance(self.batch, (list, tuple)):
+            return [None if id(v) in changed else v for v in self.batch]
+        return None
 
 
 def nonfinite_kinds(value: Any, masks: Masks = False, minus: bool = False) -> set[str]:

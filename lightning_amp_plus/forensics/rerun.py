@@ -180,6 +180,9 @@ def _gradients(
     Its forward under ``forward`` (autocast or not), ``islands`` in float32 (as ``fp32_modules``), ``watch`` a forward
     hook on every module, the loss times ``scale``; ``before(loss)`` hooks the graph. Hooks are removed after.
     """
+    loaded = record.loaded if record.loaded is not None else record.batch
+    if record.loaded is None and record.changed():
+        raise RuntimeError("the step changed its batch in place: a rerun would not start from the batch as loaded")
     with (
         sandboxed([module], device_type, start=record.start) as box,
         no_logging(module),
@@ -190,7 +193,7 @@ def _gradients(
         if watch is not None:
             stack.callback(_removed, [m.register_forward_hook(watch) for m in module.modules()])
         with forward:
-            output = module.training_step(copied_inputs(record.batch), record.index)
+            output = module.training_step(copied_inputs(loaded), record.index)
         loss = output.get("loss") if isinstance(output, dict) else output
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             return None
