@@ -146,6 +146,8 @@ class AmpEngine:
     def _route(self) -> None:
         """Each hook's callers, from who listens and what each overrides (no call for a hook nobody needs)."""
         listening = self.listeners
+        #: the plugin calls each just before a training step
+        self.step_starting = [p.step_starting for p in listening if _overrides(p, "step_starting")]
         self._before_unscale = [p.before_unscale for p in listening if _overrides(p, "before_unscale")]
         self._skipped_step = [p.skipped_step for p in listening if _overrides(p, "skipped_step")]
         self._update_skipped = [p.update_skipped for p in listening if _overrides(p, "update_skipped")]

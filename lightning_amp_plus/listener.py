@@ -36,6 +36,9 @@ class UpdateListener:
     #: each skip must be known on the host at its step: a fused optimizer's flag is read then (one host sync a step)
     needs_host_skips = False
 
+    def step_starting(self) -> None:
+        """Just before a training step runs: every hook before it (the LightningModule's too) has run."""
+
     def before_unscale(self, optimizer: Optimizer, step: int) -> None:
         """Just before ``optimizer``'s gradients are unscaled at update ``step`` (16-mixed): they are still scaled."""
 

@@ -205,6 +205,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         A cycle still open when a training step starts was left by an exception: it is closed first (never a
         stale unscale). An exception inside the step closes the cycle too, and propagates.
         """
+        for starting in self._engine.step_starting:
+            starting()
         if self._in_closure_step:  # evaluated by a closure optimizer inside its step: the step owns the update
             with self.autocast_context_manager():
                 yield

@@ -541,3 +541,34 @@ def test_a_mock_wrapping_a_disabled_scaler_is_refused_like_the_scaler_itself():
     plugin = AmpPlusPrecision("16-mixed")
     with pytest.raises(ValueError, match=refused):
         plugin.scaler = wrapped
+
+
+class _Seen(TinyModel):
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.order.append("module hook")
+
+    def training_step(self, batch, batch_idx):
+        self.order.append("training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_listeners_step_starting_is_called_once_a_step_after_every_hook_before_the_step():
+    from lightning_amp_plus import UpdateListener
+
+    order = []
+
+    class Starting(UpdateListener):
+        def step_starting(self):
+            order.append("step_starting")
+
+    plugin = AmpPlusPrecision("16-mixed")
+    plugin.listen(Starting())
+    make_trainer(plugins=[plugin], max_steps=3).fit(_Seen(order))
+    assert order == ["module hook", "step_starting", "training_step"] * 3
+    plugin.engine.clear_listeners()
+    plugin.listen(UpdateListener())  # a listener that does not override it is not called at all
+    assert plugin.engine.step_starting == []

@@ -201,11 +201,13 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._trainer = trainer
         self.offenders.track(module, sharded=False)
         plugin.listen(self)
+        plugin.listen(self.origins)  # the batch as its step starts
 
     def detach(self) -> None:
         """Stop listening to the plugin."""
         if self._plugin is not None:
             self._plugin.unlisten(self)
+            self._plugin.unlisten(self.origins)
         self.offenders.clear()
 
     @property

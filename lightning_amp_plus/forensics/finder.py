@@ -19,13 +19,15 @@ from lightning_amp_plus.forensics.origin import WATCHING, Origin, unknown
 from lightning_amp_plus.forensics.replay import Recorder, measure
 from lightning_amp_plus.forensics.sandbox import attempt, capture, copied_inputs, streams
 from lightning_amp_plus.forensics.verdict import first_born, tell
+from lightning_amp_plus.listener import UpdateListener
 
 
-class OriginFinder:
+class OriginFinder(UpdateListener):
     """Tell where a skipped update's non-finite values were born, from what the step computed.
 
     :meth:`attach` at fit start; :meth:`start_batch` and :meth:`take_batch` around each training batch, its losses
     appended to ``current.losses``; :meth:`origin` on a skip, then :meth:`heed` with the origin told over every rank.
+    It listens to the plugin (:meth:`step_starting`).
 
     Example:
         >>> finder = OriginFinder()
@@ -130,6 +132,23 @@ class OriginFinder:
         if self._rerun:  # a rerun starts where the step did: its random state, and its batch (the step may change it)
             record.start = capture(streams(self._device, self._model))  # type: ignore[arg-type]
             record.loaded, _ = attempt(copied_inputs, batch)  # None where it cannot be copied: the batch itself
+
+    def step_starting(self) -> None:
+        """Keep the versions of the batch's own tensors as its step receives them (once a batch).
+
+        A tensor the step then changes in place (``x.sub_(mean)``) is not read as the batch's
+        (:meth:`~.observe.BatchRecord.as_loaded`); what the hooks before the step wrote into it is the batch's.
+        """
+        record = self.current
+        if record is None or record.versions is not None:
+            return
+        batch = record.batch
+        items = dict.values(batch) if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+        record.versions = []
+        with torch_only():
+            for t in (batch,) if isinstance(batch, torch.Tensor) else items:  # a loop: no Python call of its own
+                if isinstance(t, torch.Tensor) and not t.is_inference():
+                    record.versions.append((t, t._version))
 
     def take_batch(self) -> Optional[BatchRecord]:
         """This batch's record, handed over (and kept as :attr:`last`); nothing more is kept until the next batch."""

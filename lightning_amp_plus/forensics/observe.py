@@ -46,16 +46,13 @@ class BatchRecord:
         self.calls: Optional[list[Any]] = None
         self.start: Optional[States] = start
         self.loaded: Any = None
-        items = (
-            dict.values(batch) if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else (batch,)
-        )
-        with torch_only():
-            self.versions = [(t, t._version) for t in items if isinstance(t, Tensor) and not t.is_inference()]
+        #: read as its step starts (:meth:`~.finder.OriginFinder.step_starting`)
+        self.versions: Optional[list[tuple[Tensor, int]]] = None
 
     def changed(self) -> list[Tensor]:
         """The batch's tensors the step changed in place (``x.sub_(mean)``): they no longer hold what was loaded."""
         with torch_only():
-            return [t for t, version in self.versions if t._version != version]
+            return [t for t, version in self.versions or () if t._version != version]
 
     def as_loaded(self) -> Any:
         """The batch without the tensors the step changed in place (None in their place)."""
