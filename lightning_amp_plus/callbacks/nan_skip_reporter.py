@@ -275,8 +275,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     ) -> None:
         if self._device_probe.held is not None:  # the previous batch's fused skip: its parameters are unchanged
             self._device_probe.look(self._tell, wait=False)
-        if self.find_origin:
-            self.origins.start_batch(batch, batch_idx)
+        if self.find_origin:  # begun as its step starts (the plugin tells the finder)
+            self.origins.current = BatchRecord(batch, batch_idx)
 
     def _say(self, line: Optional[str]) -> None:
         if line is not None and not self.quiet:

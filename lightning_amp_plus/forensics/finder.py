@@ -123,21 +123,18 @@ class OriginFinder(UpdateListener):
         return names
 
     def start_batch(self, batch: Any, index: int = -1) -> None:
-        """Keep this batch by reference until it ends (until the watch is on, the finder's whole cost on a batch)."""
-        record = self.current = BatchRecord(batch, index, [])
-        if self.watch.on:
-            record.trace = self.watch.begin()
-            if self._recorder is not None:
-                record.calls = self._recorder.calls = []
-        if self._rerun:  # a rerun starts where the step did: its random state, and its batch (the step may change it)
-            record.start = capture(streams(self._device, self._model))  # type: ignore[arg-type]
-            record.loaded, _ = attempt(copied_inputs, batch)  # None where it cannot be copied: the batch itself
+        """Observe this batch from now on: :attr:`current`, begun at once (:meth:`step_starting`)."""
+        self.current = BatchRecord(batch, index)
+        self.step_starting()
 
     def step_starting(self) -> None:
-        """Keep the versions of the batch's own tensors as its step receives them (once a batch).
+        """Begin observing :attr:`current` as its step starts (once a batch; the plugin calls it as a listener).
 
-        A tensor the step then changes in place (``x.sub_(mean)``) is not read as the batch's
-        (:meth:`~.observe.BatchRecord.as_loaded`); what the hooks before the step wrote into it is the batch's.
+        Set ``finder.current = BatchRecord(batch, index)`` as the batch starts; until the watch is on, that and this are
+        the finder's whole cost on a batch: the versions of the batch's own tensors as its step receives them (a
+        tensor the step then changes in place, ``x.sub_(mean)``, is not read as the batch's, see
+        :meth:`~.observe.BatchRecord.as_loaded`; what the hooks before the step wrote into it is). Watching, the
+        watch's trace starts; with reruns, the random state and a copy of the batch are kept (a rerun starts there).
         """
         record = self.current
         if record is None or record.versions is not None:
@@ -149,6 +146,13 @@ class OriginFinder(UpdateListener):
             for t in (batch,) if isinstance(batch, torch.Tensor) else items:  # a loop: no Python call of its own
                 if isinstance(t, torch.Tensor) and not t.is_inference():
                     record.versions.append((t, t._version))
+        if self.watch.on:
+            record.trace = self.watch.begin()
+            if self._recorder is not None:
+                record.calls = self._recorder.calls = []
+        if self._rerun:
+            record.start = capture(streams(self._device, self._model))  # type: ignore[arg-type]
+            record.loaded, _ = attempt(copied_inputs, batch)  # None where it cannot be copied: the batch itself
 
     def take_batch(self) -> Optional[BatchRecord]:
         """This batch's record, handed over (and kept as :attr:`last`); nothing more is kept until the next batch."""
