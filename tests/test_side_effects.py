@@ -24,12 +24,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_amp_plus import (
     AmpPlusPrecision,
     NaNSkipReporter,
 )
+from tests.helpers.models import loud_batches
 from tests.helpers.trainer import AT_DEFAULTS, make_trainer
 
 STEPS = 12
@@ -171,11 +172,7 @@ class Stateful(LightningModule):
 
 
 def _loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS * 4, 8, generator=g)
-    for step in LOUD:
-        x[step * 4 : step * 4 + 4] *= 1e5  # beyond float16: the expert's input cast overflows
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=4)
+    return loud_batches(STEPS, LOUD, 1e5)  # beyond float16: the expert's input cast overflows
 
 
 def _fit(tmp_path, name: str, callbacks: list, pattern: str = "module-level list") -> dict:

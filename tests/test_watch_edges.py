@@ -15,17 +15,14 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, NaNSkipReporter
+from tests.helpers.models import loud_batches
 from tests.helpers.trainer import make_trainer
 
 LOUD = (2, 5, 8)
 
 
-def _loader(steps=10, scale=100.0, features=8):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(steps * 4, features, generator=g)
-    for step in LOUD:
-        x[step * 4 : step * 4 + 4] *= scale
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=4)
+def _loader(steps=10, scale=100.0):
+    return loud_batches(steps, LOUD, scale)
 
 
 def _fit(model, callbacks=(), steps=10, loader=None, plugin=None, **knobs):

@@ -21,13 +21,13 @@ import torchmetrics
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_amp_plus import (
     AmpPlusPrecision,
     NaNSkipReporter,
 )
-from tests.helpers.models import TinyModel
+from tests.helpers.models import TinyModel, loud_batches
 from tests.helpers.trainer import AT_DEFAULTS, make_trainer
 
 STEPS = 16
@@ -165,11 +165,7 @@ class Busy(LightningModule):
 
 
 def _loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS * 4, 8, generator=g)
-    for step in LOUD:
-        x[step * 4 : step * 4 + 4] *= 3e4  # the encoder's float16 output overflows
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=4)
+    return loud_batches(STEPS, LOUD, 3e4)  # the encoder's float16 output overflows
 
 
 def _fit(tmp_path, name: str, callbacks: list, manual: bool = False) -> dict:

@@ -111,3 +111,12 @@ class RankPoisonModel(TinyModel):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.poison = self.rank_poison if self.global_rank == self.poison_rank else {}
         return super().training_step(batch, batch_idx)
+
+
+def loud_batches(steps: int, loud: tuple[int, ...], scale: float, features: int = 8) -> DataLoader:
+    """Batches of 4 random rows (seed 0), those of the batches in ``loud`` times ``scale``; targets their sums / 100."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * 4, features, generator=g)
+    for step in loud:
+        x[step * 4 : step * 4 + 4] *= scale
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=4)
