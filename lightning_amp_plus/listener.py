@@ -37,7 +37,10 @@ class UpdateListener:
     needs_host_skips = False
 
     def step_starting(self) -> None:
-        """Just before a training step runs: every hook before it (the LightningModule's too) has run."""
+        """Just before each ``training_step`` call: every hook before it (the LightningModule's too) has run.
+
+        A closure optimizer (LBFGS) evaluates the step several times a batch: each evaluation is a call.
+        """
 
     def before_unscale(self, optimizer: Optimizer, step: int) -> None:
         """Just before ``optimizer``'s gradients are unscaled at update ``step`` (16-mixed): they are still scaled."""

@@ -326,3 +326,84 @@ def test_a_rerun_starts_from_the_batch_as_loaded_when_the_step_changes_it_in_pla
     assert plugin.history.skipped_steps == list(LOUD)
     told = [r["origin"] for r in reporter.skips][1:]  # the first starts the watch
     assert [(o["module"], o["float32"], o["bf16"]) for o in told] == [("", "finite", "finite")] * 2  # float16's range
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "tensor"])
+def test_a_batch_read_as_loaded_leaves_out_what_the_step_changed_in_place_unless_a_copy_was_kept(kind):
+    from lightning_amp_plus.forensics.finder import OriginFinder
+
+    x, y = torch.tensor([[float("nan"), 1.0]]), torch.zeros(1, 1)
+    batch = {"x": x, "y": y} if kind == "dict" else x if kind == "tensor" else (x, y)
+    finder = OriginFinder()
+    finder.start_batch(batch)
+    record = finder.current
+    assert record.as_loaded() == (batch, [])  # nothing changed: the batch itself
+    x.sub_(1.0)  # the step changes it in place
+    loaded, unknown = record.as_loaded()
+    assert [t is x for t in unknown] == [True]  # its NaN may be the batch's or the step's
+    expected = {"x": None, "y": y} if kind == "dict" else None if kind == "tensor" else [None, y]
+    assert loaded == expected
+    record.loaded = {"x": x.clone(), "y": y} if kind == "dict" else x.clone() if kind == "tensor" else [x.clone(), y]
+    loaded, unknown = record.as_loaded()  # a copy kept (reruns): it stands in for the changed tensor
+    assert unknown == []
+    assert (loaded["x"] if kind == "dict" else loaded if kind == "tensor" else loaded[0]) is not x
+
+
+def test_views_of_one_storage_changed_in_place_are_read_as_they_are():
+    from lightning_amp_plus.forensics.finder import OriginFinder
+
+    data = torch.zeros(2, 4)
+    x, y = data[:, :2], data[:, 2:]  # inputs and targets cut from one tensor
+    finder = OriginFinder()
+    finder.start_batch((x, y))
+    y.clamp_(-1, 1)  # bumps the counter x shares: which one changed cannot be told
+    assert finder.current.changed() == []
+
+
+class _MixedInPlace(_Standardized):
+    """Centres the batch over its samples, in place or not, after a NaN the data pipeline left in one sample."""
+
+    def __init__(self, in_place):
+        super().__init__()
+        self.in_place = in_place
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.sub_(x.mean(0)) if self.in_place else x - x.mean(0)
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))).float(), y)
+
+
+def _nan_rows(steps=10):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * 4, 8, generator=g)
+    y = x.sum(1, keepdim=True) * 0.01  # finite targets
+    for step in LOUD:
+        x[step * 4, 3] = float("nan")
+    return DataLoader(TensorDataset(x, y), batch_size=4)
+
+
+def test_changing_the_batch_in_place_or_not_tells_the_same_watched_origin():
+    told = {}
+    for in_place in (False, True):
+        reporter = NaNSkipReporter(max_consecutive_skips=None, quiet=True)
+        plugin = _fit(_MixedInPlace(in_place), [reporter], loader=_nan_rows())
+        assert plugin.history.skipped_steps == list(LOUD)
+        told[in_place] = [r["origin"] for r in reporter.skips][1:]  # the first starts the watch
+    assert told[True] == told[False] == [{"phase": "forward", "module": "", "kind": "nan", "batch": "nonfinite"}] * 2
+
+
+def test_the_minus_inf_maker_is_the_innermost_module_that_made_it():
+    from lightning_amp_plus.forensics.verdict import first_born
+
+    events = [  # parent(0) calls inner(1), which makes a float16 -inf that parent returns; taker(2) makes NaN of it
+        (0, None, []),
+        (1, None, []),
+        (~1, "-inf16", []),
+        (~0, "-inf16", []),
+        (2, "-inf16", []),
+        (~2, "nan", []),
+    ]
+    born = first_born(events)
+    assert (born.call, born.kind, born.fed_by, born.fed_at) == (2, "nan", 1, 2)
+    later = [*events[:4], (3, None, []), (~3, "-inf16", []), (2, "-inf16", []), (~2, "nan", [])]
+    assert first_born(later).fed_by == 3  # a later module's own -inf: the latest maker

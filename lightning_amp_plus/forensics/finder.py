@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_amp_plus.forensics._tree import torch_only
-from lightning_amp_plus.forensics.observe import BatchRecord, Watch, read
+from lightning_amp_plus.forensics.observe import BatchRecord, Watch, nonfinite_kinds, read
 from lightning_amp_plus.forensics.origin import WATCHING, Origin, unknown
 from lightning_amp_plus.forensics.replay import Recorder, measure
 from lightning_amp_plus.forensics.sandbox import attempt, capture, copied_inputs, streams
@@ -177,9 +177,15 @@ class OriginFinder(UpdateListener):
             return unknown(self.watch.failed)
         events = read(record.trace) if record.trace is not None else None
         reason = self._unwatchable or WATCHING
-        origin = tell(  # a batch tensor the step changed in place is not the batch's as loaded: not blamed
-            record.as_loaded(), record.losses, events, self.watch.names, self._islands(), self._accumulating, reason
-        )
+        batch, unknown_kinds = record.as_loaded()  # as loaded: a tensor the step changed in place is not blamed
+        origin = tell(batch, record.losses, events, self.watch.names, self._islands(), self._accumulating, reason)
+        if (
+            origin is not None
+            and origin.own_code
+            and not origin.batch_too
+            and origin.kind in nonfinite_kinds(unknown_kinds)
+        ):  # such a tensor holds that kind now: the batch may have held it as loaded (a rerun's copy tells)
+            origin = origin.but(batch_too=True)
         found = first_born(events) if events is not None else None
         if origin is None or not origin.observed or not self.replay or record.calls is None or found is None:
             return origin

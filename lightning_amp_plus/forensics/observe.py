@@ -50,20 +50,40 @@ class BatchRecord:
         self.versions: Optional[list[tuple[Tensor, int]]] = None
 
     def changed(self) -> list[Tensor]:
-        """The batch's tensors the step changed in place (``x.sub_(mean)``): they no longer hold what was loaded."""
-        with torch_only():
-            return [t for t, version in self.versions or () if t._version != version]
+        """The batch's tensors the step changed in place (``x.sub_(mean)``): they no longer hold what was loaded.
 
-    def as_loaded(self) -> Any:
-        """The batch without the tensors the step changed in place (None in their place)."""
+        Views of one storage share a version counter: a change to one cannot be told apart, so none of them counts.
+        """
+        with torch_only():
+            kept = self.versions or []
+            storages = [t.untyped_storage().data_ptr() for t, _ in kept]
+            return [
+                t
+                for (t, version), at in zip(kept, storages, strict=True)
+                if t._version != version and storages.count(at) == 1
+            ]
+
+    def as_loaded(self) -> tuple[Any, list[Tensor]]:
+        """The batch as loaded, where it can be told, and the tensors it cannot tell (changed, and no copy kept).
+
+        A tensor the step changed in place is its copy from :attr:`loaded` (kept with reruns), else None.
+        """
         changed = {id(t) for t in self.changed()}
         if not changed:
-            return self.batch
-        if isinstance(self.batch, dict):
-            return {k: None if id(v) in changed else v for k, v in self.batch.items()}
-        if isinstance(self.batch, (list, tuple)):
-            return [None if id(v) in changed else v for v in self.batch]
-        return None
+            return self.batch, []
+        if isinstance(self.batch, Tensor):
+            return self.loaded, [] if self.loaded is not None else [self.batch]
+        given, copies = _top(self.batch), _top(self.loaded) if self.loaded is not None else None
+        made = {k: (copies[k] if copies is not None else None) if id(v) in changed else v for k, v in given.items()}
+        unknown = [v for v in given.values() if id(v) in changed] if copies is None else []
+        return (made if isinstance(self.batch, dict) else list(made.values())), unknown
+
+
+def _top(batch: Any) -> dict[Any, Any]:
+    """A batch's top-level items by key (a dict's) or position, read by the built-in type's own methods."""
+    if isinstance(batch, dict):
+        return dict(dict.items(batch))
+    return dict(enumerate((tuple if isinstance(batch, tuple) else list).__iter__(batch)))
 
 
 def nonfinite_kinds(value: Any, masks: Masks = False, minus: bool = False) -> set[str]:

@@ -44,11 +44,12 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
     step's own code or the batch (None). A ``-inf`` alone counts at the top only, with ``minus`` (the batch holds one).
 
     A half-precision ``-inf`` is no overflow by itself (a mask or a bias made in float16). A call that takes one and
-    makes ``+inf`` or NaN is born in, ``fed_by`` the latest module whose output held it first (a mask there, or an
-    overflow to ``-inf``: observation cannot tell, and a fix runs both in float32); where the code around a call made
-    it, that code is named (no island holds it).
+    makes ``+inf`` or NaN is born in, ``fed_by`` the innermost module whose output held it first, the latest such
+    (a mask there, or an overflow to ``-inf``: observation cannot tell, and a fix runs both in float32); where the code
+    around a call made it, that code is named (no island holds it).
     """
     calls: list[int] = []  # the calls in progress
+    opened: list[int] = []  # the event each of them started at
     took: list[bool] = []  # whether each took a half-precision -inf in
     maker: Optional[tuple[bool, Optional[int], int]] = None  # where one appeared: made by a module?, which, the event
     for position, (index, kind, *_) in enumerate(events):
@@ -60,12 +61,15 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
             if kind == "-inf16" and maker is None:
                 maker = False, calls[-1] if calls else None, position
             calls.append(index)
+            opened.append(position)
             took.append(kind == "-inf16")
         else:
             fed = (took.pop() if took else False) and maker is not None
+            start = opened.pop() if opened else -1
             if calls:
                 calls.pop()
-            if kind == "-inf16" and not fed:
+            inside = maker is not None and maker[0] and maker[2] > start  # made by a module inside this call
+            if kind == "-inf16" and not fed and not inside:
                 maker = True, ~index, position
             elif kind is not None and kind != "-inf16":
                 if not fed:
