@@ -13,7 +13,7 @@ import fnmatch
 import functools
 import importlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -102,6 +102,17 @@ def fp32_forward(original: Any, device_type: str) -> Any:
 
     forward.fp32_island = True  # type: ignore[attr-defined]
     return forward
+
+
+def island_of(name: str, islands: Iterable[str]) -> Optional[str]:
+    """The island module ``name`` runs in: itself or its closest enclosing module in ``islands``; None outside.
+
+    Example:
+        >>> island_of("enc.1.attn", ["enc", "enc.1"]), island_of("enc.10", ["enc.1"])
+        ('enc.1', None)
+    """
+    inside = [i for i in islands if name == i or name.startswith(i + ".")]
+    return max(inside, key=len) if inside else None
 
 
 def set_aside(modules: Iterable[nn.Module], device_type: str) -> list[tuple[nn.Module, Any]]:

@@ -19,6 +19,7 @@ from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
 from lightning_amp_plus.forensics._tree import map_tensors, tensors, torch_only
 from lightning_amp_plus.forensics.sandbox import attempt, replaying, sandboxed, torch_own
+from lightning_amp_plus.islands import island_of
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
 HEAVY_TYPES: tuple[type[nn.Module], ...] = (
@@ -40,15 +41,6 @@ HEAVY_TYPES: tuple[type[nn.Module], ...] = (
 def _first_dtype(value: Any) -> Optional[torch.dtype]:
     with torch_only():
         return next((t.dtype for t in tensors(value) if t.is_floating_point()), None)
-
-
-def _island_of(name: str, islands: list[str]) -> Optional[str]:
-    """The island ``name`` runs in: itself or its closest enclosing module named in ``islands``; None outside."""
-    best = None
-    for island in islands:
-        if (name == island or name.startswith(island + ".")) and (best is None or len(island) > len(best)):
-            best = island
-    return best
 
 
 def _copied(value: Any) -> Any:
@@ -346,7 +338,7 @@ class PrecisionReport(KnobsRepr, Callback):
             share = s["time"] / total
             output = s.get("output")
             heavy = isinstance(module, HEAVY_TYPES)
-            island = _island_of(name, self._islands)
+            island = island_of(name, self._islands)
             ran_in_island = island is not None  # hooks run outside the island's wrapper: what ran inside is fp32
             # an island is your choice, in float32 by design: no heavy work "left" there
             flagged = mixed and output == torch.float32 and island is None and (heavy or share >= self.flag_share)

@@ -140,7 +140,9 @@ class OriginFinder(UpdateListener):
         if record is None or record.versions is not None:
             return
         batch = record.batch
-        items = dict.values(batch) if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+        # its top-level items as `observe._top` reads them (the built-in types' own methods), inline: no Python call
+        base: Any = dict if isinstance(batch, dict) else tuple if isinstance(batch, tuple) else list
+        items = base.values(batch) if base is dict else base.__iter__(batch) if isinstance(batch, base) else ()
         record.versions = []
         with torch_only():
             for t in (batch,) if isinstance(batch, torch.Tensor) else items:  # a loop: no Python call of its own

@@ -33,7 +33,7 @@ from lightning_amp_plus.forensics.sandbox import (
     sandboxed,
 )
 from lightning_amp_plus.forensics.verdict import first_born
-from lightning_amp_plus.islands import in_float32
+from lightning_amp_plus.islands import in_float32, island_of
 
 
 @dataclass
@@ -199,7 +199,7 @@ def measure(
             covered, islands = sorted({*upstream, *covered}), [*islands, *whole]
             continue
         if name in islands:  # float32 makes them too
-            if name == origin.name or any(name == calls[i].name or name.startswith(calls[i].name + ".") for i in chain):
+            if name == origin.name or island_of(name, [calls[i].name for i in chain]):  # it, or inside the chain
                 return Origin(origin.phase, name, kind, Verdict.NONFINITE, rank=origin.rank)
             return origin.but(float32=Verdict.FINITE, islands=())  # another call's, in any precision
         islands.append(name)

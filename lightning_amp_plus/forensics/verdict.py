@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_amp_plus.forensics._tree import values
 from lightning_amp_plus.forensics.observe import _mask_like, nonfinite_kind, nonfinite_kinds
 from lightning_amp_plus.forensics.origin import IN_ISLAND, OWN_CODE, WATCHING, Origin, Phase, Verdict
+from lightning_amp_plus.islands import island_of
 
 
 class Born(NamedTuple):
@@ -117,17 +118,12 @@ def tell(
                 return Origin(Phase.INPUT)
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
         name, by = names[index], names[fed_by] if fed_by is not None else None
-        if in_island(name, islands) and (by is None or in_island(by, islands)):  # float32 made them: the run says
+        if island_of(name, islands) and (by is None or island_of(by, islands)):  # float32 made them: the run says
             return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND)
         return Origin(Phase.FORWARD, name, kind, fed_by=by)
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
         return Origin(Phase.LOSS, batch_too=bool(nonfinite_kinds(batch)))
     return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
-
-
-def in_island(name: str, islands: list[str]) -> bool:
-    """Whether the module ``name`` runs in float32: it or a module around it is one of ``islands``."""
-    return any(name == i or name.startswith(i + ".") for i in islands)
 
 
 def _from_batch(batch: Any, tops: list[tuple[Any, ...]], minus: bool) -> bool:

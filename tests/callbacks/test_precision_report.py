@@ -131,7 +131,7 @@ def test_a_working_island_of_light_modules_is_visible_in_the_table():
 
 
 def test_island_of_a_prefix_name_does_not_cover_its_siblings():
-    from lightning_amp_plus.callbacks.precision_report import _island_of
+    from lightning_amp_plus.islands import island_of as _island_of
 
     assert _island_of("enc.10.attn", ["enc.1"]) is None
     assert _island_of("enc.1.attn", ["enc.1"]) == "enc.1"
