@@ -407,3 +407,38 @@ def test_the_minus_inf_maker_is_the_innermost_module_that_made_it():
     assert (born.call, born.kind, born.fed_by, born.fed_at) == (2, "nan", 1, 2)
     later = [*events[:4], (3, None, []), (~3, "-inf16", []), (2, "-inf16", []), (~2, "nan", [])]
     assert first_born(later).fed_by == 3  # a later module's own -inf: the latest maker
+
+
+def test_a_batch_of_inference_tensors_is_observed_without_raising():
+    from lightning_amp_plus.forensics.finder import OriginFinder
+
+    with torch.inference_mode():
+        x = torch.ones(2, 2)  # inference tensors have no version counter
+    finder = OriginFinder()
+    finder.start_batch((x, torch.zeros(2, 1)))
+    assert [t.shape for t, _ in finder.current.versions] == [torch.Size([2, 1])]
+    assert finder.current.as_loaded()[1] == []
+
+
+class _RaisesOnce(_Standardized):
+    def __init__(self):
+        super().__init__()
+        self.raised = False
+
+    def training_step(self, batch, batch_idx):
+        if not self.raised and batch_idx == 4:
+            self.raised = True
+            raise RuntimeError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_batch_is_read_as_its_step_received_it_in_a_second_fit_and_after_a_failed_one():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, quiet=True)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=4)
+    model = _RaisesOnce()
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=10).fit(model, _constant_feature())
+    for _ in range(2):  # the fit after the failed one, then a second fit
+        make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=10).fit(_Standardized(), _constant_feature())
+        assert plugin.history.skipped_steps == list(LOUD)
+        assert [r["origin"]["phase"] for r in reporter.skips] == ["forward"] * 3  # the data was finite
