@@ -442,3 +442,30 @@ def test_the_batch_is_read_as_its_step_received_it_in_a_second_fit_and_after_a_f
         make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=10).fit(_Standardized(), _constant_feature())
         assert plugin.history.skipped_steps == list(LOUD)
         assert [r["origin"]["phase"] for r in reporter.skips] == ["forward"] * 3  # the data was finite
+
+
+class _BiasedAttentionGradPoison(_BiasedAttention):
+    """The float16 mask as above, no forward overflow: the skips are an inf in one gradient (backward)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx in LOUD:
+            self.poisoned = self.head.weight.register_hook(lambda g: g * float("inf"))
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if getattr(self, "poisoned", None) is not None:
+            self.poisoned.remove()
+            self.poisoned = None
+
+
+def test_a_float16_mask_in_a_run_without_forward_overflows_is_no_origin_and_no_advice():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10 * 2 * T, 8, generator=g)  # no loud batches: nothing overflows in forward
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=2 * T)
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, quiet=True)
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = _fit(_BiasedAttentionGradPoison(), [reporter, advisor], loader=loader)
+    assert plugin.history.skipped_steps == list(LOUD)
+    assert [r["origin"] for r in reporter.skips] == [{"phase": "backward"}] * 3  # the mask is named nowhere
+    assert not {"fp32_module", "model_nonfinite", "bf16"} & {a.code for a in advisor.advice}
