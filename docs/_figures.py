@@ -24,6 +24,7 @@ FOLDER = os.path.join(HERE, "figures")
 #: the PNG text chunks: the curves a picture was drawn from, and the stack its run ran on
 CURVES_KEY = "lightning_amp_plus:curves"
 STACK_KEY = "lightning_amp_plus:stack"
+MACHINE_KEY = "lightning_amp_plus:machine"
 
 
 def _model(loss_factor: float = 1.0, optimizer: str = "adamw", lr: float = 1e-3, warmup: int = 0) -> Any:
@@ -143,6 +144,24 @@ def stack() -> str:
     return f"torch {torch.__version__}, lightning {lightning.__version__}, cpu {cpu}"
 
 
+def machine() -> str:
+    """The CPU a seeded run ran on: two CPUs with the same vector kernels can still round float16 apart.
+
+    Seen: a loss 16856.396 on one AVX512 CPU, 16856.398 on another (an Intel and an AMD EPYC).
+    """
+    import platform
+
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    if "vendor_id" in fields:
+        return f"{fields['vendor_id']} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    return f"{platform.machine()} {platform.processor()}".strip()
+
+
 def write(name: str, folder: str = FOLDER) -> str:
     """Run ``name``'s seeded fit and draw its curves to ``folder/name.png``; returns the path."""
     from lightning_amp_plus.plot import draw
@@ -153,7 +172,7 @@ def write(name: str, folder: str = FOLDER) -> str:
     fig = draw(curves, title=title)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}.png")
-    fig.savefig(path, dpi=72, metadata={CURVES_KEY: curves_json(curves), STACK_KEY: stack()})
+    fig.savefig(path, dpi=72, metadata={CURVES_KEY: curves_json(curves), STACK_KEY: stack(), MACHINE_KEY: machine()})
     return path
 
 
