@@ -40,3 +40,15 @@ def _quiet_lightning() -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_watch_left():
+    """No test leaves a global module hook on: a watch that outlived its fit would watch every later test."""
+    from torch.nn.modules import module
+
+    yield
+    left = len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
+    module._global_forward_hooks.clear()
+    module._global_forward_pre_hooks.clear()
+    assert not left, f"{left} global module hooks were left on"

@@ -191,3 +191,13 @@ def test_an_examples_help_answers_before_torch_is_imported(name):
     assert done.stdout.startswith(f"usage: {name}.py [-h]")
     assert done.stdout.rstrip().endswith("exit 0 []")  # answered, and neither torch nor Lightning was imported
     assert "(default: " in done.stdout
+
+
+def test_the_watch_cost_example_prints_its_figures(capsys):
+    from examples.watch_cost import main
+
+    figures = main(["--calls", "4", "--repeats", "1", "--depth", "2"])
+    out = capsys.readouterr().out
+    assert figures["tied block"]["calls"] == 4  # every call of the block was watched
+    assert figures["tree linked"]["tensors"] == figures["tree"]["tensors"] == 13
+    assert "us a call ours" in out

@@ -656,11 +656,14 @@ def _told(model, batch, step):
         return torch.autocast("cpu", dtype=torch.float16)
 
     finder.attach(model, autocast)
-    finder.start_batch(batch)
-    with autocast():
-        loss = step(model, batch)
-    finder.current.losses.append(loss)
-    return finder.origin()
+    try:
+        finder.start_batch(batch)
+        with autocast():
+            loss = step(model, batch)
+        finder.current.losses.append(loss)
+        return finder.origin()
+    finally:
+        finder.detach()
 
 
 class _Head(nn.Module):

@@ -185,6 +185,7 @@ def test_a_tensor_whose_ops_run_its_own_code_is_not_read():
     x = _Dispatching(torch.randn(4, 8))
     _Dispatching.seen.clear()
     holder.inner(x)
+    watch.remove()
     assert _Dispatching.seen == []  # nothing of its code ran for the watch
     assert trace == [(0, []), (-1, [])]  # the call is kept, its tensor unread
 

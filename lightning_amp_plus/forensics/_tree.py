@@ -55,14 +55,22 @@ def _node(value: Any, inside: int, depth: int) -> Optional[tuple[list[Any], Call
     return None
 
 
-def _leaves(value: Any, inside: int = 0, depth: int = 0) -> Iterator[Any]:
-    """Every leaf in ``value``, tensors and the rest, in order."""
+def _leaves(value: Any, inside: int = 0, depth: int = 0, seen: Optional[set[int]] = None) -> Iterator[Any]:
+    """Every leaf in ``value``, tensors and the rest, in order; each container walked once (``seen``: their ids).
+
+    A structure that links back (a tree's parent links) costs what the same structure without the links does. A leaf
+    held twice is given twice (a list that holds one tensor twice has two items).
+    """
+    if seen is not None and id(value) in seen:
+        return
     node = _node(value, inside, depth)
     if node is None:
         yield value
         return
+    seen = set() if seen is None else seen
+    seen.add(id(value))
     for child in node[0]:
-        yield from _leaves(child, inside + isinstance(value, _RESULTS), depth + 1)
+        yield from _leaves(child, inside + isinstance(value, _RESULTS), depth + 1, seen)
 
 
 def tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -84,11 +92,14 @@ def map_tensors(
     fresh: bool = False,
     _inside: int = 0,
     _depth: int = 0,
+    _done: Optional[dict[int, Any]] = None,
 ) -> Any:
     """``value`` with ``fn`` applied to every tensor in it (``other``, when given, to every other leaf).
 
     Containers are rebuilt as they came (:func:`_node`); one whose leaves all come back unchanged is ``value`` itself,
-    unless ``fresh`` (a copy the caller may change).
+    unless ``fresh`` (a copy the caller may change). Each container is walked once: one met again maps to what it
+    mapped to, one met inside itself stays as it is. A tensor held twice is mapped twice (as 0.4 did: a replay's
+    copies of ``attn(q, q, q)`` stay three tensors).
 
     Example:
         >>> from collections import namedtuple
@@ -98,12 +109,19 @@ def map_tensors(
     """
     if isinstance(value, torch.Tensor):
         return fn(value)
+    done: dict[int, Any] = {} if _done is None else _done
+    key = id(value)
+    if key in done:
+        return done[key]
     node = _node(value, _inside, _depth)
     if node is None:
         return value if other is None else other(value)
+    done[key] = value  # inside itself: as it is
     inside = _inside + isinstance(value, _RESULTS)
-    items = [map_tensors(fn, c, other, fresh=fresh, _inside=inside, _depth=_depth + 1) for c in node[0]]
-    return value if not fresh and all(a is b for a, b in zip(items, node[0], strict=True)) else node[1](items)
+    items = [map_tensors(fn, c, other, fresh=fresh, _inside=inside, _depth=_depth + 1, _done=done) for c in node[0]]
+    made = value if not fresh and all(a is b for a, b in zip(items, node[0], strict=True)) else node[1](items)
+    done[key] = made
+    return made
 
 
 def rebuilt(value: Any, keys: list[Any], items: list[Any]) -> Any:

@@ -8,14 +8,15 @@ verdict and islands (:func:`~.replay.measure`).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from lightning_amp_plus.forensics._tree import torch_only
-from lightning_amp_plus.forensics.observe import BatchRecord, Watch, nonfinite_kinds, read
-from lightning_amp_plus.forensics.origin import WATCHING, Origin, unknown
+from lightning_amp_plus.forensics.observe import BatchRecord, Watch, batch_rows, nonfinite_kinds, read
+from lightning_amp_plus.forensics.origin import WATCHING, Origin, Phase, unknown
 from lightning_amp_plus.forensics.replay import Recorder, measure
 from lightning_amp_plus.forensics.sandbox import attempt, capture, copied_inputs, streams
 from lightning_amp_plus.forensics.verdict import first_born, tell
@@ -49,6 +50,7 @@ class OriginFinder(UpdateListener):
         self._accumulating = self._rerun = self._told = False
         self._device = "cpu"
         self._unwatchable: Optional[str] = None  # why no module can be watched
+        self._compiled = 0  # the frames torch.compile had compiled as the fit started
 
     def attach(
         self,
@@ -68,6 +70,7 @@ class OriginFinder(UpdateListener):
         self.detach()
         self._model, self._context, self._islands = model, context, islands
         self._accumulating, self._rerun, self._told = accumulating, rerun, False
+        self._compiled = _compiled_frames()
         device = getattr(model, "device", None)
         self._device = device.type if isinstance(device, torch.device) else "cpu"
         self._unwatchable = (
@@ -149,7 +152,7 @@ class OriginFinder(UpdateListener):
                 if isinstance(t, torch.Tensor) and not t.is_inference():
                     record.versions.append((t, t._version))
         if self.watch.on:
-            record.trace = self.watch.begin()
+            record.trace = self.watch.begin(batch_rows(batch))
             if self._recorder is not None:
                 record.calls = self._recorder.calls = []
         if self._rerun:
@@ -160,6 +163,8 @@ class OriginFinder(UpdateListener):
         """This batch's record, handed over (and kept as :attr:`last`); nothing more is kept until the next batch."""
         self.last, self.current = self.current, None
         if self.watch.on:
+            if self.last is not None:
+                self.last.unread = self.watch.unread
             self.watch.trace = None
             if self._recorder is not None:
                 self._recorder.calls = None
@@ -175,8 +180,6 @@ class OriginFinder(UpdateListener):
         return unknown(f"telling it raised {error}") if error is not None else told
 
     def _tell(self, record: BatchRecord) -> Optional[Origin]:
-        if self.watch.failed:
-            return unknown(self.watch.failed)
         events = read(record.trace) if record.trace is not None else None
         reason = self._unwatchable or WATCHING
         batch, unknown_kinds = record.as_loaded()  # as loaded: a tensor the step changed in place is not blamed
@@ -188,7 +191,34 @@ class OriginFinder(UpdateListener):
             and origin.kind in nonfinite_kinds(unknown_kinds)
         ):  # such a tensor holds that kind now: the batch may have held it as loaded (a rerun's copy tells)
             origin = origin.but(batch_too=True)
+        hidden = self.watch.hidden.get(origin.name, []) if origin is not None and origin.phase is Phase.FORWARD else []
+        if origin is not None and hidden and origin.reason is None:
+            place = "the LightningModule's own code" if origin.own_code else origin.name
+            origin = origin.but(reason=f"born in {place} or in {', '.join(hidden)} (compiled in place)"[:200])
+        elif (
+            origin is not None
+            and events is not None
+            and origin.reason is None
+            and (origin.own_code or origin.phase is Phase.LOSS)
+        ):
+            live = record.trace is not None and record.trace is self.watch.trace  # its batch is still on
+            unread = self.watch.unread if live else record.unread
+            blind = unread if unread is not None else _compiled_code(self._compiled)
+            origin = origin.but(reason=blind) if blind is not None else origin
         found = first_born(events) if events is not None else None
         if origin is None or not origin.observed or not self.replay or record.calls is None or found is None:
             return origin
         return measure(origin, record, found.start, self.watch, self._context, self._device, self._model)  # type: ignore
+
+
+def _compiled_frames() -> int:
+    """How many frames ``torch.compile`` compiled in this process (0 where its dynamo was never imported)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return int(getattr(dynamo, "counters", {}).get("frames", {}).get("ok", 0)) if dynamo is not None else 0
+
+
+def _compiled_code(since: int) -> Optional[str]:
+    """Said of a watched skip no module was named for, where ``torch.compile`` compiled code in this fit."""
+    if _compiled_frames() <= since:
+        return None
+    return "torch.compile compiled code in this fit: modules called from compiled code are not watched"

@@ -10,10 +10,16 @@ half precision beside values other than 0 counts where a later call turns it int
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
 from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus.forensics._tree import dispatches_to_torch, tensors, torch_only, values
@@ -38,11 +44,13 @@ class BatchRecord:
     counters as it started.
     """
 
-    __slots__ = ("batch", "calls", "index", "loaded", "losses", "start", "trace", "versions")
+    __slots__ = ("batch", "calls", "index", "loaded", "losses", "start", "trace", "unread", "versions")
 
     def __init__(self, batch: Any, index: int = -1, losses: Optional[list[Tensor]] = None, start: Any = None) -> None:
         self.batch, self.index, self.losses = batch, index, losses if losses is not None else []
         self.trace: Optional[list[Event]] = None
+        #: the first watched call of it left unread, and why (:attr:`Watch.unread`)
+        self.unread: Optional[str] = None
         self.calls: Optional[list[Any]] = None
         self.start: Optional[States] = start
         self.loaded: Any = None
@@ -117,137 +125,323 @@ def _mask_like(tensor: Tensor) -> bool:
     return not finite.numel() or bool(((finite == finite.min()) | (finite == finite.max())).all())
 
 
-def _extremes(value: Any, kwargs: Any = None, top: bool = False) -> list[tuple[Any, ...]]:
-    """A call's ``value`` (and ``kwargs``) as an :data:`Event` keeps them, on the device, not read.
+#: the step's own inputs are read per sample only this far (a batch's rows); beyond, as one tensor
+_ROWS = 1024
 
-    Only torch's own code runs: no ``__torch_function__`` (a subclass's, a mode's); a tensor whose type dispatches
-    to code of its own (``__torch_dispatch__``) is not read.
+
+def _unreadable(t: Tensor) -> Optional[str]:
+    """Why the watch cannot read floating tensor ``t`` with torch's own kernels; None where it can."""
+    if t.is_nested:
+        return "a nested tensor"
+    if t.layout is not torch.strided:
+        return f"a {str(t.layout).replace('torch.', '')} tensor"
+    if t.is_meta:
+        return "a meta tensor"
+    if _functorch_wrapped(t):
+        return "a tensor inside torch.func (vmap, grad)"
+    if not (type(t) is Tensor or dispatches_to_torch(t)):
+        return f"a {type(t).__name__} (its own __torch_dispatch__)"
+    return None
+
+
+#: whether a tensor is torch.func's (vmap's, grad's) wrapper: torch's own test, where this torch has it
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
+#: what a watch keeps of a tensor it read this batch: the tensor (weakly), its version, what was read
+Read = dict[int, tuple[Any, int, tuple[Any, ...]]]
+
+
+def _extremes(
+    value: Any, kwargs: Any = None, top: bool = False, rows: Optional[set[int]] = None, read: Optional[Read] = None
+) -> tuple[list[tuple[Any, ...]], Optional[str]]:
+    """A call's ``value`` (and ``kwargs``) as an :data:`Event` keeps them, on the device; why one was left unread.
+
+    The reason is None where every floating tensor was read. Called under ``no_grad`` and ``torch_only`` (only
+    torch's own code runs: no ``__torch_function__``, a subclass's or a mode's). A tensor torch's kernels cannot
+    reduce as it is (:func:`_unreadable`) is left out. ``top``: the step's own inputs, read per sample where their
+    first dimension is one of the batch's ``rows`` (at most :data:`_ROWS`; none: read whole, with their storage).
+    ``read``: the tensors read before in this batch; one met again unchanged (a call's output the next call takes)
+    gives what was read then, with no op; each tensor read whole is added.
     """
     found: list[tuple[Any, ...]] = []
+    unread: Optional[str] = None
     items = value if type(value) is tuple else (value,)  # a call's arguments, or the one value it returned
+    if kwargs:
+        items = (*items, *kwargs.values())
+    for item in items:
+        kind = type(item)
+        if kind is Tensor:
+            leaves: Any = (item,)
+        elif kind in _FLAT and all(type(x) is Tensor for x in item):  # (h, c): no walk
+            leaves = item
+        elif isinstance(item, _PLAIN):
+            continue
+        else:
+            leaves = tensors(item)
+        for t in leaves:
+            if not t.is_floating_point():
+                continue
+            if (
+                type(t) is not Tensor
+                or t.is_nested
+                or t.is_meta
+                or t.layout is not torch.strided
+                or _functorch_wrapped(t)
+            ):
+                why = _unreadable(t)
+                if why is not None:
+                    unread = unread or why
+                    continue
+            key = id(t)
+            sampled = top and rows and t.dim() > 0 and t.shape[0] in rows
+            if read is not None and key in read and not sampled:
+                ref, version, entry = read[key]
+                if ref() is t and (t.is_inference() or t._version == version):
+                    found.append((*entry, t.untyped_storage().data_ptr()) if top else entry)
+                    continue
+            if not t.numel():
+                continue
+            if sampled:
+                # per sample, to tell the batch's (:func:`~.verdict._from_batch`); reduced where it lies
+                # (a broadcast mask is not copied)
+                n = t.shape[0]
+                low_high = (
+                    torch.aminmax(t.view(n, -1), dim=1)
+                    if t.is_contiguous()
+                    else (t.amin(tuple(range(1, t.dim()))), t.amax(tuple(range(1, t.dim()))))
+                    if t.dim() > 1
+                    else torch.aminmax(t.reshape(-1, 1), dim=1)
+                )
+                found.append((t.dtype in _HALF, low_high, t.untyped_storage().data_ptr()))
+                continue
+            entry = (t.dtype in _HALF, torch.aminmax(t))
+            if top:  # the step's own: its storage tells a batch tensor
+                entry = (*entry, t.untyped_storage().data_ptr())
+            found.append(entry)
+            if read is not None:
+                read[key] = (weakref.ref(t), -1 if t.is_inference() else t._version, entry[:2])
+    return found, unread
+
+
+_FLAT = (tuple, list)
+
+
+def batch_rows(batch: Any) -> set[int]:
+    """The first dimensions of the batch's own tensors, up to :data:`_ROWS`: where a step's input is read per sample."""
     with torch_only():
-        for item in (*items, *kwargs.values()) if kwargs else items:
-            for t in (item,) if type(item) is Tensor else () if isinstance(item, _PLAIN) else tensors(item):
-                if (
-                    t.is_floating_point()
-                    and t.numel()
-                    and t.layout is torch.strided
-                    and (type(t) is Tensor or dispatches_to_torch(t))
-                ):
-                    d = t.detach()
-                    if not top or not d.dim():
-                        found.append((d.dtype in _HALF, torch.aminmax(d)))
-                        continue
-                    # per sample, to tell the batch's (:func:`~.verdict._from_batch`); reduced where it lies (a
-                    # broadcast mask is not copied)
-                    dims = tuple(range(1, d.dim()))
-                    low_high = (d.amin(dims), d.amax(dims)) if dims else torch.aminmax(d.reshape(-1, 1), dim=1)
-                    found.append((d.dtype in _HALF, low_high, d.untyped_storage().data_ptr()))
-    return found
+        return {t.shape[0] for t in tensors(batch) if not t.is_nested and t.dim() and t.shape[0] <= _ROWS}
+
+
+#: a module the watch has not indexed yet
+_NEW: Any = object()
+
+#: the longest ``reason`` an unread call gives
+_REASON = 200
 
 
 class Watch:
-    """Hooks on every module of a model that keep, per call, the extremes of what it took in and gave out.
+    """Every call of a model's modules, watched: per call, the extremes of what it took in and gave out.
 
-    :meth:`begin` starts a :attr:`trace` the hooks append :data:`Event` s to (None: they keep nothing). A compiled
-    submodule is watched from outside only (an inf/nan born inside it is named at it); a scripted one is not watched:
-    :attr:`unwatched` says so. A hook that fails stops the watch (:attr:`failed`), never the step.
+    The hooks are torch's global module hooks (as torch's ``ModuleTracker``): nothing is stored on your modules, so
+    scripting, tracing, copying and saving them is as without the watch. A call counts when its module is in the
+    model as it is now: a module added or replaced is found at its first call. :meth:`begin` starts a :attr:`trace` the
+    hooks append :data:`Event` s to (None: they keep nothing). A call's inputs are read as it ends, as the module
+    received them (after your pre-hooks), its output as it returns (your forward hooks act after: a value a later call
+    does not take does not count, see :func:`~.verdict.first_born`). A compiled submodule is watched as one module,
+    from outside; a scripted one is not watched (:attr:`unwatched` says so). A call the watch cannot read (a nested or
+    meta tensor, inside ``torch.func``) is left out of that call's reading alone, and :attr:`unread` says which; a
+    hook that fails does the same. It never raises into the step, and never stops.
     """
 
     def __init__(self) -> None:
         self.trace: Optional[list[Event]] = None
         self.on = False
-        self.depth = 0  # calls in progress: 0 is the step's own code
         self.names: list[str] = []
         self.unwatched: list[str] = []
-        self.failed: Optional[str] = None
+        #: the modules compiled in place (``module.compile()``), by the watched module that calls them ("": the step)
+        self.hidden: dict[str, list[str]] = {}
+        #: the first call of this batch left unread, and why (at most 200 characters)
+        self.unread: Optional[str] = None
+        self.rows: Optional[set[int]] = None  # the batch's first dimensions (its own inputs, read per sample)
+        self._index: dict[int, Optional[int]] = {}  # id(module) -> its index in names; None: seen, not watched
+        self._kept: list[torch.nn.Module] = []  # the modules indexed, held: their ids stay theirs
+        self._outside: dict[int, Any] = {}  # id -> weak reference: modules called that are not the model's
+        #: calls in progress: event position, index, whether the step's own code called it, the rows read per sample
+        self._open: list[tuple[int, int, bool, Optional[set[int]]]] = []
+        self._read: Read = {}  # the tensors read this batch
+        self._returned = False  # a call the step's own code made returned in this batch
+        self._walked = False  # the model walked again this batch (a module not seen before was called)
+        self._thread = 0
+        self._model: Optional[torch.nn.Module] = None
         self._handles: list[Any] = []
+        self._quiet: Optional[tuple[Any, ...]] = None
 
-    def begin(self) -> list[Event]:
-        """A new trace, written from now on."""
-        self.trace, self.depth = [], 0
+    @property
+    def depth(self) -> int:
+        """Calls in progress: 0 is the step's own code."""
+        return len(self._open)
+
+    def begin(self, rows: Optional[set[int]] = None) -> list[Event]:
+        """A new trace, written from now on (by this thread); ``rows``: the batch's first dimensions."""
+        self.trace, self._open, self.unread, self.rows, self._walked = [], [], None, rows, False
+        self._read, self._returned = {}, False
+        self._thread = threading.get_ident()
         return self.trace
 
     def install(self, model: torch.nn.Module) -> None:
-        """Hook every module under ``model`` (not ``model`` itself: its own code is the step's)."""
+        """Watch every module under ``model`` (not ``model`` itself: its own code is the step's)."""
         self.remove()
-        inside: set[int] = set()
-        for raw, module in model.named_modules():
-            if not raw or id(module) in inside:
-                continue
-            if is_compiled_wrapper(module):  # a hook inside its graph would be traced: watched from outside only
-                inside.update(id(m) for m in module._orig_mod.modules())  # type: ignore[operator]
-                self.unwatched.append(f"{clean_name(raw)} (compiled: watched as a whole)")
-            elif isinstance(module, torch.jit.ScriptModule):
-                inside.update(id(m) for m in module.modules())
-                self.unwatched.append(f"{clean_name(raw)} (scripted)")
-                continue
-            self.names.append(clean_name(raw))
-            self._handles += [
-                module.register_forward_pre_hook(_Before(self, len(self.names) - 1), with_kwargs=True),
-                # always: a call that raises (a caught fallback, checkpointing's recompute stopped early) ends too
-                module.register_forward_hook(_After(self, -len(self.names)), with_kwargs=True, always_call=True),
-            ]
+        self._model = model
+        self._walk()
+        self._handles = [
+            register_module_forward_pre_hook(self._before),
+            # always: a call that raises (a caught fallback, checkpointing's recompute stopped early) ends too
+            register_module_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+        # torch warns of global hooks at each call of a compiled module (the watch's, not yours)
+        warnings.filterwarnings("ignore", message=_COMPILED_WARNING)
+        self._quiet = warnings.filters[0]
         self.on = True
 
     def remove(self) -> None:
-        """Take every hook off; keep nothing more."""
+        """Take the hooks off; keep nothing more."""
         for handle in self._handles:
             handle.remove()
+        if self._quiet is not None and self._quiet in warnings.filters:
+            warnings.filters.remove(self._quiet)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
         self._handles, self.names, self.unwatched, self.trace, self.on = [], [], [], None, False
+        self.hidden = {}
+        self._index, self._kept, self._outside, self._open, self._model, self._quiet = {}, [], {}, [], None, None
+        self._read = {}
+        self.unread = None
 
+    def _walk(self) -> None:
+        """Index the model's modules as they are now; a module indexed before keeps its index."""
+        model = self._model
+        if model is None:
+            return
+        index, kept = {id(model): None}, [model]
+        inside: set[int] = set()
+        for raw, module in model.named_modules():
+            key = id(module)
+            if not raw or key in index:
+                continue
+            kept.append(module)
+            if key in inside:
+                index[key] = None
+                continue
+            name = clean_name(raw)
+            if is_compiled_wrapper(module):  # its inner modules run inside its graph: watched as a whole
+                inside.update(id(m) for m in module._orig_mod.modules())  # type: ignore[operator]
+                self._tell_once(f"{name} (compiled: watched as a whole)")
+            elif isinstance(module, torch.jit.ScriptModule):
+                inside.update(id(m) for m in module.modules())
+                index[key] = None
+                self._tell_once(f"{name} (scripted)")
+                continue
+            elif getattr(module, "_compiled_call_impl", None) is not None:  # `module.compile()`: its hooks are traced
+                inside.update(id(m) for m in module.modules() if m is not module)
+                self._tell_once(f"{name} (compiled in place: watched from its caller)")
+                caller = max((n for n in self.names if name.startswith(n + ".")), key=len, default="")
+                hidden = self.hidden.setdefault(caller, [])
+                hidden += [] if name in hidden else [name]
+            old = self._index.get(key)
+            if old is None:
+                self.names.append(name)
+                old = len(self.names) - 1
+            index[key] = old
+        self._index, self._kept = index, kept
+        for key in [k for k in self._outside if k in index]:
+            del self._outside[key]
 
-class _Hook:
-    """A watch hook, for the module at ``index`` of ``watch``.
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[list[Event]]:
+        """A trace of its own while inside (a replay), the batch's put back after."""
+        saved = self.trace, self._open, self.unread, self.rows, self._walked, self._thread, self._read, self._returned
+        try:
+            yield self.begin()
+        finally:
+            (self.trace, self._open, self.unread, self.rows, self._walked, self._thread, self._read, self._returned) = (
+                saved
+            )
 
-    A copy of the model (``copy.deepcopy``, ``torch.save``) gets an inert one instead (:class:`_Gone`): the copy is
-    not watched, and it pickles.
-    """
+    def _tell_once(self, what: str) -> None:
+        if what not in self.unwatched:
+            self.unwatched.append(what)
 
-    __slots__ = ("watch", "index")
+    def _known(self, module: torch.nn.Module) -> Optional[int]:
+        """``module``'s index: a module not indexed yet walks the model again (once a batch), else it is outside."""
+        key = id(module)
+        if key in self._index:
+            return self._index[key]
+        ref = self._outside.get(key)
+        if (ref is not None and ref() is module) or self._walked:
+            return None
+        self._walked = True
+        self._walk()
+        if key in self._index:
+            return self._index[key]
+        self._outside[key] = weakref.ref(module)
+        return None
 
-    def __init__(self, watch: Watch, index: int) -> None:
-        self.watch, self.index = watch, index
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_Gone, ())
-
-
-class _Before(_Hook):
-    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        watch = self.watch
-        if watch.trace is not None:
+    def _before(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: nothing there (no op, no graph break)
+            return
+        trace = self.trace
+        if trace is None or threading.get_ident() != self._thread:
+            return
+        index = self._index.get(id(module), _NEW)
+        if index is _NEW:
             try:
-                watch.trace.append((self.index, _extremes(args, kwargs, top=not watch.depth)))
-                watch.depth += 1
-            except Exception as error:  # noqa: BLE001 - a watch never raises into the step
-                watch.failed, watch.trace = f"a watch hook raised {type(error).__name__}: {error}", None
+                index = self._known(module)
+            except Exception:  # noqa: BLE001 - a watch never raises into the step
+                index = None
+        if index is not None:
+            top = not self._open  # the step's own inputs: per sample until a call of the step's returned (after,
+            # they can be what a module made)
+            self._open.append((len(trace), index, top, self.rows if top and not self._returned else None))
+            trace.append((index, []))
+
+    def _after(self, module: torch.nn.Module, args: Any, *rest: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        trace, opened = self.trace, self._open
+        if trace is None or not opened or threading.get_ident() != self._thread:
+            return
+        position, index, top, rows = opened[-1]
+        if self._index.get(id(module)) != index:  # a call not watched (its start was not)
+            return
+        opened.pop()
+        output, kwargs = rest[-1], rest[0] if len(rest) == 2 else None  # an exception: no kwargs
+        try:
+            with torch_only():  # a mode the step runs under sees none of this
+                grad = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)  # no graph: no detach a tensor
+                try:
+                    took, why = _extremes(args, kwargs, top, rows, self._read)
+                    self._returned = self._returned or top
+                    gave, missed = _extremes(output, read=self._read)
+                finally:
+                    torch._C._set_grad_enabled(grad)
+        except Exception as error:  # noqa: BLE001
+            took, gave, why, missed = [], [], f"a watch hook raised {type(error).__name__}", None
+        trace[position] = (index, took)
+        # a module with forward hooks of its own: its output was read before they acted (see `verdict.first_born`)
+        hooked = module._forward_hooks and any(_yours(hook) for hook in module._forward_hooks.values())
+        trace.append((~index, gave, True) if hooked else (~index, gave))
+        if (why or missed) and self.unread is None:
+            self.unread = f"{self.names[index]} took or gave {why or missed}, unread"[:_REASON]
 
 
-class _After(_Hook):
-    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        watch = self.watch
-        if watch.trace is not None:
-            try:
-                watch.depth -= 1
-                watch.trace.append((self.index, _extremes(output)))
-            except Exception as error:  # noqa: BLE001
-                watch.failed, watch.trace = f"a watch hook raised {type(error).__name__}: {error}", None
+def _yours(hook: Any) -> bool:
+    """Whether a module's forward hook is not this package's (the replay's recorder, the precision report's)."""
+    return not str(getattr(hook, "__module__", "")).startswith("lightning_amp_plus.")
 
 
-#: a module's per-hook flags (``always_called`` from torch 2.1)
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-class _Gone:
-    """A copied watch hook: it does nothing, and takes itself off the module at its first call."""
-
-    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            for key in [key for key, hook in hooks.items() if hook is self]:
-                del hooks[key]
-                for flags in _HOOK_FLAGS:
-                    getattr(module, flags, {}).pop(key, None)
+#: the warning torch gives at each call of a compiled module while any global module hook is on
+_COMPILED_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
 def _kind(low: float, high: float, half: bool) -> Optional[str]:
@@ -275,12 +469,12 @@ def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, l
     One transfer to the host.
     """
     with torch_only():  # a mode the step runs under is not called
-        flat = [torch.stack([m.float().flatten() for m in entry[1]]) for _, entries in trace for entry in entries]
+        flat = [torch.stack([m.float().flatten() for m in entry[1]]) for _, entries, *_ in trace for entry in entries]
         numbers = iter(torch.cat([m.to(flat[0].device) for m in flat], dim=1).tolist() if flat else [[], []])
     low, high = next(numbers), next(numbers)
     events: list[tuple[int, Optional[str], list[tuple[Any, list[Optional[str]]]]]] = []
     at = 0
-    for index, entries in trace:
+    for index, entries, *hooked in trace:
         kinds: list[Optional[str]] = []
         tops: list[tuple[Any, list[Optional[str]]]] = []
         for half, extremes, *storage in entries:
@@ -290,5 +484,5 @@ def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, l
             kinds.append(next((k for k in _ORDER if k in samples), None))
             if storage:
                 tops.append((storage[0], samples))
-        events.append((index, next((k for k in _ORDER if k in kinds), None), tops))
+        events.append((index, next((k for k in _ORDER if k in kinds), None), tops, *hooked))
     return events

@@ -89,10 +89,11 @@ class Recorder:
             *([torch.cuda.default_generators[torch.cuda.current_device()]] if cuda else []),
         ]
         self._handles = []
+        made = self._made
         for name, called in call_frontier(module):
             if not isinstance(called, torch.jit.ScriptModule):
                 self._handles.append(called.register_forward_pre_hook(self._keep(name, watch), with_kwargs=True))
-                self._handles.append(called.register_forward_hook(self._made, with_kwargs=True))
+                self._handles.append(called.register_forward_hook(made, with_kwargs=True))
 
     def _keep(self, name: str, watch: Watch) -> Callable[..., None]:
         def keep(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -228,12 +229,16 @@ def _replay(
     """
     replaced: dict[int, Tensor] = {}
     outputs: list[Any] = []
-    saved = watch.trace, watch.depth
-    trace = watch.begin()
     modules = [c.module for c in calls]  # a compiled one runs eagerly inside the sandbox, watched from outside
     try:
         set_aside = [m for n, m in model.named_modules() if clean_name(n) in islands]
-        with sandboxed(modules, device), no_logging(model), torch.enable_grad(), in_float32(set_aside, device):
+        with (
+            watch.apart() as trace,
+            sandboxed(modules, device),
+            no_logging(model),
+            torch.enable_grad(),
+            in_float32(set_aside, device),
+        ):
             for call, module in zip(calls, modules, strict=True):
                 give_back(call.rng)
                 args, kwargs = copied_inputs(map_tensors(lambda t: replaced.get(id(t), t), (call.args, call.kwargs)))
@@ -245,8 +250,6 @@ def _replay(
                 )
     except Exception as error:  # noqa: BLE001 - a replay that fails is told, never raised
         return None, outputs, raised(error)
-    finally:
-        watch.trace, watch.depth = saved
     found, failed = attempt(first_born, read(trace))
     if found is None:
         return None, outputs, failed

@@ -48,12 +48,15 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
     makes ``+inf`` or NaN is born in, ``fed_by`` the innermost module whose output held it first, the latest such
     (a mask there, or an overflow to ``-inf``: observation cannot tell, and a fix runs both in float32); where the code
     around a call made it, that code is named (no island holds it).
+
+    The output of a module with forward hooks of its own is read before they acted: its ``+inf``/NaN count where a
+    later call takes them or a call around it gives them (:func:`_reaches`); one a hook cleaned does not.
     """
     calls: list[int] = []  # the calls in progress
     opened: list[int] = []  # the event each of them started at
     took: list[bool] = []  # whether each took a half-precision -inf in
     maker: Optional[tuple[bool, Optional[int], int]] = None  # where one appeared: made by a module?, which, the event
-    for position, (index, kind, *_) in enumerate(events):
+    for position, (index, kind, *rest) in enumerate(events):
         if kind == "-inf":
             kind = "inf" if minus and index >= 0 and not calls else None
         if index >= 0:
@@ -74,10 +77,25 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
                 maker = True, ~index, position
             elif kind is not None and kind != "-inf16":
                 if not fed:
-                    return Born(~index, kind, position)
+                    if len(rest) < 2 or _reaches(events, position, calls):
+                        return Born(~index, kind, position)
+                    continue
                 by_module, by, at = maker  # type: ignore[misc]
                 return Born(~index, kind, position, by, at) if by_module else Born(by, "inf", at)
     return None
+
+
+def _reaches(events: list[tuple[Any, ...]], position: int, around: list[int]) -> bool:
+    """Whether the ``+inf``/NaN the call ending at ``position`` gave reach a later call (:func:`first_born`).
+
+    Asked of a module with forward hooks of its own: its output was read before they acted (one may have cleaned
+    it). ``around``: the calls in progress around it. The first event after it holding them decides: a call's inputs
+    or the output of a call around it, yes; another call's output (born there) or none, no.
+    """
+    for index, kind, *_ in events[position + 1 :]:
+        if kind in ("inf", "nan"):
+            return index >= 0 or ~index in around
+    return False
 
 
 def tell(
@@ -110,6 +128,8 @@ def tell(
         if accumulating:
             return None  # an earlier micro-batch of the update may have made them: not recorded
         return Origin(Phase.BACKWARD, batch_too=bool(in_batch))  # no watch: the scale calibrates this way
+    if loss is None:  # the loss finite: born in backward, whatever a module gave (phases as the docs define them)
+        return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
     found = first_born(events, minus)
     if found is not None:
         index, kind, position, fed_by, _ = found

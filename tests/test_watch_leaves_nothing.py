@@ -1,0 +1,362 @@
+"""A watch you can forget is there: nothing on your modules, the model as it runs, never blind for good, bounded.
+
+Each case is a fit with the watch on (``find_origin="watch"``, or started by a first skip), where the user's own code
+does what users do mid-fit: script or save a module, add one, hook one, compile one, call one under ``vmap``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import subprocess
+import sys
+import textwrap
+
+import torch
+from lightning.pytorch import Callback, LightningModule
+from torch import nn
+
+from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
+from lightning_amp_plus.forensics import _tree
+from lightning_amp_plus.forensics.observe import Watch
+from tests.helpers.models import loud_batches
+from tests.helpers.trainer import make_trainer
+
+LOUD = (2, 5, 8)
+
+
+class Boost(nn.Module):
+    """``(|x| + 1) * factor``: beyond float16 (to ``+inf``) on the loud batches (x100), finite on the others."""
+
+    def __init__(self, factor=1000.0):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return (x.abs() + 1) * self.factor
+
+
+def _fit(model, reporter, steps=10, loader=None, trainer=None, **knobs):
+    torch.manual_seed(0)
+    plugin = AmpPlusPrecision("16-mixed", **{"init_scale": 2.0**10, "growth_interval": 4, **knobs})
+    trainer = trainer or make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=steps)
+    trainer.fit(model, loader or loud_batches(steps, LOUD, 100.0))
+    return plugin
+
+
+def _origins(reporter):
+    return {r["step"]: r["origin"] for r in reporter.skips}
+
+
+def _reporter(**knobs):
+    return NaNSkipReporter(**{"max_consecutive_skips": None, "quiet": True, "find_origin": "watch", **knobs})
+
+
+class Chain(LightningModule):
+    """``pre`` -> ``boost`` (overflows on the loud batches) -> ``head``."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.boost, self.head = nn.Linear(8, 8), Boost(), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.boost(self.pre(x)) * 1e-3).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+# ------------------------------------------------------------------------- 1. nothing stored on your modules
+class _Exports(Callback):
+    """What users do at a batch's end, mid-fit: script the model for export, copy it, save it."""
+
+    def __init__(self, path):
+        self.path, self.seen = path, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx != 4:
+            return
+        reporter = next(c for c in trainer.callbacks if isinstance(c, NaNSkipReporter))
+        self.seen["watching"] = reporter.origins.watching
+        self.seen["hooks"] = [(m._forward_hooks, m._forward_pre_hooks) for m in pl_module.modules() if m._forward_hooks]
+        net = nn.Sequential(pl_module.pre, nn.ReLU(), pl_module.head)
+        torch.jit.script(net)  # the export a user's callback makes
+        torch.jit.trace(net, torch.randn(2, 8))
+        teacher = copy.deepcopy(net)  # an EMA teacher
+        torch.jit.script(teacher)
+        torch.save(net, self.path)
+        buffer = io.BytesIO()
+        torch.save(teacher, buffer)
+        self.seen["done"] = True
+
+
+def test_scripting_copying_and_saving_a_watched_module_mid_fit_is_as_without_the_watch(tmp_path):
+    exports = _Exports(str(tmp_path / "net.pt"))
+    reporter = _reporter()
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    make_trainer(plugins=[plugin], callbacks=[reporter, exports], max_steps=8).fit(
+        Chain(), loud_batches(8, LOUD, 100.0)
+    )
+    assert exports.seen == {"watching": True, "hooks": [], "done": True}
+    assert _origins(reporter)[2]["module"] == "boost"  # watched all along
+    # a serving box with torch and not this package loads what was saved while watched
+    loading = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["lightning_amp_plus"] = None  # cannot be imported here
+        import torch
+        net = torch.load({str(tmp_path / "net.pt")!r}, weights_only=False)
+        print(net(torch.randn(2, 8)).shape)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", loading], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch.Size([2, 1])" in done.stdout
+
+
+def test_no_hook_is_left_and_none_was_ever_on_the_modules():
+    watch = Watch()
+    model = Chain()
+    watch.install(model)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    watch.begin()
+    model.boost(model.pre(torch.randn(4, 8)))
+    assert [i for i, _ in watch.trace] == [0, ~0, 1, ~1]  # pre, then boost: both watched
+    watch.remove()
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+# ------------------------------------------------------------------------- 2. the model that runs
+class Growing(LightningModule):
+    """A block appended to a ModuleList at step 3 (after the watch started): it overflows on the loud batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == 3 and len(self.blocks) == 1:
+            self.blocks.append(Boost())
+        h = x
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.mse_loss(self.head(h * 1e-3).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_module_appended_mid_fit_is_watched_from_its_first_call():
+    reporter = _reporter()
+    _fit(Growing(), reporter)
+    origins = _origins(reporter)
+    assert origins[5]["module"] == origins[8]["module"] == "blocks.1"
+
+
+class Cleaned(LightningModule):
+    """``noisy`` overflows on the loud batches; the user's hook, registered at step 3, clamps its output. The real
+    overflow is ``boost``'s, later."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.noisy, self.boost, self.head = nn.Linear(8, 8), Boost(1e4), Boost(1e3), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == 3 and not self.noisy._forward_hooks:
+            self.noisy.register_forward_hook(lambda m, a, out: out.clamp(-1, 1))
+        h = self.noisy(self.pre(x))
+        return nn.functional.mse_loss(self.head(self.boost(h * 100) * 1e-3).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_users_hook_registered_after_the_watch_is_read_after_it_acted():
+    reporter = _reporter()
+    _fit(Cleaned(), reporter)
+    origins = _origins(reporter)
+    assert origins[2]["module"] == "noisy"  # not yet cleaned
+    assert origins[5]["module"] == origins[8]["module"] == "boost"  # the model never received noisy's inf
+
+
+# ------------------------------------------------------------------------- compiled code
+def _compile_counts():
+    from torch._dynamo.utils import counters
+
+    return sum(counters["stats"].values()), sum(counters["graph_break"].values())
+
+
+class CompiledInPlace(Chain):
+    def __init__(self):
+        super().__init__()
+        self.boost.compile(backend="eager")
+
+
+def test_a_module_compiled_in_place_adds_no_graph_break_or_recompile_and_is_told_once():
+    import torch._dynamo
+
+    counts = {}
+    for with_watch in (False, True):
+        torch._dynamo.reset()
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        callbacks = [_reporter()] if with_watch else []
+        torch.manual_seed(0)
+        plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+        make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=10).fit(
+            CompiledInPlace(), loud_batches(10, LOUD, 100.0)
+        )
+        counts[with_watch] = _compile_counts()
+        if with_watch:
+            origins = _origins(callbacks[0])
+    assert counts[True] == counts[False]
+    told = [o for o in origins.values() if "compiled in place" in (o.get("reason") or "")]
+    assert told
+    assert all(o["module"] == "" and "boost" in o["reason"] for o in told)
+
+
+class CompiledWrapper(Chain):
+    def __init__(self):
+        super().__init__()
+        self.boost = torch.compile(Boost(), backend="eager")
+
+
+def test_a_compiled_wrapper_is_watched_as_one_module_without_torchs_global_hook_warning(recwarn):
+    reporter = _reporter()
+    _fit(CompiledWrapper(), reporter)
+    origins = _origins(reporter)
+    assert origins[5]["module"] == origins[8]["module"] == "boost"
+    assert not [w for w in recwarn if "global hooks" in str(w.message)]
+
+
+class CompiledFunction(Chain):
+    """The modules called from a compiled function: the watch cannot see them."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if not hasattr(self, "_body"):
+            self._body = torch.compile(lambda h: self.boost(self.pre(h)), backend="eager")
+        return nn.functional.mse_loss(self.head(self._body(x) * 1e-3).float(), y)
+
+
+def test_modules_called_from_a_compiled_function_are_told_unwatched_never_read_as_the_loss():
+    reporter = _reporter()
+    _fit(CompiledFunction(), reporter)
+    for step in LOUD:
+        origin = _origins(reporter)[step]
+        assert origin["phase"] != "loss" or "compiled" in origin.get("reason", ""), origin
+        assert "compiled" in origin.get("reason", ""), origin
+
+
+# ------------------------------------------------------------------------- 3. never blind, never carried
+class Vmapped(Chain):
+    """Each step also runs ``ensemble`` under ``torch.func.vmap`` (a vmapped ensemble): unreadable calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.ensemble = nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        spread = torch.func.vmap(self.ensemble)(x.unsqueeze(0).expand(3, -1, -1))
+        return super().training_step((x + 0 * spread.mean(0), y), batch_idx)
+
+
+def test_a_vmapped_call_is_left_out_of_its_reading_alone_and_later_skips_are_named():
+    reporter = _reporter()
+    _fit(Vmapped(), reporter)
+    assert [o["module"] for s, o in sorted(_origins(reporter).items())] == ["boost"] * 3
+
+
+class Nested(Chain):
+    """A module called with a strided nested tensor each step; its loss overflows in the own code on loud steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.ragged = nn.Identity()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.ragged(torch.nested.nested_tensor([x[0], x[1, :3]]))
+        return nn.functional.mse_loss((self.head(self.pre(x)) * 1e5).float(), y)
+
+
+def test_a_nested_tensor_call_is_said_unread_in_a_short_reason_of_a_skip_it_could_have_caused():
+    reporter = _reporter()
+    _fit(Nested(), reporter)
+    for origin in (_origins(reporter)[step] for step in LOUD):
+        assert origin["phase"] == "loss", origin
+        assert origin["reason"] == "ragged took or gave a nested tensor, unread", origin
+        assert len(origin["reason"]) <= 200
+
+
+def test_a_reused_reporter_starts_a_new_watch_in_a_new_fit():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, quiet=True)
+    _fit(Vmapped(), reporter)
+    assert not reporter.origins.watching  # taken off at the fit's end
+    _fit(Chain(), reporter)
+    origins = _origins(reporter)
+    assert origins[2]["reason"] == "every module is watched from the next step"  # a new fit, a new watch
+    assert origins[5]["module"] == origins[8]["module"] == "boost"
+
+
+# ------------------------------------------------------------------------- 4. bounded
+class FlatLoss(LightningModule):
+    """A loss module called on the flattened outputs (4M elements): not the batch's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.criterion = nn.Linear(8, 8), nn.MSELoss()
+
+
+def test_what_a_call_keeps_is_a_few_numbers_whatever_the_tensors_size():
+    model = FlatLoss()
+    watch = Watch()
+    watch.install(model)
+    batch = torch.randn(4, 8)
+    trace = watch.begin(rows={4})
+    model.net(batch)  # the batch's own rows, per sample (the step's first call)
+    big = torch.randn(4_000_000)
+    model.criterion(big, big * 2)
+    watch.trace = None
+    kept = [
+        t
+        for _, entries in trace
+        for entry in entries
+        for t in (entry[1] if isinstance(entry[1], tuple) else (entry[1],))
+    ]
+    assert sum(t.numel() * t.element_size() for t in kept) < 1_000  # bytes: not 32 MB
+    per_sample = [entry for index, entries in trace if index == 0 for entry in entries]
+    assert per_sample[0][1][0].shape == (4,)  # the batch's rows are still read per sample
+    watch.remove()
+
+
+@dataclasses.dataclass
+class _Node:
+    value: torch.Tensor
+    parent: object = None
+    children: list = dataclasses.field(default_factory=list)
+
+
+def _tree_of(depth, width=3, parent=None):
+    node = _Node(torch.ones(1), parent)
+    if depth:
+        node.children = [_tree_of(depth - 1, width, node) for _ in range(width)]
+    return node
+
+
+def test_a_parent_linked_tree_is_walked_once_per_object(monkeypatch):
+    root = _tree_of(6)  # 1093 nodes
+    visits = []
+    real = _tree._node
+    monkeypatch.setattr(_tree, "_node", lambda value, *a: visits.append(id(value)) or real(value, *a))
+    found = list(_tree.tensors(root))
+    assert len(found) == 1093 == len({id(t) for t in found})
+    assert len(visits) == len(set(visits))  # no object twice: parent links cost nothing
