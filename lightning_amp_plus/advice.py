@@ -88,6 +88,8 @@ class RunFigures:
         bf16_available: whether bf16 autocast is available on the run's device.
         plugin: the run's plugin class name (fix lines are the user's own call with one change).
         plugin_args: the arguments the plugin was given (those that differ from its defaults), in order.
+        ended: how the fit ended where an exception ended it (``"AssertionError: bad batch"``); None: it ran to its
+            end (or unknown, offline).
     """
 
     precision: Optional[str] = None
@@ -103,6 +105,7 @@ class RunFigures:
     bf16_available: Optional[bool] = None
     plugin: str = "AmpPlusPrecision"
     plugin_args: dict[str, Any] = field(default_factory=dict)
+    ended: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------- the registry
@@ -216,8 +219,16 @@ def nothing_applied(figures: RunFigures) -> bool:
 
 
 def judged(figures: RunFigures) -> bool:
-    """Whether the figures can call a run healthy: its skipped updates are known (a stock plugin logs none)."""
-    return figures.skipped is not None and bool(figures.num_updates) and not nothing_applied(figures)
+    """Whether the figures can call a run healthy: it ran to its end, its skips are known, and some were applied.
+
+    A stock plugin logs no skips; a fit an exception ended is never healthy.
+    """
+    return (
+        figures.ended is None
+        and figures.skipped is not None
+        and bool(figures.num_updates)
+        and not nothing_applied(figures)
+    )
 
 
 def healthy_line(figures: RunFigures) -> str:
@@ -225,6 +236,12 @@ def healthy_line(figures: RunFigures) -> str:
 
     A figure the logs cannot support is absent, never a healthy-looking 0: unknown skips are said to be unknown.
     """
+    if figures.ended is not None:  # a fit an exception ended is never healthy
+        skipped = f", {len(figures.skipped)} skipped" if figures.skipped is not None else ""
+        return (
+            f"no finding, but the fit did not end as planned: {figures.ended} after {figures.num_updates}"
+            f" update{'' if figures.num_updates == 1 else 's'}{skipped}."
+        )
     if not figures.num_updates and figures.skipped is not None:
         return "no update was made, so nothing could be judged."
     if figures.skipped is None:
@@ -751,8 +768,8 @@ def _bf16_at_floor(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     blind="only live: `advise` cannot see it",
 )
 def _backward_skips(figures: RunFigures) -> Optional[Advice]:
-    if figures.precision == "bf16-mixed":
-        return None
+    if figures.precision == "bf16-mixed" or figures.origins is None:
+        return None  # a log holds no origins: forward and loss finite is not known offline
     at_floor = _backward_at_floor(figures)
     if not _enough_at_floor(figures, at_floor) or _range_at_floor(figures) is not None:
         return None

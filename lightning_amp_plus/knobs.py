@@ -235,9 +235,10 @@ class Checkpoint:
     changes: list[str]
 
 
-def read_checkpoint(where: str, state: Any, current: dict[str, Any]) -> Checkpoint:
+def read_checkpoint(where: str, state: Any, current: dict[str, Any], keep: frozenset[str] = frozenset()) -> Checkpoint:
     """A scaler ``state_dict`` (ours, or a plain ``GradScaler``'s: ``current`` knobs then stay) checked by the rules.
 
+    The knobs named in ``keep`` (those given to the constructor) stay ``current``: a setting passed on resume is meant.
     An invalid value raises ``ValueError``/``TypeError`` naming the checkpoint key and the value.
     """
     if not isinstance(state, dict):
@@ -248,7 +249,7 @@ def read_checkpoint(where: str, state: Any, current: dict[str, Any]) -> Checkpoi
             f"`{where}`: the state lacks {', '.join(map(repr, missing))} (it has"
             f" {', '.join(map(repr, state)) or 'no keys'}); expected a `GradScaler.state_dict()`."
         )
-    knobs = {name: state.get(name, value) for name, value in current.items()}
+    knobs = {name: value if name in keep else state.get(name, value) for name, value in current.items()}
     scale = state["scale"]
     if hasattr(scale, "numel") and scale.numel() == 1:  # a tensor (torch is not imported here)
         scale = scale.item()
@@ -264,6 +265,8 @@ def read_checkpoint(where: str, state: Any, current: dict[str, Any]) -> Checkpoi
             " clean steps since the last growth or skip)."
         )
     hysteresis = state.get("_hysteresis_tracker", knobs["hysteresis"])
+    if is_int(hysteresis) and "hysteresis" in keep:  # a smaller hysteresis given: its tracker within it
+        hysteresis = min(hysteresis, knobs["hysteresis"])
     if not is_int(hysteresis) or not 0 <= hysteresis <= knobs["hysteresis"]:
         raise ValueError(
             f"`{where}(_hysteresis_tracker={hysteresis!r})` is invalid: expected an int in"
@@ -271,6 +274,11 @@ def read_checkpoint(where: str, state: Any, current: dict[str, Any]) -> Checkpoi
         )
     bounded = min(max(float(scale), knobs["min_scale"]), knobs["max_scale"])
     changes = [f"{n} {v!r} -> {knobs[n]!r}" for n, v in current.items() if float(v) != float(knobs[n])]
+    changes += [
+        f"{n}={v!r} kept as given (the checkpoint's: {state[n]!r})"
+        for n, v in current.items()
+        if n in keep and n in state and is_real(state[n]) and float(state[n]) != float(v)
+    ]
     if bounded != scale:
         changes.append(
             f"scale {scale!r} -> {bounded!r} (brought inside [min_scale, max_scale] ="

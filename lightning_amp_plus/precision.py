@@ -22,7 +22,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._identity import resolve_optimizer
-from lightning_amp_plus._repr import KnobsRepr, given_arguments
+from lightning_amp_plus._repr import KnobsRepr, given_arguments, same_value
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool
 from lightning_amp_plus.engine import (
@@ -339,6 +339,15 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._engine.load_state_dict(state_dict, where=f"checkpoint[{type(self).__qualname__!r}]")
+        scaler = self.scaler
+        if scaler is not None and "scaler" not in self._given:  # the repr and the logged call: the knobs that run
+            for name, value in scaler.knobs().items():
+                if name == "init_scale":
+                    continue  # this run's start as given; the checkpoint's scale is the state
+                if same_value(value, SCALER_DEFAULTS[name]):
+                    self._given.pop(name, None)
+                else:
+                    self._given[name] = value
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -589,17 +589,20 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Load a state from :meth:`state_dict`, or a plain ``GradScaler`` state (our bounds are then kept).
 
         Every value is checked by the constructor's rules; an invalid one raises ``ValueError``/``TypeError`` naming
-        the checkpoint key and the value. The checkpoint wins, as in torch: its scale, trackers and knobs replace
-        this scaler's, and a knob that differs from the current one is logged (logger ``lightning_amp_plus``, rank
-        zero). A scale outside ``[min_scale, max_scale]`` is brought inside, and logged.
+        the checkpoint key and the value. Its scale and trackers replace this scaler's. Its knobs do too, as in
+        torch, except those given to this scaler's constructor: a setting passed on resume is meant, and kept. Each
+        knob that changes, or is kept against the checkpoint's, is logged (logger ``lightning_amp_plus``, rank zero).
+        A scale outside ``[min_scale, max_scale]`` is brought inside, and logged.
         """
         if not self._enabled:
             return
         where = f"{type(self).__name__}.load_state_dict"
-        read = read_checkpoint(where, state_dict, self._knobs())
+        current = self._knobs()
+        read = read_checkpoint(where, state_dict, current, frozenset(k for k in self._given if k in current))
         if read.changes:
             say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(read.changes) + ".")
-        super().load_state_dict({**state_dict, "scale": read.scale})
+        torch_knobs = {knob.name: read.knobs[knob.name] for knob in KNOBS if knob.torch and knob.name in read.knobs}
+        super().load_state_dict({**state_dict, **torch_knobs, "scale": read.scale})
         self._host = HostMirror(read.growth_tracker)
         self._set_knobs({name: read.knobs[name] for name in ("min_scale", "max_scale", "hysteresis")})
         self._init_hysteresis_tracker = read.hysteresis_tracker

@@ -61,6 +61,7 @@ class DeviceSkipProbe:
         known: set[int],
         upto: Optional[int],
         scale_now: Optional[Callable[[], float]] = None,
+        scaled: bool = True,
     ) -> tuple[list[tuple[dict[str, Any], int]], int]:
         """The skips in ``history`` after ``after``, not ``known``, up to ``upto``: records with streaks, last step.
 
@@ -80,7 +81,8 @@ class DeviceSkipProbe:
                     history.scale_at(step + 1) if step < recorded else scale_now() if scale_now is not None else None
                 )
                 told = self.take(step) or {}  # when its flag was read (nothing: it came too late)
-                found.append((skip_record(step, history.scale_at(step), new_scale, told), history.streak_at(step)))
+                record = skip_record(step, history.scale_at(step), new_scale, told, scaled)
+                found.append((record, history.streak_at(step)))
         return found, last
 
     def drop(self) -> None:

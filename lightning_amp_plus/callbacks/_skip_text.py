@@ -8,16 +8,17 @@ from lightning_amp_plus._repr import number
 from lightning_amp_plus.forensics.origin import WATCHING, Origin, Phase
 
 
-def skip_record(step: int, scale: Any, new_scale: Any, told: dict[str, Any]) -> dict[str, Any]:
+def skip_record(step: int, scale: Any, new_scale: Any, told: dict[str, Any], scaled: bool = True) -> dict[str, Any]:
     """One skip's record (the one place its keys are written): ``told`` holds its loss, offenders and origin.
 
-    The origin is kept in its JSON form (:meth:`Origin.to_dict`): a record is plain data.
+    The origin is kept in its JSON form (:meth:`Origin.to_dict`): a record is plain data. Not ``scaled`` (bf16-mixed:
+    no loss scale), ``scale`` and ``new_scale`` are None.
     """
     origin = told.get("origin")
     return {
         "step": step,
-        "scale": scale,
-        "new_scale": new_scale,
+        "scale": scale if scaled else None,
+        "new_scale": new_scale if scaled else None,
         "loss": told.get("loss"),
         "offenders": told.get("offenders"),
         "origin": origin.to_dict() if isinstance(origin, Origin) else origin,
@@ -54,6 +55,8 @@ def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0
     born = describe_origin(record.get("origin"))
     if born:
         where = f"{born}; {where}"
+    if record["scale"] is None:  # bf16-mixed: no loss scale
+        return f"step {record['step']} skipped: {where}"
     scale = f"loss scale {number(record['scale'])}"
     if record["new_scale"] is not None:
         scale += f" -> {number(record['new_scale'])}"
@@ -126,8 +129,8 @@ def collapse_message(
         were = "was" if consecutive == 1 else "were"
         why = f"{plural(consecutive, 'consecutive optimizer step')} {were} skipped (max_consecutive_skips={limit})"
     offenders = ", ".join(o["name"] for o in (record["offenders"] or [])[:5]) or "unknown"
-    scale = number(record["scale"])
-    message = f"Mixed-precision training collapsed: {why}; loss scale {scale}; last offenders: {offenders}."
+    scale = f"; loss scale {number(record['scale'])}" if record["scale"] is not None else ""  # bf16: none
+    message = f"Mixed-precision training collapsed: {why}{scale}; last offenders: {offenders}."
     if batch[0] and (cause is None or not cause.evidence.get("input")):  # unless the diagnosis says the batch
         one = batch[0] == 1
         message += (

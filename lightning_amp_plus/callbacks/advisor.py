@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Optional, Union
@@ -172,7 +173,7 @@ class AmpAdvisor(KnobsRepr, Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
             if self._plugin is not None and not self._advised:
-                self._finish(trainer)  # a collapse is when the advice matters most
+                self._finish(trainer, exception)  # a collapse is when the advice matters most
         except Exception as error:  # the fit's own exception is the one that propagates
             warn_at_user(f"`AmpAdvisor`: no advice after the failed fit ({error!r}).")
         finally:
@@ -191,13 +192,16 @@ class AmpAdvisor(KnobsRepr, Callback):
                 callback.load_state_dict(state_dict[type(callback).__name__])
 
     # ------------------------------------------------------------------ advice
-    def _finish(self, trainer: pl.Trainer) -> None:
+    def _finish(self, trainer: pl.Trainer, exception: Optional[BaseException] = None) -> None:
         self._advised = True
         if self._plugin.history.num_steps == 0:
             return  # nothing ran (a failed setup, max_steps=0): nothing to advise on
         if self._reporter is not None:  # theirs or ours: the skips a fused optimizer decided, whatever hook runs first
             self._reporter.collect(check=False)  # reported; the collapse check stays its own
         self.figures = self.gather(trainer)
+        if exception is not None:
+            said = f"{type(exception).__name__}: {exception}".splitlines()[0]
+            self.figures = dataclasses.replace(self.figures, ended=said if len(said) <= 120 else said[:117] + "...")
         self.advice, self.hints = findings(advise(self.figures))
         text = self.format()
         if self.print_advice:

@@ -83,6 +83,7 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
         self._plugin: Optional[AmpPlusPrecision] = None  # set at setup, with the two below
         self._stock: Any = None  # Lightning's own MixedPrecision/FSDPPrecision: the curve is sampled
         self._interval = 50
+        self._logged_call: Optional[str] = None  # the plugin call logged this fit
         self._next_log_after: Optional[int] = None
         self._next_log = 0
         self._bar: dict[str, str] = {}  # what the progress bar shows, refreshed at the logging points
@@ -132,15 +133,27 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._logged_call = None
         if self._plugin is not None and trainer.is_global_zero:
             self._log_plugin_call(trainer, self._plugin)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a resumed fit restores the scaler's knobs after `on_fit_start`: the call that runs, where it changed
+        if self._plugin is not None and trainer.is_global_zero and self._call(self._plugin) != self._logged_call:
+            self._log_plugin_call(trainer, self._plugin)
+
+    def _call(self, plugin: AmpPlusPrecision) -> str:
+        return plugin_call(type(plugin).__name__, plugin_arguments(plugin))
 
     def _log_plugin_call(self, trainer: pl.Trainer, plugin: AmpPlusPrecision) -> None:
         """The plugin's call as a hyperparameter, ``{prefix}plugin``: what ``advise`` repeats in its fixes.
 
-        Once per fit, before Lightning logs the module's own hyperparameters (and writes ``hparams.yaml``).
+        At fit start, before Lightning logs the module's own hyperparameters (and writes ``hparams.yaml``); again at
+        train start where a checkpoint changed the knobs that run.
         """
-        params = {f"{self.prefix}{PLUGIN_HPARAM}": plugin_call(type(plugin).__name__, plugin_arguments(plugin))}
+        self._logged_call = self._call(plugin)
+        params = {f"{self.prefix}{PLUGIN_HPARAM}": self._logged_call}
         for logger in trainer.loggers:
             try:
                 if isinstance(logger, TensorBoardLogger):

@@ -325,7 +325,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         told["origin"] = self._job_origin(told["origin"])
         self._heed(told["origin"])
         self.offenders.clear()
-        self._add(skip_record(event.step, event.scale, event.new_scale, told), event.consecutive)
+        scaled = self._plugin.scaler is not None
+        self._add(skip_record(event.step, event.scale, event.new_scale, told, scaled), event.consecutive)
 
     def _job_origin(self, origin: Optional[Origin]) -> Optional[Origin]:
         """The update's origin over every rank (each skips it, so each calls this): the rank that saw it born tells."""
@@ -407,7 +408,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         scaler = self._plugin.scaler
         scale_now = scaler.get_scale if updated and scaler is not None else None
         found, last = self._device_probe.records(
-            self._plugin.history, self._reported_upto, set(self._skipped_steps), upto, scale_now
+            self._plugin.history, self._reported_upto, set(self._skipped_steps), upto, scale_now, scaler is not None
         )
         for record, streak in found:
             self._add(record, streak, check=check)

@@ -1,0 +1,144 @@
+"""The first hour, fifth pass (issue 54): every printed cause is one the run had, resumed settings told truly.
+
+Each defect a new user met, as a fit that has it and, where it applies, a healthy look-alike that stays silent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
+from lightning_amp_plus.callbacks._skip_text import describe
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+
+# ------------------------------------------------------------------------- 5. bf16 has no loss scale to show
+def test_a_bf16_skip_line_and_record_show_no_loss_scale(caplog):
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"):
+        make_trainer(plugins=[AmpPlusPrecision("bf16-mixed")], callbacks=[reporter], max_steps=4).fit(
+            TinyModel(poison={1: "nan"})
+        )
+    (record,) = reporter.skips
+    assert (record["scale"], record["new_scale"]) == (None, None)  # absent, not a healthy-looking 1
+    (line,) = [r.getMessage() for r in caplog.records if "step 1 skipped" in r.getMessage()]
+    assert "loss scale" not in line
+    assert line == describe(record)
+
+
+def test_a_float16_skip_line_still_shows_its_scale(caplog):
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0)], callbacks=[reporter], max_steps=4).fit(
+            TinyModel(poison={1: "nan"})
+        )
+    (line,) = [r.getMessage() for r in caplog.records if "step 1 skipped" in r.getMessage()]
+    assert line.endswith("loss scale 8 -> 4")
+
+
+# ------------------------------------------------------------------------- 6. a fit an exception ended
+class _Guarded(TinyModel):
+    """The user's own batch guard raises at step 5."""
+
+    def training_step(self, batch, batch_idx):
+        assert self.trainer.global_step != 5, "bad batch at step 5"
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_an_exception_ended_is_never_called_healthy(caplog, tmp_path):
+    advisor = AmpAdvisor(report_path=str(tmp_path / "advice.json"))
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"), pytest.raises(AssertionError):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[advisor], max_steps=10).fit(_Guarded())
+    said = "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpAdvisor"))
+    assert "healthy" not in said
+    assert "AssertionError: bad batch at step 5" in said
+    assert json.loads((tmp_path / "advice.json").read_text())["healthy"] is False
+
+
+def test_the_same_fit_run_to_its_end_is_healthy(caplog):
+    advisor = AmpAdvisor()
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[advisor], max_steps=10).fit(TinyModel())
+    said = "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpAdvisor"))
+    assert "the run looks healthy" in said
+
+
+# ------------------------------------------------------------------------- 4. a resumed plugin names what runs
+def _resume(tmp_path, **knobs):
+    """A 6-step fit under growth_interval=50 saved, then resumed to 10 steps with ``knobs``; the plugin, the call
+    logged as ``amp/plugin``, and what was said."""
+    import yaml
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_amp_plus import LossScaleMonitor
+
+    first = AmpPlusPrecision("16-mixed", growth_interval=50)
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    make_trainer(plugins=[first], callbacks=[saver], max_steps=6, enable_checkpointing=True).fit(TinyModel())
+    plugin = AmpPlusPrecision("16-mixed", **knobs)
+    logger = CSVLogger(tmp_path, name="resumed")
+    make_trainer(plugins=[plugin], callbacks=[LossScaleMonitor()], logger=logger, max_steps=10).fit(
+        TinyModel(), ckpt_path=str(tmp_path / "last.ckpt")
+    )
+    logged = yaml.safe_load((tmp_path / "resumed" / "version_0" / "hparams.yaml").read_text())
+    return plugin, logged["amp/plugin"]
+
+
+def test_a_knob_given_on_resume_runs_and_is_what_the_plugin_names(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"):
+        plugin, logged = _resume(tmp_path, growth_interval=10, hysteresis=2)
+    knobs = plugin.scaler.knobs()
+    assert (knobs["growth_interval"], knobs["hysteresis"]) == (10, 2)  # given on resume: meant
+    assert "growth_interval=10" in repr(plugin)
+    assert "hysteresis=2" in repr(plugin)
+    assert "growth_interval=10" in logged
+    assert "hysteresis=2" in logged
+    assert any("growth_interval=10 kept as given (the checkpoint's: 50)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_knob_not_given_on_resume_is_the_checkpoints_and_is_named(tmp_path):
+    plugin, logged = _resume(tmp_path)
+    assert plugin.scaler.knobs()["growth_interval"] == 50
+    assert "growth_interval=50" in repr(plugin)
+    assert "growth_interval=50" in logged
+
+
+# ----------------------------------------------------------- 2. offline advice states no cause it cannot see
+class _Overflowing(TinyModel):
+    """Its forward overflows float16 at every step (the loss inf): every skip is born in forward."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x) * 1e5
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+
+@pytest.mark.parametrize("kind", ["csv", "tb"])
+def test_offline_advise_never_says_backward_skips_of_a_forward_born_run(tmp_path, capsys, kind):
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_amp_plus import LossScaleMonitor
+    from lightning_amp_plus.__main__ import main
+
+    logger = {"csv": CSVLogger, "tb": TensorBoardLogger}[kind](tmp_path, name="run")
+    advisor = AmpAdvisor(print_advice=False)
+    callbacks = [LossScaleMonitor(logging_interval=2), NaNSkipReporter(max_consecutive_skips=None), advisor]
+    plugin = AmpPlusPrecision("16-mixed", init_scale=4.0, min_scale=1.0)
+    with pytest.raises(LossScaleCollapseError):  # at min_scale: the reporter stops the run
+        make_trainer(plugins=[plugin], callbacks=callbacks, logger=logger, max_steps=12).fit(_Overflowing())
+    if kind == "tb":
+        logger.experiment.flush()
+    assert plugin.history.num_skipped == plugin.history.num_steps >= 3
+    assert "backward_skips" not in [a.code for a in advisor.advice]  # live: the watch says forward
+    capsys.readouterr()
+    main(["advise", logger.log_dir])
+    out = capsys.readouterr().out
+    assert "skipped" in out  # the log's skips are read
+    assert "backward_skips" not in out
+    assert "forward and loss finite" not in out
