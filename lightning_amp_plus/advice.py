@@ -1147,32 +1147,86 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
 
 @rule(
     "skip_rate",
-    evidence="Half the updates or more were skipped, or the run ended in 3+ skips in a row, and no code above "
-    "explains it.",
-    fix="`NaNSkipReporter(report_path=...)` to see each skip.",
-    look_alike="A few spikes.",
+    evidence="More skips than a settling loss scale makes (its leading skips, then about one per growth, and one "
+    "more), half the updates or more skipped, 3+ skips in a row where the run ended, a skip born before backward "
+    "(no loss scale causes it), or the scale held at its floor by skips; and no code above explains it.",
+    fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders).",
+    look_alike="A healthy saw-tooth: leading skips while the scale settles, then one skip per growth attempt.",
     unless_explained=True,
 )
 def _skip_rate(figures: RunFigures) -> Optional[Advice]:
-    """A run that skipped many of its updates, or ended in a streak of skips, which no other code explains.
+    """A run that skipped more than a healthy dynamic loss scaler does, which no other code explains.
 
-    Either is never called healthy.
+    Healthy: a few leading skips while the scale settles, then about one skip per growth attempt (each growth probes
+    the range once), all born in backward, the scale above its floor. Anything more is never called healthy.
     """
     skipped = len(figures.skipped or [])
-    if not figures.num_updates or skipped < 2:
+    if not figures.num_updates or not skipped:
         return None
     rate = skipped / figures.num_updates
     trailing = trailing_streak(figures)
-    if rate < HIGH_SKIP_RATE and trailing < TRAILING_STREAK:
+    leading, growths = _settling(figures)
+    expected = leading + growths + 1
+    early = [o for o in _known_origins(figures, unnamed=True) if o.phase not in (Phase.BACKWARD, Phase.UNKNOWN)]
+    floor = _held_at_floor(figures)
+    if skipped < 2 and not early and not floor:
+        return None  # one skip alone: a scale's first meeting with the gradients
+    if rate < HIGH_SKIP_RATE and trailing < TRAILING_STREAK and skipped <= expected and not early and not floor:
         return None
-    ended = f"; the last {trailing} in a row, where the run ended" if trailing >= TRAILING_STREAK else ""
+    saw = []
+    if skipped > expected:
+        saw.append(
+            f"a settling loss scale skips about {expected} here ({leading} leading, {growths} growth"
+            f"{'s' if growths != 1 else ''}, one more)"
+        )
+    if early:
+        phases = sorted({o.phase.value for o in early})
+        unnamed = sum(1 for o in early if o.unnamed)
+        saw.append(
+            f"{len(early)} {'was' if len(early) == 1 else 'were'} born before backward ({', '.join(phases)}), which"
+            f" no loss scale causes" + (f"; {unnamed} before the watch named a module" if unnamed else "")
+        )
+    if floor:
+        saw.append(f"the scale sat at its floor min_scale={_scale((figures.knobs or {})['min_scale'])}")
+    if trailing >= TRAILING_STREAK:
+        saw.append(f"the last {trailing} in a row, where the run ended")
+    if not saw:
+        saw.append("half the updates or more")
     return Advice(
         "skip_rate",
-        f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.0f}%){ended}{',' if ended else ''}"
-        " and no rule here explains why: the weights moved on the rest only.",
+        f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
+        " rule here explains why: the weights moved on the rest only.",
         'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
-        {"skipped": skipped, "updates": figures.num_updates, "rate": rate, "trailing_streak": trailing},
+        {
+            "skipped": skipped,
+            "updates": figures.num_updates,
+            "rate": rate,
+            "trailing_streak": trailing,
+            "expected": expected,
+            "born_before_backward": len(early),
+            "at_floor": floor,
+        },
     )
+
+
+def _settling(figures: RunFigures) -> tuple[int, int]:
+    """A run's leading skips (in a row from its first update: the scale settling) and how often its scale grew."""
+    skipped = set(figures.skipped or [])
+    first = figures.curve[0][0] if figures.curve else min(skipped, default=0)
+    leading = 0
+    while first + leading in skipped:
+        leading += 1
+    scales = [v for _, v in figures.curve]
+    return leading, sum(1 for a, b in zip(scales, scales[1:], strict=False) if b > a)
+
+
+def _held_at_floor(figures: RunFigures) -> bool:
+    """Whether skips held the scale at its floor: its last value is ``min_scale`` and a skip came there."""
+    min_scale = (figures.knobs or {}).get("min_scale")
+    if min_scale is None or not figures.curve or not figures.skipped or min_scale <= 0:
+        return False
+    floor = scale_floor(min_scale)
+    return figures.curve[-1][1] <= floor and any(value_at(figures.curve, s) <= floor for s in figures.skipped)
 
 
 def trailing_streak(figures: RunFigures) -> int:

@@ -29,6 +29,8 @@ def fwd(module, kind="inf", step=None, islands="same", float32="finite"):
 
 
 def run(curve, skipped, last_step, **kwargs):
+    """A live run's figures (``origins=[]``: none told; None is a log's, where none can be)."""
+    kwargs.setdefault("origins", [])
     return RunFigures(
         precision="16-mixed",
         num_updates=last_step + 1,
@@ -84,11 +86,57 @@ def test_growth_interval_ignores_a_backoff_from_a_bad_batch():
     assert "growth_interval" not in codes(figures)
 
 
-@pytest.mark.parametrize(("skipped", "fires"), [(1, False), (4, False), (5, True)])
-def test_a_run_skipping_half_its_updates_is_never_healthy(skipped, fires):
+@pytest.mark.parametrize(("skipped", "fires"), [(1, False), (2, True), (4, True), (5, True)])
+def test_a_run_skipping_more_than_a_settling_scale_does_is_never_healthy(skipped, fires):
+    """No growth and no leading skip: a healthy scale skips once at most (issue 54 held 4 of 10 healthy)."""
     figures = run([(0, 1024.0)], list(range(1, 2 * skipped, 2)), 9)  # 10 updates
     figures.curve = [(0, 1024.0)]
     assert codes(figures) == (["skip_rate"] if fires else [])
+
+
+def _saw_tooth(growths, extra=0, last=400):
+    """A healthy scale's curve: 1 leading skip, then each growth overflows once; ``extra`` backward skips more."""
+    curve, skipped, scale = [(0, 2048.0), (1, 1024.0)], [0], 1024.0
+    for i in range(growths):
+        grow = 50 + 100 * i
+        curve += [(grow, scale * 2), (grow + 10, scale)]
+        skipped.append(grow + 9)
+    skipped += [grow + 20 + 3 * i for i in range(extra)]  # spikes after the last growth
+    return run(curve, sorted(skipped), last)
+
+
+def test_a_saw_tooth_is_healthy_and_more_backward_skips_than_growths_are_not():
+    assert codes(_saw_tooth(3)) == []  # 1 leading, 3 growth probes: healthy
+    assert codes(_saw_tooth(3, extra=1)) == []  # one spike more: still what a healthy scale does
+    (advice,) = advise(_saw_tooth(3, extra=6))
+    assert advice.code == "skip_rate"
+    assert "a settling loss scale skips about 5 here (1 leading, 3 growths, one more)" in advice.message
+
+
+def test_a_backward_loss_spike_run_of_29_percent_is_never_healthy():
+    skipped = list(range(0, 140, 3))[:40]  # 40 of 140, every third
+    (advice,) = advise(run([(0, 1024.0)], skipped, 139, origins=[{"phase": "backward", "step": s} for s in skipped]))
+    assert advice.code == "skip_rate"
+    assert advice.message.startswith("40 of 140 updates were skipped (28.6%)")
+
+
+def test_one_forward_born_skip_is_said_not_called_healthy():
+    origins = [{"phase": "forward", "kind": "nan", "reason": "every module is watched from the next step", "step": 7}]
+    (advice,) = advise(run([(0, 1024.0), (8, 512.0)], [7], 19, origins=origins))
+    assert advice.code == "skip_rate"
+    assert "1 was born before backward (forward), which no loss scale causes; 1 before the watch named" in (
+        advice.message
+    )
+    assert codes(run([(0, 1024.0), (8, 512.0)], [7], 19, origins=[{"phase": "backward", "step": 7}])) == []
+
+
+def test_a_scale_held_at_its_floor_by_skips_is_never_healthy_offline_either():
+    """A log holds no origins (``backward_skips`` cannot speak): the floor is still said."""
+    curve = [(0, 4.0), (10, 2.0), (20, 1.0)]
+    figures = run(curve, [9, 19, 40, 80], 119, origins=None)
+    figures.knobs = {**KNOBS, "min_scale": 1.0}
+    (advice,) = [a for a in advise(figures) if a.code == "skip_rate"]
+    assert "the scale sat at its floor min_scale=2.0**0" in advice.message
 
 
 def test_init_scale_ignores_leading_skips_from_bad_batches():
@@ -527,7 +575,8 @@ def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
     assert advice.evidence == {"optimizers": [faster]}  # SGD's 0.05 ms is 0.1% of the step, Adam's within noise
     (advice,) = advise(run([(0, 1024.0)], [1, 3, 5, 7, 9], 9))
     assert advice.message == (
-        "5 of 10 updates were skipped (50%) and no rule here explains why: the weights moved on the rest only."
+        "5 of 10 updates were skipped (50.0%): a settling loss scale skips about 1 here (0 leading, 0 growths, one"
+        " more). No rule here explains why: the weights moved on the rest only."
     )
 
 
@@ -586,7 +635,7 @@ def test_max_scale_needs_more_than_half_the_measurements(pinned, fires):
 def test_no_scale_advice_for_a_bf16_run_or_without_the_figures():
     figures = run([(0, 1.0)], [3, 7], 10, bf16_available=True)
     figures.precision = "bf16-mixed"
-    assert codes(figures) == []
+    assert codes(figures) == ["skip_rate"]  # no scale to advise on; two skips of 11 are still not healthy
     no_skips_known = run([(0, 1.0)], [3, 7], 10, bf16_available=True)
     no_skips_known.skipped = None
     assert codes(no_skips_known) == []
@@ -652,14 +701,22 @@ def test_skip_rate_boundaries(skipped, updates, fires):
     assert (codes(figures) == ["skip_rate"]) is fires
     if fires:
         evidence = only_code(figures, "skip_rate").evidence
-        assert evidence == {"skipped": skipped, "updates": updates, "rate": 1.0, "trailing_streak": skipped}
+        assert evidence == {
+            "skipped": skipped,
+            "updates": updates,
+            "rate": 1.0,
+            "trailing_streak": skipped,
+            "expected": skipped + 1,  # each a leading skip
+            "born_before_backward": 0,
+            "at_floor": False,
+        }
 
 
 @pytest.mark.parametrize(("streak", "fires"), [(2, False), (3, True)])
 def test_a_run_that_ends_in_a_streak_of_skips_is_never_healthy(streak, fires):
     last = 31
     skipped = [5, 12, *range(last - streak + 1, last + 1)]  # a few spikes, then the end: well under half skipped
-    figures = run([(0, 1024.0)], skipped, last)
+    figures = run([(0, 1024.0), (10, 2048.0), (20, 4096.0), (25, 8192.0)], skipped, last)  # 3 growths: 4 expected
     figures.knobs["hysteresis"] = 99  # the scale held: no other code
     assert codes(figures) == (["skip_rate"] if fires else [])
     if fires:
@@ -748,7 +805,8 @@ def test_skip_rate_advice_word_for_word_and_the_number_helpers():
     (found,) = advise(figures)
     assert (found.code, found.message, found.fix) == (
         "skip_rate",
-        "4 of 7 updates were skipped (57%) and no rule here explains why: the weights moved on the rest only.",
+        "4 of 7 updates were skipped (57.1%): a settling loss scale skips about 1 here (0 leading, 0 growths, one"
+        " more). No rule here explains why: the weights moved on the rest only.",
         'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
     )
     assert [_nice(n) for n in (0, 1, 3, 7, 19, 20, 10**10)] == [1, 1, 2, 5, 10, 20, 5 * 10**9]

@@ -266,7 +266,7 @@ def test_plot_and_advise_read_what_to_csv_writes(tmp_path, capsys, precision):
     assert png.stat().st_size > 1000
     assert main(["advise", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "12 updates, skip rate 16.7% (2 skipped)" in out
+    assert "2 of 12 updates were skipped (16.7%)" in out  # two poisoned losses: never healthy
 
 
 # ---------------------------------------------------------------------------------------------- friction 11

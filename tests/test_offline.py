@@ -381,7 +381,7 @@ def test_advise_on_a_bf16_runs_log_reads_its_skips_without_a_scale(tmp_path, cap
     assert captured.err == ""
     assert "1 finding from the logged series" in captured.out
     # the log starts at its first logging point (step 1): the monitor's counts say 20 updates, not the span's 19
-    assert "[skip_rate] 18 of 20 updates were skipped (90%)" in captured.out
+    assert "[skip_rate] 18 of 20 updates were skipped (90.0%)" in captured.out
 
 
 def test_advise_on_a_tensorboard_folder_without_scalars_is_one_error_line(tmp_path, capsys):
