@@ -101,6 +101,8 @@ class AmpEngine:
         self.skip_nonfinite = skip_nonfinite
         #: what decides a skip: the scaler (16-mixed), a checker that never scales (bf16-mixed), or nothing
         self.checker: Optional[DynamicLossScaler] = scaler
+        #: which skips back the scale off: "any" (torch's rule) or "backward" (not one whose loss held inf/nan)
+        self.backoff_on = "any"
         if scaler is None and skip_nonfinite:
             self.checker = NonFiniteChecker(sharded=sharded)
         #: warn once a run of this many skipped updates in a row is seen (None: never)
@@ -209,6 +211,9 @@ class AmpEngine:
                 " unscaled earlier are now divided by the scale twice.",
             )
         self._backwards += 1
+        if self.backoff_on == "backward" and isinstance(self.checker, DynamicLossScaler):
+            self.checker.backoff_on = "backward"  # the scaler in use now (one set later too)
+            self.checker.note_loss(loss)
         return self.checker.scale(loss) if self.checker is not None else loss
 
     def has_new_gradients(self, optimizer: Optimizer) -> bool:

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import KnobsRepr, given_arguments, same_value
 from lightning_amp_plus._scope import FitScope
-from lightning_amp_plus._validation import check_bool
+from lightning_amp_plus._validation import check_bool, check_choice
 from lightning_amp_plus.engine import (
     SCALER_DEFAULTS,
     AmpEngine,
@@ -66,6 +66,11 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
             import paths (``"torch.nn.LayerNorm"``), or qualified names / glob patterns as in ``named_modules()``
             (``"head"``, ``"encoder.*.attn"``). Installed when the model is connected, removed at teardown;
             ``state_dict()`` keys never change. An entry that matches nothing is an error.
+        backoff_on: which skips back the loss scale off: ``"any"`` (torch's rule, the default) or ``"backward"``: a
+            skip whose loss already held inf/nan before scaling (the batch, the forward, the loss) is skipped and
+            told as always, and the scale and its trackers are left alone (no scale causes it). Decided on the
+            device from the losses the plugin scales (every micro-batch), no host read; under DDP any rank's
+            non-finite loss counts for every rank. 16-mixed only.
 
     The scaler knobs (their defaults: :data:`lightning_amp_plus.knobs.DEFAULTS`, as the signature shows) are for
     ``"16-mixed"``; giving one with ``"bf16-mixed"`` is an error.
@@ -103,6 +108,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         warn_skip_streak: Optional[int] = 50,
         skip_scheduler_on_overflow: bool = True,
         fp32_modules: Optional[list[Union[str, type[torch.nn.Module]]]] = None,
+        backoff_on: Literal["any", "backward"] = "any",
     ) -> None:
         knobs = knob_values({name: value for name, value in locals().items() if name in SCALER_DEFAULTS})
         self._given = given_arguments(AmpPlusPrecision.__init__, {**locals(), **knobs})
@@ -113,6 +119,13 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         if scaler is not None:
             self._given["scaler"] = self._engine.scaler  # the scaler in use (a GradScaler given: the one taken)
         check_bool(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
+        check_choice(owner, "backoff_on", backoff_on, ("any", "backward"))
+        if backoff_on != "any" and precision == "bf16-mixed":
+            raise ValueError(
+                f"`{owner}(precision='bf16-mixed', backoff_on={backoff_on!r})` is invalid: bf16-mixed has no loss"
+                " scale to back off. HINT: leave `backoff_on` out, or use precision='16-mixed'."
+            )
+        self._engine.backoff_on = self.backoff_on = backoff_on
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
         self.device = device
         self.skip_nonfinite = skip_nonfinite

@@ -237,6 +237,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         torch_knobs = {knob.name: self._constructed[knob.name] for knob in KNOBS if knob.torch}
         super().__init__(device, enabled=enabled, **torch_knobs)
         self._set_knobs(self._constructed)
+        #: "any" (torch's rule: every overflow backs off) or "backward" (a skip whose loss was already inf/nan
+        #: leaves the scale and its trackers alone: no scale causes it); set by the plugin
+        self.backoff_on = "any"
+        self._loss_nonfinite: Tensor | None = None  # this cycle's losses, any inf/nan (backoff_on="backward")
         self._hysteresis_tracker: Tensor | None = None
         self._host = HostMirror()
         #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
@@ -434,6 +438,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return False
         return self._per_optimizer_states[key]["stage"] is OptState.UNSCALED
 
+    def note_loss(self, loss: Tensor) -> None:
+        """Keep whether ``loss`` (before scaling) holds inf/nan, on the device, for :attr:`backoff_on` ``"backward"``.
+
+        One device op a backward, no host read; every micro-batch of an update counts.
+        """
+        bad = torch.isfinite(loss.detach()).logical_not().any()
+        self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
+
     def reset_cycle(self, optimizers: Iterable[torch.optim.Optimizer] | None = None) -> None:
         """Forget the unscale/step state of ``optimizers`` (default: all) in the open cycle; the scale stays.
 
@@ -443,6 +455,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if optimizers is None:
             self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            self._loss_nonfinite = None
         else:
             for optimizer in optimizers:
                 key = id(resolve_optimizer(optimizer))
@@ -545,6 +558,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return
         host.growth = None if overflowed is None else 0  # a skip or a growth resets the mirror; the device's loses it
         found_inf = self.found_inf() if found_inf is None else found_inf
+        loss_born = self._loss_born()
+        if loss_born is not None:  # backoff_on="backward": a skip the loss already held is left out of the rule
+            kept = [scale.clone(), growth_tracker.clone()]
+            if self._hysteresis_tracker is not None:
+                kept.append(self._hysteresis_tracker.clone())
+            found_inf = found_inf * loss_born.logical_not()
+            host.growth = None  # the device decides whether the tracker moved: read again when needed
         if self._hysteresis == 1:
             # torch's own fused kernel, then the bounds: bit-identical to GradScaler inside float32's normal range
             torch._amp_update_scale_(
@@ -553,7 +573,27 @@ class DynamicLossScaler(torch.amp.GradScaler):
             scale.clamp_(min=self._floor, max=self._max_scale)
         else:
             self._update_with_hysteresis(scale, growth_tracker, found_inf)
+        if loss_born is not None:  # as it was: neither a backoff nor a clean step
+            scale.copy_(torch.where(loss_born, kept[0], scale))
+            growth_tracker.copy_(torch.where(loss_born, kept[1], growth_tracker))
+            if self._hysteresis_tracker is not None:
+                self._hysteresis_tracker.copy_(torch.where(loss_born, kept[2], self._hysteresis_tracker))
         self.reset_cycle()
+
+    def _loss_born(self) -> Tensor | None:
+        """Whether this cycle's loss already held inf/nan (a device bool), where ``backoff_on="backward"``; else None.
+
+        Reduced over the ranks (any rank's): every rank then applies the same rule.
+        """
+        flag = self._loss_nonfinite
+        if self.backoff_on != "backward" or flag is None:
+            return None
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = flag.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            flag = flag.bool()
+        return flag
 
     def _update_with_hysteresis(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor) -> None:
         assert self._hysteresis_tracker is not None

@@ -182,6 +182,7 @@ def test_a_collapse_with_some_bad_batches_counts_them_beside_its_diagnosis(max_r
         "Of the 17 skipped updates so far, 8 were born in the batch (inf/nan in the data): the scale backed off for"
         " them too, though no loss scale fixes data." in error
     )
+    assert 'AmpPlusPrecision(..., backoff_on="backward")` leaves the scale alone for them.' in error
 
 
 def test_a_real_overflow_collapse_says_nothing_of_batches():

@@ -38,8 +38,11 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0) -> str:
-    """A skip's line; ``hysteresis`` and ``min_scale`` (the scaler's) say why a scale was held."""
+def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0, backoff_on: str = "any") -> str:
+    """A skip's line.
+
+    ``hysteresis``, ``min_scale`` (the scaler's) and ``backoff_on`` (the plugin's) say why a scale was held.
+    """
     offenders = record["offenders"]
     if offenders is None:
         where = "gradients non-finite (found by a fused optimizer; `NaNSkipReporter(sync_fused=True)` names them)"
@@ -61,7 +64,13 @@ def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0
     if record["new_scale"] is not None:
         scale += f" -> {number(record['new_scale'])}"
         if record["new_scale"] == record["scale"]:
-            scale += _held(record["scale"], hysteresis, min_scale)
+            phase = (record.get("origin") or {}).get("phase")
+            loss_born = backoff_on == "backward" and phase in ("input", "forward", "loss")
+            scale += (
+                " (kept: the loss already held inf/nan; backoff_on='backward')"
+                if loss_born
+                else _held(record["scale"], hysteresis, min_scale)
+            )
     return f"step {record['step']} skipped: {where}, {scale}"
 
 
@@ -136,7 +145,7 @@ def collapse_message(
         message += (
             f" Of the {plural(batch[1], 'skipped update')} so far, {batch[0]} {'was' if one else 'were'} born in the"
             f" batch (inf/nan in the data): the scale backed off for {'it' if one else 'them'} too, though no loss"
-            " scale fixes data."
+            " scale fixes data. `AmpPlusPrecision(..., backoff_on=\"backward\")` leaves the scale alone for them."
         )
     if cause is not None:
         return f"{message} {cause.message} HINT: {cause.fix}"

@@ -428,7 +428,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         if self._warned < self.max_warnings:
             self._warned += 1
             scaler = self._plugin.scaler
-            say(describe(record, getattr(scaler, "hysteresis", 1), getattr(scaler, "min_scale", 0.0)))
+            backoff_on = getattr(self._plugin, "backoff_on", "any")
+            say(describe(record, getattr(scaler, "hysteresis", 1), getattr(scaler, "min_scale", 0.0), backoff_on))
             if self._warned == self.max_warnings:
                 say(enough(self.max_warnings))
         if check:
