@@ -100,7 +100,8 @@ def describe_origin(told: Optional[dict[str, Any]]) -> str:
     if origin.phase is Phase.FORWARD:
         if origin.module is None and origin.within is None:  # read from the loss: no module watched
             named = "no module named yet: " if origin.reason == WATCHING else ""
-            return f"born in forward (the loss was {origin.kind or 'inf/nan'}; {named}{origin.reason})"
+            # nothing watched yet tells a module's forward from the loss function: both said
+            return f"born in forward or in the loss (the loss was {origin.kind or 'inf/nan'}; {named}{origin.reason})"
         if origin.module is None:
             return f"born in forward of {origin.within} (the module inside: unknown, {origin.reason})"
         where = f"{origin.where} (between its module calls)" if origin.own_code else origin.where
