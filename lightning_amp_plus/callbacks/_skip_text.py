@@ -146,7 +146,7 @@ def collapse_message(
         message += (
             f" Of the {plural(batch[1], 'skipped update')} so far, {batch[0]} {'was' if one else 'were'} born in the"
             f" batch (inf/nan in the data): the scale backed off for {'it' if one else 'them'} too, though no loss"
-            " scale fixes data. `AmpPlusPrecision(..., backoff_on=\"backward\")` leaves the scale alone for them."
+            ' scale fixes data. `AmpPlusPrecision(..., backoff_on="backward")` leaves the scale alone for them.'
         )
     if cause is not None:
         return f"{message} {cause.message} HINT: {cause.fix}"

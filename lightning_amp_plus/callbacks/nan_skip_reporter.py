@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import os
 from collections import Counter, deque
 from typing import Any, Literal, Optional, Union
@@ -387,7 +388,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     ) -> dict[str, Any]:
         """What a skip's record tells beyond its step and scales: its loss, offenders and origin."""
         origin = self._origin(calls, step, scale)
-        return {"loss": _finite_or_none(loss), "offenders": self.offenders.of(optimizers), "origin": origin}
+        return {"loss": _loss_value(loss), "offenders": self.offenders.of(optimizers), "origin": origin}
 
     def collect(self, check: bool = True) -> None:
         """Report now every skip a fused optimizer decided on the device (waits for a held flag: one sync at most).
@@ -545,8 +546,9 @@ def _ints(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
-def _finite_or_none(loss: Optional[Tensor]) -> Optional[float]:
+def _loss_value(loss: Optional[Tensor]) -> Union[float, str, None]:
+    """The step's mean loss as a record keeps it: a float, or ``"inf"``, ``"-inf"``, ``"nan"`` (JSON holds no inf)."""
     if loss is None:
         return None
     value = float(loss.detach().float().mean().item())
-    return value if value == value and abs(value) != float("inf") else None
+    return value if math.isfinite(value) else "nan" if value != value else "inf" if value > 0 else "-inf"
