@@ -979,3 +979,28 @@ def test_the_leading_skips_message_says_where_they_left_the_scale():
     )
     alone = only_code(run(curve[:5] + [(10, 2.0**17)], [0, 1, 2, 3], 20), "init_scale")
     assert "came down from 2.0**20 to 2.0**16: those batches trained nothing." in alone.message
+
+
+@pytest.mark.parametrize(("gain_ms", "fires"), [(0.79, False), (0.8, True)])
+def test_the_fused_optimizer_hint_at_exactly_its_documented_2_percent(gain_ms, fires):
+    """Issue 53: `>=` turned into `>` left the suite green. 0.8 ms of a 40 ms step is 2%: the page says 2%+."""
+    slow = {"name": "AdamW", "device": "cuda", "step_ms": 3.0, "fused_step_ms": 2.0, "pairs": 9}
+    slow.update(gain_low_ms=gain_ms, train_step_ms=40.0)
+    assert ("fused_optimizer" in codes(run([(0, 1024.0)], [], 5, non_fused=[slow]))) is fires
+
+
+@pytest.mark.parametrize(("headroom", "proposed"), [(2.5, None), (2.99, None), (3.0, 2.0**12)])
+def test_a_scale_too_low_at_its_edge_never_gives_a_one_doubling_fix(headroom, proposed):
+    """Issue 53: in [2, 3) bits of headroom a higher scale gains one doubling: nothing worth a fix."""
+    figures = run([(0, 2.0**10)], [], 40, underflow=[_low(headroom, scale=2.0**10, step=s) for s in (5, 15, 25)])
+    found = [a for a in advise(figures) if a.code == "init_scale"]
+    assert (found[0].evidence["proposed_scale"] if found else None) == proposed
+
+
+def test_a_scale_too_low_two_doublings_below_the_runs_overflow_gets_no_fix():
+    """Issue 53: the run overflowed at 2**12, four times the measured 2**10: 2**11 is all a fix could give."""
+    curve = [(0, 2.0**10), (10, 2.0**11), (20, 2.0**12), (31, 2.0**11)]
+    low = [_low(27.0, scale=2.0**10, step=s) for s in range(0, 10, 2)]
+    assert "init_scale" not in codes(run(curve, [30], 60, underflow=low))
+    higher = [(0, 2.0**10), (10, 2.0**11), (20, 2.0**12), (30, 2.0**13), (41, 2.0**12)]
+    assert only_code(run(higher, [40], 60, underflow=low), "init_scale").evidence["proposed_scale"] == 2.0**12

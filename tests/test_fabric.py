@@ -173,3 +173,14 @@ def test_16_mixed_refuses_lbfgs_with_the_trainer_plugins_message():
     ):
         plugin.optimizer_step(torch.optim.LBFGS(model.parameters()), closure=lambda: model(torch.ones(1, 2)).sum())
     assert torch.equal(model.weight, before)
+
+
+def test_fabric_plugin_repr_names_the_scaler_in_use_not_the_grad_scaler_given():
+    """Issue 53: a one-line change (repr of the GradScaler given) left the suite green."""
+    given = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    plugin = AmpPlusFabricPrecision(scaler=given)
+    assert plugin.scaler is not given  # taken into the package's own scaler
+    assert repr(plugin) == f"AmpPlusFabricPrecision(scaler={plugin.scaler!r})"
+    assert "DynamicLossScaler(" in repr(plugin)
+    assert "growth_interval=7" in repr(plugin)
+    assert "GradScaler object" not in repr(plugin)

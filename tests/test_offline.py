@@ -109,6 +109,19 @@ def test_tensorboard_event_files_that_continue_each_other_are_one_run(tmp_path):
     assert read_run(tmp_path).scale == [(0, 1.0), (5, 2.0), (10, 4.0), (15, 8.0), (19, 8.0)]
 
 
+def test_tensorboard_event_files_sharing_one_step_are_two_runs(tmp_path):
+    """Issue 53: a second fit starting at the step the first ended overlaps it by one update; `<` for `<=` merged them."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for steps in (range(0, 11), range(10, 20)):
+        writer = SummaryWriter(tmp_path)
+        for step in steps:
+            writer.add_scalar("amp/loss_scale", 2.0 ** (step // 5), step)
+        writer.close()
+    with pytest.raises(ValueError, match="whose logged updates overlap"):
+        read_run(tmp_path)
+
+
 def test_an_unbounded_max_scale_is_logged_and_advised_as_python(tmp_path):
     """``max_scale=float("inf")`` (torch's GradScaler exactly) once raised out of fit from the logged call."""
     plugin = AmpPlusPrecision("16-mixed", min_scale=0.0, max_scale=float("inf"))
