@@ -110,7 +110,7 @@ def test_tensorboard_event_files_that_continue_each_other_are_one_run(tmp_path):
 
 
 def test_tensorboard_event_files_sharing_one_step_are_two_runs(tmp_path):
-    """Issue 53: a second fit starting at the step the first ended overlaps it by one update; `<` for `<=` merged them."""
+    """Issue 53: a second fit starting at the step the first ended overlaps it by one update (`<` merged them)."""
     from torch.utils.tensorboard import SummaryWriter
 
     for steps in (range(0, 11), range(10, 20)):

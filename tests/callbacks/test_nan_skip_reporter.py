@@ -265,8 +265,8 @@ def test_origin_forward_names_the_module_whose_output_overflowed(caplog, optimiz
     if optimizer == "sgd":  # host-known skips are printed as they happen
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
         assert lines[0].startswith(
-            "step 2 skipped: born in forward or in the loss (the loss was nan; no module named yet: every module is watched from the"
-            " next step)"
+            "step 2 skipped: born in forward or in the loss (the loss was nan; no module named yet: every module is"
+            " watched from the next step)"
         )
         assert lines[1].startswith("step 4 skipped: born in forward of big (")
 
@@ -742,8 +742,8 @@ def test_a_fused_optimizers_skip_is_told_with_its_offenders_and_on_time(caplog, 
     assert ends == [0, 0, 0, 1, 1, 1]  # told at step 3, the logging step after it, not at the end of fit
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_amp_plus"]
     assert lines[0].startswith(
-        "step 2 skipped: born in forward or in the loss (the loss was inf; no module named yet: every module is watched from the next"
-        " step); gradients non-finite in net.0.weight ("
+        "step 2 skipped: born in forward or in the loss (the loss was inf; no module named yet: every module is"
+        " watched from the next step); gradients non-finite in net.0.weight ("
     )
     assert lines[-1].startswith("`NaNSkipReporter`: 1 of 6 updates skipped (at step 2); worst offenders: net.0.weight")
 
