@@ -152,11 +152,10 @@ def machine() -> str:
     import platform
 
     fields: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     if "vendor_id" in fields:
         return f"{fields['vendor_id']} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
     return f"{platform.machine()} {platform.processor()}".strip()
