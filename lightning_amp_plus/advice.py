@@ -237,10 +237,10 @@ def healthy_line(figures: RunFigures) -> str:
     A figure the logs cannot support is absent, never a healthy-looking 0: unknown skips are said to be unknown.
     """
     if figures.ended is not None:  # a fit an exception ended is never healthy
-        skipped = f", {len(figures.skipped)} skipped" if figures.skipped is not None else ""
+        count = f", {len(figures.skipped)} skipped" if figures.skipped is not None else ""
         return (
             f"no finding, but the fit did not end as planned: {figures.ended} after {figures.num_updates}"
-            f" update{'' if figures.num_updates == 1 else 's'}{skipped}."
+            f" update{'' if figures.num_updates == 1 else 's'}{count}."
         )
     if not figures.num_updates and figures.skipped is not None:
         return "no update was made, so nothing could be judged."

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
@@ -360,3 +361,176 @@ def test_a_parent_linked_tree_is_walked_once_per_object(monkeypatch):
     found = list(_tree.tensors(root))
     assert len(found) == 1093 == len({id(t) for t in found})
     assert len(visits) == len(set(visits))  # no object twice: parent links cost nothing
+
+
+# ------------------------------------------------------------------------- the break pass's cases
+class _InPlace(nn.Module):
+    def forward(self, x):
+        return x.abs_().add_(1).mul_(1000.0)  # overflows in the tensor it was given
+
+
+class InPlaceChain(Chain):
+    def __init__(self):
+        super().__init__()
+        self.boost = _InPlace()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.boost(self.pre(x) * 1) * 1e-3).float(), y)
+
+
+def test_a_module_that_overflows_in_the_tensor_it_was_given_is_named():
+    reporter = _reporter()
+    _fit(InPlaceChain(), reporter)
+    assert [o["module"] for o in _origins(reporter).values()] == ["boost"] * 3
+
+
+class TwoNew(Chain):
+    """At step 2 the step makes two modules and calls both: the second overflows."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.pre(x)
+        if self.global_step == 2 and not hasattr(self, "late"):
+            self.adapter = nn.Identity()
+            h = self.adapter(h)  # the model walked again here: `late` is not there yet
+            self.late = Boost()
+        if hasattr(self, "late"):
+            h = self.late(h)
+        return nn.functional.mse_loss(self.head(h * 1e-3).float(), y)
+
+
+def test_every_module_made_in_one_batch_is_watched_from_its_first_call():
+    reporter = _reporter()
+    _fit(TwoNew(), reporter)
+    assert [o["module"] for o in _origins(reporter).values()] == ["late"] * 3
+
+
+class _Cleaning(Callback):
+    """The user's own global hook (registered after the watch started), or a module hook cleaning via `.data`."""
+
+    def __init__(self, how):
+        self.how, self.handle = how, None
+
+    def on_train_start(self, trainer, pl_module):
+        noisy = pl_module.noisy
+        if self.how == "global":
+            self.handle = torch.nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: out.clamp(-1, 1) if m is noisy else None
+            )
+        else:
+            def clean(module, args, out):
+                out.data.clamp_(-1, 1)  # through `.data`: no version bump
+
+            self.handle = noisy.register_forward_hook(clean)
+
+    def on_train_end(self, trainer, pl_module):
+        self.handle.remove()
+
+
+class CleanedAlways(Cleaned):
+    """``noisy`` overflows on the loud batches and your hook cleans it; ``boost`` overflows there too, later."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.mid(self.noisy(self.pre(x)))
+        return nn.functional.mse_loss(self.head(self.boost(self.pre(x)) * 1e-3 + h).float(), y)
+
+    def __init__(self):
+        super().__init__()
+        self.mid = nn.Identity()
+
+
+@pytest.mark.parametrize("how", ["global", "data"])
+def test_an_output_your_hook_cleaned_is_not_blamed_however_the_hook_was_made(how):
+    reporter = _reporter()
+    torch.manual_seed(0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=4)
+    make_trainer(plugins=[plugin], callbacks=[reporter, _Cleaning(how)], max_steps=10).fit(
+        CleanedAlways(), loud_batches(10, LOUD, 100.0)
+    )
+    assert [_origins(reporter)[step]["module"] for step in LOUD] == ["boost"] * 3
+
+
+def test_a_compiled_function_is_not_recompiled_by_the_watch_fit_after_fit():
+    from torch._dynamo.utils import counters
+
+    frames = {}
+    for name in ("none", "watch"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = CompiledFunction()
+        for _ in range(3):
+            _fit(model, _reporter() if name == "watch" else None) if name == "watch" else _fit_plain(model)
+        frames[name] = counters["frames"]["ok"]
+    assert frames["watch"] == frames["none"]
+
+
+def _fit_plain(model):
+    torch.manual_seed(0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, growth_interval=4)
+    make_trainer(plugins=[plugin], max_steps=10).fit(model, loud_batches(10, LOUD, 100.0))
+
+
+class Traced(Chain):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 3:
+            torch.jit.trace(nn.Sequential(self.pre, self.boost), batch[0])
+        return super().training_step(batch, batch_idx)
+
+
+def test_tracing_inside_the_step_gets_no_warning_and_no_event_from_the_watch(recwarn):
+    reporter = _reporter()
+    _fit(Traced(), reporter)
+    assert not [w for w in recwarn if "lightning_amp_plus" in w.filename]
+    assert [o["module"] for o in _origins(reporter).values()] == ["boost"] * 3
+
+
+class Threaded(Chain):
+    def training_step(self, batch, batch_idx):
+        from concurrent.futures import ThreadPoolExecutor
+
+        x, y = batch
+        def body():
+            with torch.autocast("cpu", dtype=torch.float16):  # autocast is the thread's own
+                return self.boost(self.pre(x))
+
+        with ThreadPoolExecutor(1) as pool:
+            h = pool.submit(body).result()
+        return nn.functional.mse_loss(self.head(h * 1e-3).float(), y)
+
+
+def test_a_module_called_from_another_thread_is_said_unread():
+    reporter = _reporter()
+    _fit(Threaded(), reporter)
+    for origin in _origins(reporter).values():
+        assert origin["reason"] in ("pre was called from another thread, unread",), origin
+
+
+class _Proxy:
+    """A lazy proxy whose target failed to load: reading its class raises."""
+
+    @property
+    def __class__(self):
+        raise RuntimeError("proxy target failed to load; " + "details " * 60)
+
+
+class WithProxy(Chain):
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return super().training_step((x, y), batch_idx)
+
+
+@pytest.mark.parametrize("find_origin", [True, "watch"])
+def test_a_batch_holding_an_object_that_cannot_be_read_never_stops_the_fit_or_the_watch(find_origin):
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    base = loud_batches(10, LOUD, 100.0)
+    loader = DataLoader(list(base), batch_size=None, collate_fn=lambda b: [b[0], b[1], SimpleNamespace(m=_Proxy())])
+    reporter = _reporter(find_origin=find_origin)
+    _fit(WithProxy(), reporter, loader=loader)
+    origins = _origins(reporter)
+    assert origins[5]["module"] == origins[8]["module"] == "boost"
+    assert all(len(o.get("reason", "")) <= 200 for o in origins.values())

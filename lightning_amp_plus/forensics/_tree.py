@@ -63,7 +63,10 @@ def _leaves(value: Any, inside: int = 0, depth: int = 0, seen: Optional[set[int]
     """
     if seen is not None and id(value) in seen:
         return
-    node = _node(value, inside, depth)
+    try:
+        node = _node(value, inside, depth)
+    except Exception:  # noqa: BLE001 - an object that cannot be looked into (a proxy whose target fails): a leaf
+        node = None
     if node is None:
         yield value
         return
@@ -75,7 +78,7 @@ def _leaves(value: Any, inside: int = 0, depth: int = 0, seen: Optional[set[int]
 
 def tensors(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor in ``value``, in order, through every container :func:`_node` knows."""
-    return (leaf for leaf in _leaves(value) if isinstance(leaf, torch.Tensor))
+    return (leaf for leaf in _leaves(value) if issubclass(type(leaf), torch.Tensor))  # type(): no `__class__` read
 
 
 def values(value: Any) -> Iterator[torch.Tensor]:

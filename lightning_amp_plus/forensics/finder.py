@@ -149,10 +149,11 @@ class OriginFinder(UpdateListener):
         record.versions = []
         with torch_only():
             for t in (batch,) if isinstance(batch, torch.Tensor) else items:  # a loop: no Python call of its own
-                if isinstance(t, torch.Tensor) and not t.is_inference():
+                if issubclass(type(t), torch.Tensor) and not t.is_inference():  # type(): no `__class__` read
                     record.versions.append((t, t._version))
         if self.watch.on:
-            record.trace = self.watch.begin(batch_rows(batch))
+            rows, _ = attempt(batch_rows, batch)  # None where the batch cannot be read: no sample read per sample
+            record.trace = self.watch.begin(rows)
             if self._recorder is not None:
                 record.calls = self._recorder.calls = []
         if self._rerun:
@@ -177,7 +178,7 @@ class OriginFinder(UpdateListener):
             return None
         with torch_only():  # what the step computed is read by torch's code alone
             told, error = attempt(self._tell, record)
-        return unknown(f"telling it raised {error}") if error is not None else told
+        return unknown(f"telling it raised {error}"[:200]) if error is not None else told
 
     def _tell(self, record: BatchRecord) -> Optional[Origin]:
         events = read(record.trace) if record.trace is not None else None

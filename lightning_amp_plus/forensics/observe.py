@@ -19,7 +19,6 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus.forensics._tree import dispatches_to_torch, tensors, torch_only, values
@@ -30,7 +29,7 @@ Masks = Union[bool, Literal["all"]]
 #: a trace's event: a module's index (>= 0: a call starts, its inputs; < 0: ``~index``'s call ends, its output) and,
 #: per floating tensor, whether half precision, its ``aminmax`` (per sample, with its storage, where the step itself
 #: hands it to a module)
-Event = tuple[int, list[tuple[Any, ...]]]
+Event = tuple[Any, ...]
 _PLAIN = (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -267,14 +266,14 @@ class Watch:
         self._index: dict[int, Optional[int]] = {}  # id(module) -> its index in names; None: seen, not watched
         self._kept: list[torch.nn.Module] = []  # the modules indexed, held: their ids stay theirs
         self._outside: dict[int, Any] = {}  # id -> weak reference: modules called that are not the model's
-        #: calls in progress: event position, index, whether the step's own code called it, the rows read per sample
-        self._open: list[tuple[int, int, bool, Optional[set[int]]]] = []
+        #: calls in progress: event position, index, whether the step's own code called it, the rows read per sample,
+        #: its inputs as read at its start (None: read as it ends)
+        self._open: list[tuple[int, int, bool, Optional[set[int]], Any]] = []
         self._read: Read = {}  # the tensors read this batch
         self._returned = False  # a call the step's own code made returned in this batch
-        self._walked = False  # the model walked again this batch (a module not seen before was called)
+        self._walked = 0  # the model's walks this batch (a module not seen before was called)
         self._thread = 0
         self._model: Optional[torch.nn.Module] = None
-        self._handles: list[Any] = []
         self._quiet: Optional[tuple[Any, ...]] = None
 
     @property
@@ -284,7 +283,7 @@ class Watch:
 
     def begin(self, rows: Optional[set[int]] = None) -> list[Event]:
         """A new trace, written from now on (by this thread); ``rows``: the batch's first dimensions."""
-        self.trace, self._open, self.unread, self.rows, self._walked = [], [], None, rows, False
+        self.trace, self._open, self.unread, self.rows, self._walked = [], [], None, rows, 0
         self._read, self._returned = {}, False
         self._thread = threading.get_ident()
         return self.trace
@@ -294,11 +293,7 @@ class Watch:
         self.remove()
         self._model = model
         self._walk()
-        self._handles = [
-            register_module_forward_pre_hook(self._before),
-            # always: a call that raises (a caught fallback, checkpointing's recompute stopped early) ends too
-            register_module_forward_hook(self._after, with_kwargs=True, always_call=True),
-        ]
+        _dispatch(self, on=True)
         # torch warns of global hooks at each call of a compiled module (the watch's, not yours)
         warnings.filterwarnings("ignore", message=_COMPILED_WARNING)
         self._quiet = warnings.filters[0]
@@ -306,12 +301,11 @@ class Watch:
 
     def remove(self) -> None:
         """Take the hooks off; keep nothing more."""
-        for handle in self._handles:
-            handle.remove()
+        _dispatch(self, on=False)
         if self._quiet is not None and self._quiet in warnings.filters:
-            warnings.filters.remove(self._quiet)
+            warnings.filters.remove(self._quiet)  # type: ignore[attr-defined]
             warnings._filters_mutated()  # type: ignore[attr-defined]
-        self._handles, self.names, self.unwatched, self.trace, self.on = [], [], [], None, False
+        self.names, self.unwatched, self.trace, self.on = [], [], None, False
         self.hidden = {}
         self._index, self._kept, self._outside, self._open, self._model, self._quiet = {}, [], {}, [], None, None
         self._read = {}
@@ -322,7 +316,8 @@ class Watch:
         model = self._model
         if model is None:
             return
-        index, kept = {id(model): None}, [model]
+        index: dict[int, Optional[int]] = {id(model): None}
+        kept = [model]
         inside: set[int] = set()
         for raw, module in model.named_modules():
             key = id(module)
@@ -377,9 +372,9 @@ class Watch:
         if key in self._index:
             return self._index[key]
         ref = self._outside.get(key)
-        if (ref is not None and ref() is module) or self._walked:
+        if (ref is not None and ref() is module) or self._walked >= _WALKS:
             return None
-        self._walked = True
+        self._walked += 1
         self._walk()
         if key in self._index:
             return self._index[key]
@@ -387,10 +382,8 @@ class Watch:
         return None
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # traced into a compiled graph: nothing there (no op, no graph break)
-            return
         trace = self.trace
-        if trace is None or threading.get_ident() != self._thread:
+        if trace is None or torch._C._get_tracing_state() is not None:  # not watching, or `torch.jit.trace`
             return
         index = self._index.get(id(module), _NEW)
         if index is _NEW:
@@ -398,41 +391,116 @@ class Watch:
                 index = self._known(module)
             except Exception:  # noqa: BLE001 - a watch never raises into the step
                 index = None
-        if index is not None:
-            top = not self._open  # the step's own inputs: per sample until a call of the step's returned (after,
-            # they can be what a module made)
-            self._open.append((len(trace), index, top, self.rows if top and not self._returned else None))
-            trace.append((index, []))
+        if index is None:
+            return
+        if threading.get_ident() != self._thread:  # another thread's call: said, not read
+            self.unread = self.unread or f"{self.names[index]} was called from another thread, unread"[:_REASON]
+            return
+        top = not self._open  # the step's own inputs: per sample until a call of the step's returned (after, they
+        # can be what a module made)
+        rows = self.rows if top and not self._returned else None
+        took: Any = None  # read as the call ends where the module has pre-hooks of yours (read after they acted)
+        if not any(_yours(hook) for hook in module._forward_pre_hooks.values()):
+            took = self._read_safely(index, args, None, top, rows)
+        self._open.append((len(trace), index, top, rows, took))
+        trace.append((index, []))
 
     def _after(self, module: torch.nn.Module, args: Any, *rest: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
         trace, opened = self.trace, self._open
         if trace is None or not opened or threading.get_ident() != self._thread:
             return
-        position, index, top, rows = opened[-1]
+        position, index, top, rows, took = opened[-1]
         if self._index.get(id(module)) != index:  # a call not watched (its start was not)
             return
         opened.pop()
         output, kwargs = rest[-1], rest[0] if len(rest) == 2 else None  # an exception: no kwargs
+        if took is None:
+            took = self._read_safely(index, args, kwargs, top, rows)
+        elif kwargs:  # keyword arguments reach the after-hook only: read as the call ends
+            took = took + self._read_safely(index, (), kwargs, top, rows)
+        self._returned = self._returned or top
+        # a module with forward hooks of yours (its own, or global ones after the watch's): its output was read
+        # before they acted (see `verdict.first_born`), and is not kept for a later call to reuse
+        hooked = any(_yours(hook) for hook in module._forward_hooks.values()) or _hooked_after_us()
+        gave = self._read_safely(index, (output,), None, False, None, keep=not hooked)
+        trace[position] = (index, took)
+        trace.append((~index, gave, True) if hooked else (~index, gave))
+
+    def _read_safely(
+        self, index: int, args: Any, kwargs: Any, top: bool, rows: Optional[set[int]], keep: bool = True
+    ) -> list[tuple[Any, ...]]:
+        """:func:`_extremes` of a call's ``args``/``kwargs`` (no graph, torch's code only); never raises."""
         try:
             with torch_only():  # a mode the step runs under sees none of this
                 grad = torch.is_grad_enabled()
                 torch._C._set_grad_enabled(False)  # no graph: no detach a tensor
                 try:
-                    took, why = _extremes(args, kwargs, top, rows, self._read)
-                    self._returned = self._returned or top
-                    gave, missed = _extremes(output, read=self._read)
+                    found, why = _extremes(args, kwargs, top, rows, self._read if keep else None)
                 finally:
                     torch._C._set_grad_enabled(grad)
-        except Exception as error:  # noqa: BLE001
-            took, gave, why, missed = [], [], f"a watch hook raised {type(error).__name__}", None
-        trace[position] = (index, took)
-        # a module with forward hooks of its own: its output was read before they acted (see `verdict.first_born`)
-        hooked = module._forward_hooks and any(_yours(hook) for hook in module._forward_hooks.values())
-        trace.append((~index, gave, True) if hooked else (~index, gave))
-        if (why or missed) and self.unread is None:
-            self.unread = f"{self.names[index]} took or gave {why or missed}, unread"[:_REASON]
+        except Exception as error:  # noqa: BLE001 - a watch never raises into the step
+            found, why = [], f"what a watch hook raised ({type(error).__name__})"
+        if why is not None and self.unread is None:
+            self.unread = f"{self.names[index]} took or gave {why}, unread"[:_REASON]
+        return found
+
+
+#: how often a batch walks the model again for modules not seen before (each new object at most once)
+_WALKS = 8
+
+#: the watches on (one a fit); torch's global hooks dispatch to them under fixed keys, so a compiled graph's guard on
+#: the global hooks holds from one fit to the next (no recompile)
+_WATCHES: list[Watch] = []
+_KEYS: list[int] = []
+
+
+def _dispatch(watch: Watch, on: bool) -> None:
+    """Put ``watch`` on or off torch's global module hooks (the two dispatchers, registered while any is on)."""
+    from torch.nn.modules import module as torch_module
+    from torch.utils.hooks import RemovableHandle
+
+    if on and watch not in _WATCHES:
+        _WATCHES.append(watch)
+    elif not on and watch in _WATCHES:
+        _WATCHES.remove(watch)
+    if not _KEYS:  # once a process: the ids torch's global hook tables hold the dispatchers under
+        _KEYS.extend(RemovableHandle(torch_module._global_forward_pre_hooks).id for _ in range(2))
+    before, after = _KEYS
+    if _WATCHES:
+        torch_module._global_forward_pre_hooks[before] = _before
+        torch_module._global_forward_hooks[after] = _after
+        torch_module._global_forward_hooks_with_kwargs[after] = True
+        torch_module._global_forward_hooks_always_called[after] = True
+    else:
+        torch_module._global_forward_pre_hooks.pop(before, None)
+        for table in (
+            torch_module._global_forward_hooks,
+            torch_module._global_forward_hooks_with_kwargs,
+            torch_module._global_forward_hooks_always_called,
+        ):
+            table.pop(after, None)
+
+
+def _before(module: torch.nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():  # traced into a compiled graph: nothing there (no op, no graph break)
+        return
+    for watch in _WATCHES:
+        watch._before(module, args)
+
+
+def _after(module: torch.nn.Module, args: Any, *rest: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    for watch in _WATCHES:
+        watch._after(module, args, *rest)
+
+
+def _hooked_after_us() -> bool:
+    """Whether a global forward hook of yours runs after the watch's (it acts on outputs the watch read first)."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = torch_module._global_forward_hooks
+    return len(hooks) > 1 and next(reversed(hooks)) != _KEYS[1]
 
 
 def _yours(hook: Any) -> bool:
@@ -472,9 +540,9 @@ def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, l
         flat = [torch.stack([m.float().flatten() for m in entry[1]]) for _, entries, *_ in trace for entry in entries]
         numbers = iter(torch.cat([m.to(flat[0].device) for m in flat], dim=1).tolist() if flat else [[], []])
     low, high = next(numbers), next(numbers)
-    events: list[tuple[int, Optional[str], list[tuple[Any, list[Optional[str]]]]]] = []
+    events: list[tuple[Any, ...]] = []
     at = 0
-    for index, entries, *hooked in trace:
+    for index, entries, *hooked in trace:  # hooked: (True,) where read before your forward hooks acted
         kinds: list[Optional[str]] = []
         tops: list[tuple[Any, list[Optional[str]]]] = []
         for half, extremes, *storage in entries:
