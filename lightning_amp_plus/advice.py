@@ -1212,7 +1212,9 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
 def _settling(figures: RunFigures) -> tuple[int, int]:
     """A run's leading skips (in a row from its first update: the scale settling) and how often its scale grew."""
     skipped = set(figures.skipped or [])
-    first = figures.curve[0][0] if figures.curve else min(skipped, default=0)
+    if not figures.curve:
+        return 0, 0  # no loss scale (bf16): nothing settles, nothing grows
+    first = figures.curve[0][0]
     leading = 0
     while first + leading in skipped:
         leading += 1

@@ -628,6 +628,7 @@ def make_engine(
             )
         scaler_class = ShardedDynamicLossScaler if sharded else DynamicLossScaler
         scaler = scaler_class(device or "cpu", **{**SCALER_DEFAULTS, **given})
+        scaler.keep_given = True  # the plugin's knobs: one given on resume is meant (the checkpoint's scale wins)
     if precision == "16-mixed" and not skip_nonfinite:
         raise ValueError(
             f"`{owner}(precision='16-mixed', skip_nonfinite=False)` is invalid: with loss scaling an overflowing"

@@ -240,6 +240,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         #: "any" (torch's rule: every overflow backs off) or "backward" (a skip whose loss was already inf/nan
         #: leaves the scale and its trackers alone: no scale causes it); set by the plugin
         self.backoff_on = "any"
+        #: on :meth:`load_state_dict`, keep the knobs given to the constructor (a plugin's: passed on resume, meant);
+        #: False (torch's rule, the default for a scaler you make): the checkpoint's knobs replace them
+        self.keep_given = False
         self._loss_nonfinite: Tensor | None = None  # this cycle's losses, any inf/nan (backoff_on="backward")
         self._hysteresis_tracker: Tensor | None = None
         self._host = HostMirror()
@@ -630,15 +633,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
         Every value is checked by the constructor's rules; an invalid one raises ``ValueError``/``TypeError`` naming
         the checkpoint key and the value. Its scale and trackers replace this scaler's. Its knobs do too, as in
-        torch, except those given to this scaler's constructor: a setting passed on resume is meant, and kept. Each
-        knob that changes, or is kept against the checkpoint's, is logged (logger ``lightning_amp_plus``, rank zero).
+        torch, except, with :attr:`keep_given` (a plugin's scaler), those given to the constructor: a setting passed
+        on resume is meant, and kept. Each knob that changes, or is kept against the checkpoint's, is logged (logger
+        ``lightning_amp_plus``, rank zero).
         A scale outside ``[min_scale, max_scale]`` is brought inside, and logged.
         """
         if not self._enabled:
             return
         where = f"{type(self).__name__}.load_state_dict"
         current = self._knobs()
-        read = read_checkpoint(where, state_dict, current, frozenset(k for k in self._given if k in current))
+        given = frozenset(k for k in self._given if k in current) if self.keep_given else frozenset()
+        read = read_checkpoint(where, state_dict, current, given)
         if read.changes:
             say(f"`{where}`: the checkpoint's values replace this scaler's: " + "; ".join(read.changes) + ".")
         torch_knobs = {knob.name: read.knobs[knob.name] for knob in KNOBS if knob.torch and knob.name in read.knobs}
