@@ -419,6 +419,7 @@ class _Cleaning(Callback):
                 lambda m, a, out: out.clamp(-1, 1) if m is noisy else None
             )
         else:
+
             def clean(module, args, out):
                 out.data.clamp_(-1, 1)  # through `.data`: no version bump
 
@@ -491,6 +492,7 @@ class Threaded(Chain):
         from concurrent.futures import ThreadPoolExecutor
 
         x, y = batch
+
         def body():
             with torch.autocast("cpu", dtype=torch.float16):  # autocast is the thread's own
                 return self.boost(self.pre(x))
@@ -534,3 +536,21 @@ def test_a_batch_holding_an_object_that_cannot_be_read_never_stops_the_fit_or_th
     origins = _origins(reporter)
     assert origins[5]["module"] == origins[8]["module"] == "boost"
     assert all(len(o.get("reason", "")) <= 200 for o in origins.values())
+
+
+def test_lightnings_recipe_a_lightning_module_compiled_whole_is_told_once(caplog):
+    """`trainer.fit(torch.compile(model))`: the watch cannot sit inside the graph; each skip says so, printed once."""
+    import logging
+
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"):
+        make_trainer(
+            plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**10)], callbacks=[reporter], max_steps=10
+        ).fit(torch.compile(Chain(), backend="eager"), loud_batches(10, LOUD, 100.0))
+    told = [r["origin"] for r in reporter.skips if r["step"] in LOUD]
+    assert told
+    assert all("compiled as a whole" in o["reason"] for o in told)
+    said = [r.getMessage() for r in caplog.records if "compiled as a whole" in r.getMessage()]
+    assert len([m for m in said if not m.startswith("step ")]) <= 1  # the note, once
+    assert not torch.nn.modules.module._global_forward_hooks  # nothing was hooked

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as _torch_module
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus.forensics._tree import dispatches_to_torch, tensors, torch_only, values
@@ -400,7 +401,7 @@ class Watch:
         # can be what a module made)
         rows = self.rows if top and not self._returned else None
         took: Any = None  # read as the call ends where the module has pre-hooks of yours (read after they acted)
-        if not any(_yours(hook) for hook in module._forward_pre_hooks.values()):
+        if not (module._forward_pre_hooks and any(_yours(hook) for hook in module._forward_pre_hooks.values())):
             took = self._read_safely(index, args, None, top, rows)
         self._open.append((len(trace), index, top, rows, took))
         trace.append((index, []))
@@ -421,7 +422,8 @@ class Watch:
         self._returned = self._returned or top
         # a module with forward hooks of yours (its own, or global ones after the watch's): its output was read
         # before they acted (see `verdict.first_born`), and is not kept for a later call to reuse
-        hooked = any(_yours(hook) for hook in module._forward_hooks.values()) or _hooked_after_us()
+        hooked = bool(module._forward_hooks) and any(_yours(hook) for hook in module._forward_hooks.values())
+        hooked = hooked or (len(_GLOBAL_AFTER) > 1 and _hooked_after_us())
         gave = self._read_safely(index, (output,), None, False, None, keep=not hooked)
         trace[position] = (index, took)
         trace.append((~index, gave, True) if hooked else (~index, gave))
@@ -448,10 +450,14 @@ class Watch:
 #: how often a batch walks the model again for modules not seen before (each new object at most once)
 _WALKS = 8
 
+#: torch's table of global forward hooks (read, never kept from: the watch's own entry is put and taken there)
+_GLOBAL_AFTER = _torch_module._global_forward_hooks
+
 #: the watches on (one a fit); torch's global hooks dispatch to them under fixed keys, so a compiled graph's guard on
 #: the global hooks holds from one fit to the next (no recompile)
 _WATCHES: list[Watch] = []
 _KEYS: list[int] = []
+_FLAG_TABLES = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 
 
 def _dispatch(watch: Watch, on: bool) -> None:
@@ -466,19 +472,19 @@ def _dispatch(watch: Watch, on: bool) -> None:
     if not _KEYS:  # once a process: the ids torch's global hook tables hold the dispatchers under
         _KEYS.extend(RemovableHandle(torch_module._global_forward_pre_hooks).id for _ in range(2))
     before, after = _KEYS
+    # keywords and always-called global hooks: tables a torch without them lacks (then: neither)
+    flags = [getattr(torch_module, name, None) for name in _FLAG_TABLES]
     if _WATCHES:
         torch_module._global_forward_pre_hooks[before] = _before
         torch_module._global_forward_hooks[after] = _after
-        torch_module._global_forward_hooks_with_kwargs[after] = True
-        torch_module._global_forward_hooks_always_called[after] = True
+        for table in flags:
+            if table is not None:
+                table[after] = True
     else:
         torch_module._global_forward_pre_hooks.pop(before, None)
-        for table in (
-            torch_module._global_forward_hooks,
-            torch_module._global_forward_hooks_with_kwargs,
-            torch_module._global_forward_hooks_always_called,
-        ):
-            table.pop(after, None)
+        for table in (torch_module._global_forward_hooks, *flags):
+            if table is not None:
+                table.pop(after, None)
 
 
 def _before(module: torch.nn.Module, args: Any) -> None:
@@ -497,10 +503,7 @@ def _after(module: torch.nn.Module, args: Any, *rest: Any) -> None:
 
 def _hooked_after_us() -> bool:
     """Whether a global forward hook of yours runs after the watch's (it acts on outputs the watch read first)."""
-    from torch.nn.modules import module as torch_module
-
-    hooks = torch_module._global_forward_hooks
-    return len(hooks) > 1 and next(reversed(hooks)) != _KEYS[1]
+    return len(_GLOBAL_AFTER) > 1 and next(reversed(_GLOBAL_AFTER)) != _KEYS[1]
 
 
 def _yours(hook: Any) -> bool:
