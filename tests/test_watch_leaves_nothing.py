@@ -554,3 +554,38 @@ def test_lightnings_recipe_a_lightning_module_compiled_whole_is_told_once(caplog
     said = [r.getMessage() for r in caplog.records if "compiled as a whole" in r.getMessage()]
     assert len([m for m in said if not m.startswith("step ")]) <= 1  # the note, once
     assert not torch.nn.modules.module._global_forward_hooks  # nothing was hooked
+
+
+class _SquaredError(nn.modules.loss._Loss):
+    """A loss held as a module, computed in the precision it is given: its square overflows float16."""
+
+    def forward(self, prediction, target):
+        return ((prediction - target.to(prediction.dtype)) ** 2).mean()
+
+
+class WithCriterion(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.head, self.criterion = nn.Linear(8, 8), nn.Linear(8, 1), _SquaredError()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.criterion(self.head(self.pre(x)) * 30, y).float()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def test_a_loss_held_as_a_module_is_the_loss_phase_never_an_island():
+    """Issue 52: `self.criterion` is the loss, not a module to run in float32."""
+    from lightning_amp_plus import AmpAdvisor
+
+    reporter, advisor = _reporter(), AmpAdvisor(print_advice=False)
+    torch.manual_seed(0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
+    make_trainer(plugins=[plugin], callbacks=[reporter, advisor], max_steps=10).fit(
+        WithCriterion(), loud_batches(10, LOUD, 100.0)
+    )
+    told = [_origins(reporter)[step] for step in LOUD]
+    assert [o["phase"] for o in told] == ["loss"] * 3
+    assert "fp32_module" not in [a.code for a in advisor.advice]

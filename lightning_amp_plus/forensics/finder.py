@@ -184,7 +184,8 @@ class OriginFinder(UpdateListener):
         events = read(record.trace) if record.trace is not None else None
         reason = self._unwatchable or WATCHING
         batch, unknown_kinds = record.as_loaded()  # as loaded: a tensor the step changed in place is not blamed
-        origin = tell(batch, record.losses, events, self.watch.names, self._islands(), self._accumulating, reason)
+        names, losses = self.watch.names, frozenset(self.watch.loss_modules)
+        origin = tell(batch, record.losses, events, names, self._islands(), self._accumulating, reason, losses)
         if (
             origin is not None
             and origin.own_code

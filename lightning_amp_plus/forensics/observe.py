@@ -259,6 +259,9 @@ class Watch:
         self.on = False
         self.names: list[str] = []
         self.unwatched: list[str] = []
+        #: the torch loss modules watched (``nn.CrossEntropyLoss()`` held as ``self.criterion``): what they make is the
+        #: loss's
+        self.loss_modules: set[str] = set()
         #: the modules compiled in place (``module.compile()``), by the watched module that calls them ("": the step)
         self.hidden: dict[str, list[str]] = {}
         #: the first call of this batch left unread, and why (at most 200 characters)
@@ -307,7 +310,7 @@ class Watch:
             warnings.filters.remove(self._quiet)  # type: ignore[attr-defined]
             warnings._filters_mutated()  # type: ignore[attr-defined]
         self.names, self.unwatched, self.trace, self.on = [], [], None, False
-        self.hidden = {}
+        self.hidden, self.loss_modules = {}, set()
         self._index, self._kept, self._outside, self._open, self._model, self._quiet = {}, [], {}, [], None, None
         self._read = {}
         self.unread = None
@@ -347,6 +350,8 @@ class Watch:
             if old is None:
                 self.names.append(name)
                 old = len(self.names) - 1
+            if isinstance(module, torch.nn.modules.loss._Loss):  # a loss function held as a module
+                self.loss_modules.add(name)
             index[key] = old
         self._index, self._kept = index, kept
         for key in [k for k in self._outside if k in index]:

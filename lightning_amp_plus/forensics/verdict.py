@@ -106,13 +106,14 @@ def tell(
     islands: list[str],
     accumulating: bool = False,
     unwatched: str = WATCHING,
+    loss_modules: frozenset[str] = frozenset(),
 ) -> Optional[Origin]:
     """The origin a skip's batch, losses and watched events (None: not watched) support; None when not told.
 
     Not watched: the batch (it and the loss held inf/nan) or forward (the loss alone), their ``reason``
     ``unwatched`` (:data:`WATCHING`: the watch starts); backward (the loss finite). Watched: the batch's inf/nan
     reaching a module, the step's own code (:data:`OWN_CODE`), the module they were born in (``float32`` nonfinite
-    where it ran in an fp32 island), the loss, backward.
+    where it ran in an fp32 island), the loss (a torch loss module's output too: ``loss_modules``), backward.
     """
     in_batch = nonfinite_kinds(batch, masks=True, minus=True)  # an additive mask's -inf is no bad data
     loss = next((kind for kind in (nonfinite_kind(loss.detach()) for loss in losses) if kind), None)
@@ -138,6 +139,8 @@ def tell(
                 return Origin(Phase.INPUT)
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
         name, by = names[index], names[fed_by] if fed_by is not None else None
+        if name in loss_modules:  # a loss computed by a module (`self.criterion`): the loss, never an island
+            return Origin(Phase.LOSS, batch_too=bool(nonfinite_kinds(batch)))
         if island_of(name, islands) and (by is None or island_of(by, islands)):  # float32 made them: the run says
             return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND)
         return Origin(Phase.FORWARD, name, kind, fed_by=by)
