@@ -1210,7 +1210,11 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
 
 
 def _settling(figures: RunFigures) -> tuple[int, int]:
-    """A run's leading skips (in a row from its first update: the scale settling) and how often its scale grew."""
+    """A run's settling skips and how often its scale grew.
+
+    Settling: the skips in a row from its first update, or those before the scale first grew within the run's first
+    tenth (a settle-down that starts at step 1).
+    """
     skipped = set(figures.skipped or [])
     if not figures.curve:
         return 0, 0  # no loss scale (bf16): nothing settles, nothing grows
@@ -1219,7 +1223,11 @@ def _settling(figures: RunFigures) -> tuple[int, int]:
     while first + leading in skipped:
         leading += 1
     scales = [v for _, v in figures.curve]
-    return leading, sum(1 for a, b in zip(scales, scales[1:], strict=False) if b > a)
+    grew = [step for (step, b), a in zip(figures.curve[1:], scales, strict=False) if b > a]
+    # settling: the skips before the scale first grew, in the run's first tenth (the scale meets the gradients early)
+    window = first + max(1, figures.num_updates // 10)
+    early = sum(1 for s in skipped if s < window and (not grew or s < grew[0]))
+    return max(leading, early), len(grew)
 
 
 def _held_at_floor(figures: RunFigures) -> bool:

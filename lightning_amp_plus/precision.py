@@ -352,15 +352,20 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._engine.load_state_dict(state_dict, where=f"checkpoint[{type(self).__qualname__!r}]")
+        self._name_running_knobs()
+
+    def _name_running_knobs(self) -> None:
+        """After a checkpoint loaded: the repr and the logged call name the knobs that run."""
         scaler = self.scaler
-        if scaler is not None and "scaler" not in self._given:  # the repr and the logged call: the knobs that run
-            for name, value in scaler.knobs().items():
-                if name == "init_scale":
-                    continue  # this run's start as given; the checkpoint's scale is the state
-                if same_value(value, SCALER_DEFAULTS[name]):
-                    self._given.pop(name, None)
-                else:
-                    self._given[name] = value
+        if scaler is None or "scaler" in self._given:
+            return
+        for name, value in scaler.knobs().items():
+            if name == "init_scale":
+                continue  # this run's start as given; the checkpoint's scale is the state
+            if same_value(value, SCALER_DEFAULTS[name]):
+                self._given.pop(name, None)
+            else:
+                self._given[name] = value
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -376,6 +381,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         for key in (*_OUR_KEYS, *_STOCK_KEYS, "native_amp_scaling_state"):
             if key in checkpoint:
                 self._engine.load_state_dict(checkpoint[key], where=f"checkpoint[{key!r}]")
+                self._name_running_knobs()
                 return
 
 

@@ -563,6 +563,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         found_inf = self.found_inf() if found_inf is None else found_inf
         loss_born = self._loss_born()
         if loss_born is not None:  # backoff_on="backward": a skip the loss already held is left out of the rule
+            loss_born = loss_born & (found_inf > 0)  # an applied update is a clean one, whatever its loss
             kept = [scale.clone(), growth_tracker.clone()]
             if self._hysteresis_tracker is not None:
                 kept.append(self._hysteresis_tracker.clone())

@@ -1004,3 +1004,9 @@ def test_a_scale_too_low_two_doublings_below_the_runs_overflow_gets_no_fix():
     assert "init_scale" not in codes(run(curve, [30], 60, underflow=low))
     higher = [(0, 2.0**10), (10, 2.0**11), (20, 2.0**12), (30, 2.0**13), (41, 2.0**12)]
     assert only_code(run(higher, [40], 60, underflow=low), "init_scale").evidence["proposed_scale"] == 2.0**12
+
+
+def test_a_settle_down_from_step_1_is_settling_not_excess():
+    """Break pass: the fix `init_scale` moves the first skip off step 0; that run is still healthy."""
+    curve = [(0, 2048.0), (2, 1024.0), (11, 512.0), (12, 1024.0), (13, 512.0)]
+    assert codes(run(curve, [1, 10, 12], 29, origins=[{"phase": "backward", "step": s} for s in (1, 10, 12)])) == []

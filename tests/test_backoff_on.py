@@ -119,3 +119,19 @@ def test_the_skip_line_says_why_the_scale_was_kept(caplog):
         )
     (line,) = [r.getMessage() for r in caplog.records if "step 2 skipped" in r.getMessage()]
     assert line.endswith("loss scale 4096 -> 4096 (kept: the loss already held inf/nan; backoff_on='backward')")
+
+
+def test_an_applied_update_whose_loss_held_inf_counts_as_clean_as_under_torchs_rule():
+    """A loss plus a constant inf has finite gradients: the update is applied; it counts toward growth, every time."""
+
+    class InfConstant(TinyModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss + torch.tensor(float("inf")) if self.trainer.global_step in (1, 3, 5, 6, 7) else loss
+
+    curves = {}
+    for mode in ("any", "backward"):
+        plugin, _ = _fit(mode, steps=9, model=InfConstant(), growth_interval=2)
+        assert plugin.history.skipped_steps == []
+        curves[mode] = plugin.history.curve()
+    assert curves["backward"] == curves["any"]

@@ -142,3 +142,19 @@ def test_offline_advise_never_says_backward_skips_of_a_forward_born_run(tmp_path
     assert "skipped" in out  # the log's skips are read
     assert "backward_skips" not in out
     assert "forward and loss finite" not in out
+
+
+class _RaisesAtTrainEnd(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
+    def on_train_end(self, trainer, pl_module):
+        raise RuntimeError("export failed")
+
+
+def test_a_fit_that_raises_after_the_advice_was_given_is_not_left_healthy(tmp_path, caplog):
+    advisor = AmpAdvisor(report_path=str(tmp_path / "advice.json"))
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"), pytest.raises(RuntimeError):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[advisor, _RaisesAtTrainEnd()], max_steps=6).fit(
+            TinyModel()
+        )
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]
+    assert "RuntimeError: export failed" in said[-1]
+    assert json.loads((tmp_path / "advice.json").read_text())["healthy"] is False

@@ -174,6 +174,12 @@ class AmpAdvisor(KnobsRepr, Callback):
         try:
             if self._plugin is not None and not self._advised:
                 self._finish(trainer, exception)  # a collapse is when the advice matters most
+            elif self.figures is not None and self.figures.ended is None:  # it raised after the advice was given
+                self.figures = dataclasses.replace(self.figures, ended=_ended(exception))
+                if self.print_advice and not self.advice:
+                    say(f"AmpAdvisor: {healthy_line(self.figures)}")
+                if trainer.is_global_zero and self.report_path is not None:
+                    self._write()
         except Exception as error:  # the fit's own exception is the one that propagates
             warn_at_user(f"`AmpAdvisor`: no advice after the failed fit ({error!r}).")
         finally:
@@ -200,8 +206,7 @@ class AmpAdvisor(KnobsRepr, Callback):
             self._reporter.collect(check=False)  # reported; the collapse check stays its own
         self.figures = self.gather(trainer)
         if exception is not None:
-            said = f"{type(exception).__name__}: {exception}".splitlines()[0]
-            self.figures = dataclasses.replace(self.figures, ended=said if len(said) <= 120 else said[:117] + "...")
+            self.figures = dataclasses.replace(self.figures, ended=_ended(exception))
         self.advice, self.hints = findings(advise(self.figures))
         text = self.format()
         if self.print_advice:
@@ -292,6 +297,12 @@ class AmpAdvisor(KnobsRepr, Callback):
                 write_text_atomically(path, self.markdown())
         except OSError as error:
             warn_at_user(f"`AmpAdvisor`: could not write {path!r}: {error}.")
+
+
+def _ended(exception: BaseException) -> str:
+    """How a fit ended, in a line: ``AssertionError: bad batch`` (120 characters at most)."""
+    said = f"{type(exception).__name__}: {exception}".splitlines()[0] if str(exception) else type(exception).__name__
+    return said if len(said) <= 120 else said[:117] + "..."
 
 
 def _find(callbacks: dict[type, Callback], kind: type) -> Any:
