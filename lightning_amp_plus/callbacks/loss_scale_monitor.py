@@ -140,7 +140,13 @@ class LossScaleMonitor(KnobsRepr, DeclaredState, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a resumed fit restores the scaler's knobs after `on_fit_start`: the call that runs, where it changed
-        if self._plugin is not None and trainer.is_global_zero and self._call(self._plugin) != self._logged_call:
+        resumed = getattr(trainer, "ckpt_path", None) is not None
+        if (
+            resumed
+            and self._plugin is not None
+            and trainer.is_global_zero
+            and self._call(self._plugin) != self._logged_call
+        ):
             self._log_plugin_call(trainer, self._plugin)
 
     def _call(self, plugin: AmpPlusPrecision) -> str:
