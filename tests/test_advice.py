@@ -6,12 +6,12 @@ from lightning_amp_plus.advice import (
     CODES,
     MIN_UPDATES_AFTER_BACKOFF,
     RunFigures,
-    _nice,
-    _scale,
     advise,
     figures_from_series,
     needs_live,
 )
+from lightning_amp_plus.advice.fix import _scale
+from lightning_amp_plus.advice.growth import _nice
 
 KNOBS = {"init_scale": 2.0**16, "growth_interval": 2000, "hysteresis": 1, "min_scale": 1.0, "max_scale": 2.0**24}
 
@@ -790,7 +790,7 @@ def only_code(figures, code):
 
 
 def test_skip_rate_advice_word_for_word_and_the_number_helpers():
-    from lightning_amp_plus.advice import _at_max, _nice, _scale
+    from lightning_amp_plus.advice.scale import _at_max
 
     figures = RunFigures(
         precision="16-mixed",
@@ -829,7 +829,7 @@ def test_a_spike_needs_exactly_growth_interval_clean_updates_at_the_cap(clean, f
 
 
 def _held_clean_before(figures, step):
-    from lightning_amp_plus.advice import _held_clean
+    from lightning_amp_plus.advice.growth import _held_clean
 
     return _held_clean(figures, step)
 
@@ -1010,3 +1010,11 @@ def test_a_settle_down_from_step_1_is_settling_not_excess():
     """Break pass: the fix `init_scale` moves the first skip off step 0; that run is still healthy."""
     curve = [(0, 2048.0), (2, 1024.0), (11, 512.0), (12, 1024.0), (13, 512.0)]
     assert codes(run(curve, [1, 10, 12], 29, origins=[{"phase": "backward", "step": s} for s in (1, 10, 12)])) == []
+
+
+def test_every_code_has_one_rule_kept_in_the_order_of_importance():
+    from lightning_amp_plus.advice import RULES, rule
+
+    assert tuple(RULES) == CODES  # each family's file declared its codes; the order is CODES', not the imports'
+    with pytest.raises(ValueError, match="'made_up' is not in CODES"):
+        rule("made_up", evidence="", fix="", look_alike="")

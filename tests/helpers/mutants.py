@@ -32,7 +32,8 @@ class Mutant(NamedTuple):
 
 SCALER = "lightning_amp_plus/scaler.py"
 ENGINE = "lightning_amp_plus/engine.py"
-ADVICE = "lightning_amp_plus/advice.py"
+ADVICE_SCALE = "lightning_amp_plus/advice/scale.py"
+OFFLINE = "lightning_amp_plus/advice/offline.py"
 FUSED = "lightning_amp_plus/callbacks/_fused.py"
 REPORTER = "lightning_amp_plus/callbacks/nan_skip_reporter.py"
 PLOT = "lightning_amp_plus/plot.py"
@@ -204,7 +205,7 @@ MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- advice: a scale too low, pinned, settled
     Mutant(
         "pinned_noop_fix",
-        ADVICE,
+        ADVICE_SCALE,
         "    if new <= max_scale:\n",
         "    if new < max_scale:\n",
         "a scale pinned at 2**64 gets the no-op fix max_scale=2**64",
@@ -212,7 +213,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "pinned_uncapped",
-        ADVICE,
+        ADVICE_SCALE,
         "max(MAX_PROPOSED_SCALE, max_scale), _overflowed(figures) / 2)",
         "_overflowed(figures) / 2)",
         "a pinned scale's fix is not capped at 2**64",
@@ -220,7 +221,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "pinned_above_overflow",
-        ADVICE,
+        ADVICE_SCALE,
         "max(MAX_PROPOSED_SCALE, max_scale), _overflowed(figures) / 2)",
         "max(MAX_PROPOSED_SCALE, max_scale))",
         "a pinned scale is raised above where the run's backward overflowed",
@@ -228,7 +229,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "settled_past_growth",
-        ADVICE,
+        ADVICE_SCALE,
         "            if value > lowest:\n                break\n",
         "            if value > lowest:\n                continue\n",
         "the settled scale takes a backoff after the scale grew back",
@@ -236,7 +237,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "settled_any_backoff",
-        ADVICE,
+        ADVICE_SCALE,
         "            if at - 1 in scaling:",
         "            if True:",
         "the settled scale counts a NaN batch's backoff",
@@ -244,7 +245,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "too_low_uncapped",
-        ADVICE,
+        ADVICE_SCALE,
         'new = min(min(m["scale"] * 2.0 ** math.floor(m["headroom_bits"] - 1) for m in low), MAX_PROPOSED_SCALE)',
         'new = min(m["scale"] * 2.0 ** math.floor(m["headroom_bits"] - 1) for m in low)',
         "a scale too low is raised past 2**64",
@@ -252,7 +253,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "too_low_above_overflow",
-        ADVICE,
+        ADVICE_SCALE,
         "    new = min(new, overflowed / 2)\n",
         "",
         "a scale too low is raised to where the run's backward overflowed",
@@ -260,7 +261,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "too_low_unknown_cap",
-        ADVICE,
+        ADVICE_SCALE,
         "capped = figures.knobs is None or new > _cap(figures)",
         "capped = new > _cap(figures)",
         "an unknown cap (offline, resumed) is taken as the default one",
@@ -268,7 +269,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "too_low_at_cap",
-        ADVICE,
+        ADVICE_SCALE,
         "        and not _at_max(figures, m)\n",
         "",
         "a scale at its cap is told too low (max_scale's case)",
@@ -375,7 +376,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "offline_knobs_of_a_resumed_run",
-        ADVICE,
+        OFFLINE,
         "            and figures.curve[0][0] == 0\n",
         "",
         "a resumed run's logged call is taken for its knobs (its checkpoint's replace them)",
