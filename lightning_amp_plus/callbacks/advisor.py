@@ -125,6 +125,7 @@ class AmpAdvisor(KnobsRepr, Callback):
         ]
         for callback in self._own:
             callback.setup(trainer, pl_module, stage)
+        self._reporter.read_figures_from(trainer, lambda: self.gather(trainer, speed=False))
         if self.report_path is not None and trainer.is_global_zero:
             check_writable(type(self).__name__, "report_path", self.report_path)
 
@@ -222,18 +223,23 @@ class AmpAdvisor(KnobsRepr, Callback):
             if self.report_path is not None:
                 self._write()
 
-    def gather(self, trainer: pl.Trainer) -> RunFigures:
-        """The run's figures, from the plugin and the callbacks (see :class:`~lightning_amp_plus.advice.RunFigures`)."""
+    def gather(self, trainer: pl.Trainer, speed: bool = True) -> RunFigures:
+        """The run's figures, from the plugin and the callbacks (see :class:`~lightning_amp_plus.advice.RunFigures`).
+
+        The one place a live run's figures are built: the reporter's collapse check reads them too.
+        ``speed=False`` leaves out what only the speed hints read (the float32 rows, the timed optimizer steps).
+        """
         assert self._reporter is not None  # theirs, or run inside since setup
         assert self._report is not None
         scaler = self._plugin.scaler
         underflow = self._underflow.measurements if self._underflow is not None and scaler is not None else None
+        rows = None if not speed or self._report.skipped_reason else [r for r in self._report.rows if r["flagged"]]
         return run_figures(
             self._plugin,
             self._reporter.origins_told,
             underflow=list(underflow) if underflow is not None else None,
-            fp32_rows=None if self._report.skipped_reason else [r for r in self._report.rows if r["flagged"]],
-            non_fused=self._non_fused(trainer),
+            fp32_rows=rows,
+            non_fused=self._non_fused(trainer) if speed else None,
         )
 
     def _non_fused(self, trainer: pl.Trainer) -> list[dict[str, Any]]:

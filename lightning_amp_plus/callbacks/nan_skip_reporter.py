@@ -7,6 +7,7 @@ import functools
 import math
 import os
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -23,7 +24,7 @@ from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_int, check_path, check_prefix
 from lightning_amp_plus._warnings import warn_at_user
-from lightning_amp_plus.advice import collapse_advice
+from lightning_amp_plus.advice import RunFigures, collapse_advice
 from lightning_amp_plus.callbacks._common import (
     check_writable,
     find_plugin,
@@ -141,6 +142,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.origins = OriginFinder(watch=find_origin == "watch", replay=find_origin == "replay")
         self._plugin: Optional[EngineView] = None
         self._trainer: Optional[pl.Trainer] = None
+        self._figures_source: Optional[tuple[Any, Callable[[], RunFigures]]] = None  # (the fit's trainer, builder)
         self.offenders = OffenderCounter()  # the parameters whose gradients held inf/nan, per skipped update
         self._sharded = False
         self._loss: Optional[Tensor] = None
@@ -203,6 +205,15 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.offenders.track(module, sharded=False)
         plugin.listen(self)
         plugin.listen(self.origins)  # the batch as its step starts
+
+    def read_figures_from(self, trainer: pl.Trainer, source: Callable[[], RunFigures]) -> None:
+        """Build the collapse's figures with ``source`` during ``trainer``'s fit.
+
+        :class:`~lightning_amp_plus.AmpAdvisor` hands its own builder here at setup, so the collapse's HINT reads
+        the figures the advisor reads (its measurements too): the error and the advice never disagree. Another
+        trainer's fit does not use it.
+        """
+        self._figures_source = (trainer, source)
 
     def detach(self) -> None:
         """Stop listening to the plugin."""
@@ -452,7 +463,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         limit = self.max_consecutive_skips
         if not at_floor and (limit is None or self._consecutive < limit):
             return
-        figures = run_figures(self._plugin, self._origins_told)  # as AmpAdvisor reads them: one diagnosis, said alike
+        source = self._figures_source
+        if source is not None and source[0] is self._trainer:  # the advisor's figures: one diagnosis, said alike
+            figures = source[1]()
+        else:
+            figures = run_figures(self._plugin, self._origins_told)
         min_scale = scaler.knobs()["min_scale"] if at_floor and scaler is not None else None
         batch = sum(1 for origin in self._origins_told if origin["phase"] == "input")
         cause = collapse_advice(figures)

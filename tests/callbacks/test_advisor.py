@@ -472,6 +472,34 @@ def test_advice_on_collapse_reads_the_users_reporter(tmp_path):
     assert 'fp32_modules=["big"]' in text
 
 
+@pytest.mark.parametrize("advisor_first", [False, True])
+def test_the_collapse_hint_reads_the_figures_the_advisor_reads_and_another_trainer_does_not(monkeypatch, advisor_first):
+    from lightning_amp_plus.callbacks import nan_skip_reporter
+
+    read = []
+    real = nan_skip_reporter.collapse_advice
+    monkeypatch.setattr(nan_skip_reporter, "collapse_advice", lambda f: read.append(f) or real(f))
+    reporter = NaNSkipReporter(max_consecutive_skips=3, max_warnings=0)
+    advisor = AmpAdvisor()
+    callbacks = [advisor, reporter] if advisor_first else [reporter, advisor]
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    with pytest.raises(LossScaleCollapseError):
+        make_trainer(plugins=[plugin], callbacks=callbacks, max_steps=10).fit(Overflowing())
+    (figures,) = read
+    assert figures.underflow  # the advisor's own GradUnderflowMonitor measured: the HINT weighs it as the advice does
+    assert figures.underflow == advisor.figures.underflow
+    assert figures.origins == advisor.figures.origins
+    assert figures.non_fused is None  # the timed steps only the speed hints read are left out
+
+    read.clear()  # the same reporter in a new Trainer without the advisor: its own figures, nothing of the old fit
+    with pytest.raises(LossScaleCollapseError):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=10).fit(
+            Overflowing()
+        )
+    (figures,) = read
+    assert figures.underflow is None
+
+
 def test_advice_objects_are_plain_data():
     advice = Advice("init_scale", "msg", 'AmpPlusPrecision("16-mixed", init_scale=2.0**10)', {"leading_skips": 3})
     assert advice.to_dict() == {
