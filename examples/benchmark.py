@@ -188,6 +188,9 @@ def configs(
         plugin = AmpPlusPrecision(precision)
         return [plugin], [LossScaleMonitor(), NaNSkipReporter(), AmpAdvisor(print_advice=False)]  # type: ignore[list-item]
 
+    def auto_islands() -> tuple[list[Precision], list[Callback]]:  # before any skip: a finder with no watch
+        return [AmpPlusPrecision(precision, auto_islands=True)], []  # type: ignore[list-item]
+
     def underflow_exact() -> tuple[list[Precision], list[Callback]]:
         return [AmpPlusPrecision(precision)], [GradUnderflowMonitor(exact=True)]  # type: ignore[list-item]
 
@@ -207,6 +210,7 @@ def configs(
         "AmpPlusPrecision + callbacks + AmpAdvisor": ours_advised,
     }
     if precision == "16-mixed":  # the float32 reference's cost: the same monitor with and without it
+        table["AmpPlusPrecision(auto_islands=True)"] = auto_islands
         table["+ GradUnderflowMonitor(exact=True)"] = underflow_exact
         table["+ GradUnderflowMonitor()"] = underflow_inexact
     if floor:  # the small-step case: show what two callbacks cost whatever they do

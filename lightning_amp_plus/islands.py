@@ -12,6 +12,7 @@ import difflib
 import fnmatch
 import functools
 import importlib
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -148,6 +149,18 @@ def in_float32(modules: Iterable[nn.Module], device_type: str) -> Iterator[None]
         put_back(installed)
 
 
+def compiled_or_scripted(module: torch.nn.Module) -> Optional[str]:
+    """Why ``module`` cannot take a float32 forward (a compiled or scripted module), or None."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return "it is scripted (torch.jit)"
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None and isinstance(module, getattr(dynamo, "OptimizedModule", ())):
+        return "it is compiled (torch.compile)"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "it is compiled in place (module.compile())"
+    return None
+
+
 class Fp32Islands:
     """The modules of one model that run in float32 under autocast.
 
@@ -224,6 +237,35 @@ class Fp32Islands:
         # reported as the user wrote them (a compiled submodule's `_orig_mod.` dropped): the names every report uses
         self.names = list(dict.fromkeys(clean_name(name) for name in names))
         return list(self.names)
+
+    def add(self, model: nn.Module, name: str, device_type: str) -> Optional[str]:
+        """Run the module named ``name`` (as the watch names it) in float32 too; why it cannot be, or None.
+
+        An island found by observation (``auto_islands``): one module, by its exact name. A compiled or scripted
+        module cannot take a float32 forward.
+        """
+        if name in self.names:
+            return None
+        module = next((m for n, m in model.named_modules() if n and clean_name(n) == name), None)
+        if module is None:
+            return "no module of the model has that name now"
+        why = compiled_or_scripted(module)
+        if why is not None:
+            return why
+        try:
+            self._installed += set_aside([module], device_type)
+        except Exception as error:  # a module whose forward cannot be set: told, and the run goes on
+            return f"its forward cannot be wrapped ({type(error).__name__}: {error})"[:200]
+        self.names.append(name)
+        return None
+
+    def take_out(self, model: nn.Module, name: str) -> None:
+        """The module named ``name`` runs in half precision again (an island :meth:`add` put on)."""
+        module = next((m for n, m in model.named_modules() if n and clean_name(n) == name), None)
+        mine = [entry for entry in self._installed if entry[0] is module]
+        put_back(mine)
+        self._installed = [entry for entry in self._installed if entry[0] is not module]
+        self.names = [n for n in self.names if n != name]
 
     def remove(self) -> None:
         """Restore every wrapped module exactly as it was."""

@@ -22,9 +22,11 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._identity import resolve_optimizer
+from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments, same_value
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_choice
+from lightning_amp_plus.auto_islands import AutoIslands
 from lightning_amp_plus.engine import (
     SCALER_DEFAULTS,
     AmpEngine,
@@ -71,6 +73,14 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
             told as always, and the scale and its trackers are left alone (no scale causes it). Decided on the
             device from the losses the plugin scales (every micro-batch), no host read; under DDP any rank's
             non-finite loss counts for every rank. 16-mixed only.
+        auto_islands: find the fp32 islands by observation (16-mixed): a module the watch names as the birthplace
+            of a float16 overflow (finite inputs, inf/nan out) runs in float32 from the next step; the consumer an
+            island's float32 output overflows joins the same way; an island that makes inf/nan again in float32 is
+            taken out (the model's own). Nothing of your code runs twice. Each island is said, counted in the
+            logger (``amp/auto_islands``), kept in checkpoints, and the end of fit prints the ``fp32_modules=[...]``
+            line for the next run. The watch starts after the first skip whose loss held inf/nan. Under bf16-mixed
+            nothing is added (no float16 range to escape). Refused by ``AmpPlusFSDPPrecision`` and sharded
+            strategies (their modules are not watched).
 
     The scaler knobs (their defaults: :data:`lightning_amp_plus.knobs.DEFAULTS`, as the signature shows) are for
     ``"16-mixed"``; giving one with ``"bf16-mixed"`` is an error.
@@ -109,6 +119,7 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         skip_scheduler_on_overflow: bool = True,
         fp32_modules: Optional[list[Union[str, type[torch.nn.Module]]]] = None,
         backoff_on: Literal["any", "backward"] = "any",
+        auto_islands: bool = False,
     ) -> None:
         knobs = knob_values({name: value for name, value in locals().items() if name in SCALER_DEFAULTS})
         self._given = given_arguments(AmpPlusPrecision.__init__, {**locals(), **knobs})
@@ -126,12 +137,27 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
                 " scale to back off. HINT: leave `backoff_on` out, or use precision='16-mixed'."
             )
         self._engine.backoff_on = self.backoff_on = backoff_on
+        self.auto_islands = check_bool(owner, "auto_islands", auto_islands)
+        if auto_islands and self._sharded:
+            raise ValueError(
+                f"`{owner}(auto_islands=True)` is invalid: a sharded model's modules are not watched, so no island can"
+                " be found by observation. HINT: find them in a run without sharding (or with"
+                " `NaNSkipReporter`'s skip lines), then give `fp32_modules=[...]`."
+            )
         self.precision: Literal["16-mixed", "bf16-mixed"] = precision
         self.device = device
         self.skip_nonfinite = skip_nonfinite
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.fp32_modules = check_entries(owner, fp32_modules)
         self._islands = Fp32Islands(self.fp32_modules)
+        self._auto: Optional[AutoIslands] = (
+            AutoIslands(
+                self._island_names, self._add_island, self._take_out_island, self._tell_auto, self._count_islands
+            )
+            if auto_islands and precision == "16-mixed"
+            else None
+        )
+        self._auto_fit = False  # this fit ran with the watch attached (its end prints the fix line)
         self._module: Optional[pl.LightningModule] = None
         self._wrapped_scheduler_hook = False
         self._user_scheduler_hook: Any = _MISSING  # a user's own instance-level `lr_scheduler_step`, restored later
@@ -153,9 +179,12 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         module = _find_lightning_module(model)
         self._module = module
         trainer = module._trainer if module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._fit_scope.starts_afresh(trainer):
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._fit_scope.starts_afresh(trainer):
             # a new Trainer's fit starts afresh; another fit of the same Trainer continues, as its step counters do
             self._engine.reset()
+            if self._auto is not None:
+                self._auto.reset()
         self._engine.register(optimizers)
         if module is not None and module._trainer is not None:
             root = module.trainer.strategy.root_device.type
@@ -175,7 +204,61 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
             self._wrap_scheduler_hook(module)
         if module is not None and self.fp32_modules:
             self._islands.install(module, self.device or "cpu")
+        if self._auto is not None and module is not None and fitting:
+            self._attach_auto_islands(module)
         return model, optimizers, lr_schedulers
+
+    def _attach_auto_islands(self, module: pl.LightningModule) -> None:
+        """Observe the fit's steps for islands; those found earlier in this Trainer's fits run in float32 again."""
+        from lightning_amp_plus.callbacks._common import shards_gradients
+
+        assert self._auto is not None
+        trainer = module.trainer
+        if shards_gradients(trainer):
+            raise ValueError(
+                f"`{type(self).__name__}(auto_islands=True)` cannot serve {type(trainer.strategy).__name__}: a sharded"
+                " model's modules are not watched. HINT: find the islands in a run without sharding, then give"
+                " `fp32_modules=[...]`."
+            )
+        self._auto.added = [name for name in self._auto.added if self._add_island(name) is None]
+        self._auto.attach(module, self.forward_context, getattr(trainer, "accumulate_grad_batches", 1) > 1)
+        self._engine.listen(self._auto)
+        self._auto_fit = True
+
+    def _island_names(self) -> list[str]:
+        return self._islands.names
+
+    def _tell_auto(self, line: str) -> None:
+        say(f"`{type(self).__name__}(auto_islands=True)`: {line}")
+
+    def _add_island(self, name: str) -> Optional[str]:
+        """An island found by observation, on from the next step; why it cannot be, or None."""
+        if self._module is None:
+            return "no model is connected"
+        return self._islands.add(self._module, name, self.device or "cpu")
+
+    def _take_out_island(self, name: str) -> None:
+        if self._module is not None:
+            self._islands.take_out(self._module, name)
+
+    def _count_islands(self, count: int, step: int) -> None:
+        """``amp/auto_islands`` at ``step``: how many islands observation added (rank zero, every logger)."""
+        trainer = self._module._trainer if self._module is not None else None
+        if trainer is not None and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"amp/auto_islands": float(count)}, step=step)
+
+    def auto_islands_fix(self) -> Optional[str]:
+        """The plugin call for the next run, with the islands observation added as ``fp32_modules`` (None: none)."""
+        if self._auto is None or not self._auto.added:
+            return None
+        from lightning_amp_plus.advice import plugin_call
+        from lightning_amp_plus.callbacks._common import plugin_arguments
+
+        args = plugin_arguments(self)
+        args.pop("auto_islands", None)
+        args["fp32_modules"] = [*args.get("fp32_modules", []), *self._auto.added]
+        return plugin_call(type(self).__name__, args)
 
     @override
     def teardown(self) -> None:
@@ -187,6 +270,13 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         self.history.flush()
         # what callbacks attached is per run: a failed fit leaves no listener behind for the next one
         self._engine.clear_listeners()
+        if self._auto is not None:
+            self._auto.detach()
+            fix = self.auto_islands_fix() if self._auto_fit else None
+            if fix is not None:
+                names = ", ".join(repr(n) for n in self._auto.added)
+                say(f"`{type(self).__name__}(auto_islands=True)` ran {names} in float32. For the next run: {fix}")
+            self._auto_fit = False
         self._islands.remove()
         if self._module is not None and self._wrapped_scheduler_hook:
             if self._user_scheduler_hook is _MISSING:
@@ -248,6 +338,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         # Lightning's base hook by name, so hooks see the true loss: FSDPPrecision in the MRO would scale it twice
         tensor = Precision.pre_backward(self, tensor, module)
+        if self._auto is not None:
+            self._auto.loss(tensor)  # the true loss: read (detached) only on a skipped update
         return self._engine.scale(tensor)
 
     # ------------------------------------------------------------------ optimizer step
@@ -347,12 +439,31 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self._engine.state_dict()
+        state = self._engine.state_dict()
+        if self._auto is not None:
+            state[_AUTO_KEY] = self._auto.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        auto = state_dict.get(_AUTO_KEY) if isinstance(state_dict, dict) else None  # else the engine names it
+        if auto is not None:
+            if not (isinstance(auto, dict) and all(isinstance(auto.get(k, []), list) for k in ("added", "own"))):
+                raise TypeError(
+                    f"`checkpoint[{type(self).__qualname__!r}][{_AUTO_KEY!r}]` is invalid: expected a dict with the"
+                    f" lists 'added' and 'own' (module names), got {auto!r}."[:400]
+                )
+            state_dict = {k: v for k, v in state_dict.items() if k != _AUTO_KEY}
         self._engine.load_state_dict(state_dict, where=f"checkpoint[{type(self).__qualname__!r}]")
         self._name_running_knobs()
+        if auto is not None and self._auto is not None:
+            self._auto.load_state_dict(auto)
+        elif auto is not None and auto.get("added"):
+            names = ", ".join(f'"{n}"' for n in auto["added"])
+            say(
+                f"`{type(self).__name__}`: the checkpoint's islands found by observation ({names}) do not run:"
+                f" auto_islands is off. HINT: give `fp32_modules=[{names}]`, or `auto_islands=True`."
+            )
 
     def _name_running_knobs(self) -> None:
         """After a checkpoint loaded: the repr and the logged call name the knobs that run."""
@@ -386,6 +497,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
 
 
 _MISSING = object()
+#: the key of the islands observation found, in the plugin's checkpoint state (``auto_islands=True``)
+_AUTO_KEY = "auto_islands"
 _SUMMARY_WARNING = r"Precision (16|bf16)-mixed is not supported by the model summary"
 
 

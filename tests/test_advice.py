@@ -393,7 +393,9 @@ def test_a_watched_overflow_gets_its_module_as_an_island_and_the_opt_in_that_mea
         "Non-finite values were born in the forward of enc.3.ff in 2 of 2 skipped updates (2 inf) (watched: nothing"
         " measured whether float32 avoids them). Run it in float32: a float16 overflow ends there; if they are born"
         ' there again, float32 makes them too, and the advisor says so. `NaNSkipReporter(find_origin="replay")`'
-        " measures it in the run, by running the module again."
+        " measures it in the run, by running the module again; `auto_islands=True` finds them in one run, by"
+        " observation: each module named runs in float32 from the next step, and a consumer its float32 output"
+        " overflows joins."
     )
     alone = run([(0, 1024.0)], [1, 2], 9, origins=[{**UNNAMED, "step": 1}, watched("enc.3.ff", step=2)])
     assert "fp32_module" not in codes(alone)  # one named skip is no majority of two: nothing proposed

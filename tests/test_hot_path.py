@@ -77,6 +77,14 @@ def test_the_plugin_alone_adds_no_aten_op_to_stock_amp(per_step):
     assert ours_calls - stock_calls <= 40, (ours_calls, stock_calls)
 
 
+def test_auto_islands_cost_no_aten_op_and_at_most_12_python_calls_a_clean_step(per_step):
+    """Before any skip ``auto_islands=True`` keeps the step's record (a batch slot and its losses): no hook, no read."""
+    plain_calls, plain_ops = per_step("AmpPlusPrecision")
+    auto_calls, auto_ops = per_step("AmpPlusPrecision(auto_islands=True)")
+    assert auto_ops == plain_ops
+    assert auto_calls - plain_calls <= 12, (auto_calls, plain_calls)  # 9 on the current stack
+
+
 def _profiled(run) -> tuple[list[str], int]:
     """The Python functions ``run()`` calls (file:name), and the aten ops it dispatches."""
     import sys

@@ -195,7 +195,7 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             f" (watched: nothing measured whether float32 avoids them). Run {'it' if len(modules) == 1 else 'them'}"
             " in float32: a float16 overflow ends there; if they are born there again, float32 makes them too, and"
             ' the advisor says so. `NaNSkipReporter(find_origin="replay")` measures it in the run, by running'
-            f" the module again.{took}"
+            f" the module again{_auto_too(figures)}.{took}"
         )
     else:
         said = f": {whose} overflows float16{also}.{took} A replay with these islands computed finite values."
@@ -213,6 +213,16 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             "measured": not watched,
             **({"modules": dict(modules)} if len(modules) > 1 else {}),
         },
+    )
+
+
+def _auto_too(figures: RunFigures) -> str:
+    """The one-run way to the islands, said beside the replay where the run did not use it."""
+    if figures.plugin_args.get("auto_islands"):
+        return ""
+    return (
+        "; `auto_islands=True` finds them in one run, by observation: each module named runs in float32 from the"
+        " next step, and a consumer its float32 output overflows joins"
     )
 
 

@@ -1,0 +1,220 @@
+"""AmpPlusPrecision(auto_islands=True): the run finds its own fp32 islands by observation, on real CPU float16 fits."""
+
+import csv
+import logging
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_amp_plus import AmpPlusFSDPPrecision, AmpPlusPrecision, NaNSkipReporter
+from tests.helpers.trainer import make_trainer
+
+LINE = "`AmpPlusPrecision(auto_islands=True)`"
+
+
+class SumPool(nn.Module):
+    def forward(self, x):
+        return x.sum(dim=1)  # 512 rows of ~200: beyond float16's 65504, finite in float32
+
+
+class Chain(LightningModule):
+    """Sum pooling that overflows float16; as an island its float32 output overflows the head (the consumer)."""
+
+    def __init__(self, pool=None, calls=None):
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.pool = pool if pool is not None else SumPool()
+        self.head = nn.Linear(32, 1)
+        self.calls = calls  # a list: each training_step call appends its batch index (nothing runs twice)
+        with torch.no_grad():
+            self.embed.weight.fill_(0.5)
+            self.embed.bias.zero_()
+            self.head.weight.fill_(0.01)
+
+    def training_step(self, batch, batch_idx):
+        if self.calls is not None:
+            self.calls.append(batch_idx)
+        x, y = batch
+        return ((self.head(self.pool(self.embed(x))) / 1e6 - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-9)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.rand(64, 512, 16, generator=generator) * 10 + 20
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(64, 1)), batch_size=8)
+
+
+class Attend(nn.Module):
+    """Attention whose fully masked rows softmax to NaN in any precision (the model's own, no island fixes it)."""
+
+    def forward(self, x, mask):
+        scores = (x @ x.transpose(1, 2)).masked_fill(mask, float("-inf"))
+        return scores.softmax(-1) @ x
+
+
+class Padded(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.attend = Attend()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        mask = torch.zeros(x.shape[0], 4, 4, dtype=torch.bool)
+        mask[0, 1] = True  # one all-padding row
+        return self.attend(self.proj(x), mask).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        x = torch.randn(32, 4, 8, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+
+def lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(LINE)]
+
+
+def fit(model, plugin, max_steps=16, **kwargs):
+    make_trainer(plugins=[plugin], max_steps=max_steps, **kwargs).fit(model)
+    return plugin
+
+
+@pytest.mark.parametrize("with_reporter", [False, True])
+def test_a_chain_finds_its_islands_in_one_run_and_the_printed_fix_trains_from_the_first_step(
+    caplog, tmp_path, with_reporter
+):
+    caplog.set_level(logging.WARNING, logger="lightning_amp_plus")
+    calls = []
+    reporter = NaNSkipReporter(report_path=tmp_path / "skips.json")
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True)
+    logger = CSVLogger(tmp_path, name="auto")
+    fit(Chain(calls=calls), plugin, callbacks=[reporter] if with_reporter else [], logger=logger)
+    assert calls == list(range(8)) * 2  # each batch's step ran once: nothing of the user's code ran twice
+    # the first skip starts the watch; the next names the pool; its float32 output then overflows the head
+    assert plugin.history.skipped_steps == [0, 1, 2]
+    said = lines(caplog)
+    assert (
+        said[0]
+        == f"{LINE}: 'pool' made inf in float16 at step 1 from finite inputs: it runs in float32 from the next step."
+    )
+    assert (
+        said[1]
+        == f"{LINE}: 'head' made inf in float16 at step 2 from finite inputs: it runs in float32 from the next step."
+    )
+    fix = 'AmpPlusPrecision("16-mixed", init_scale=2.0**4, fp32_modules=["pool", "head"])'
+    assert said[-1] == f"{LINE} ran 'pool', 'head' in float32. For the next run: {fix}"
+    if with_reporter:  # the reporter's origins agree: a forward-born skip named each, none after the last island
+        origins = [(r["step"], r["origin"].get("module")) for r in reporter.skips]
+        assert origins == [(0, None), (1, "pool"), (2, "head")]
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        logged = [(int(r["step"]), float(r["amp/auto_islands"])) for r in csv.DictReader(f) if r["amp/auto_islands"]]
+    assert logged == [(1, 1.0), (2, 2.0)]
+
+    pasted = eval(fix, {"AmpPlusPrecision": AmpPlusPrecision})  # the fix, pasted as printed
+    assert fit(Chain(), pasted).history.skipped_steps == []
+
+
+def test_without_auto_islands_the_same_chain_skips_on(caplog):
+    plugin = fit(Chain(), AmpPlusPrecision("16-mixed", init_scale=2.0**4), max_steps=12)
+    assert plugin.history.skipped_steps == list(range(12))  # the measured contrast: every update skipped
+
+
+def test_an_island_that_makes_nan_in_float32_too_is_taken_out_and_told_as_the_models_own(caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_amp_plus")
+    plugin = fit(Padded(), AmpPlusPrecision("16-mixed", auto_islands=True), max_steps=6)
+    said = lines(caplog)
+    assert said[0].startswith(f"{LINE}: 'attend' made nan in float16 at step 1 from finite inputs")
+    assert said[1].startswith(f"{LINE}: 'attend' made nan again in float32 at step 2: float32 makes them too")
+    assert len(said) == 2  # never added again, and no fix line: no island kept
+    assert plugin.auto_islands_fix() is None
+    assert plugin.history.skipped_steps == list(range(6))  # the model's own NaN: no island helps, none kept
+
+
+def test_a_healthy_run_is_bit_identical_with_and_without_auto_islands():
+    def trained(auto):
+        torch.manual_seed(0)
+        model = Chain()
+        with torch.no_grad():
+            model.embed.weight.fill_(0.001)  # no overflow anywhere
+        plugin = fit(model, AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=auto), max_steps=6)
+        return plugin, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+    (plugin, weights, rng), (_, plain, plain_rng) = trained(True), trained(False)
+    assert plugin.history.skipped_steps == []
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain, strict=True))
+    assert torch.equal(rng, plain_rng)
+    assert not plugin._auto.finder.watching  # no skip: the watch never started
+    assert plugin.auto_islands_fix() is None
+
+
+def test_islands_are_kept_in_checkpoints_and_a_resumed_run_keeps_them(caplog, tmp_path):
+    caplog.set_level(logging.WARNING, logger="lightning_amp_plus")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    plugin = fit(
+        Chain(),
+        AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True),
+        max_steps=4,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
+    saved = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)
+    assert saved["AmpPlusPrecision"]["auto_islands"] == {"added": ["pool", "head"], "own": []}
+    assert plugin.fp32_module_names == []  # removed at teardown, as given islands are
+
+    resumed = AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True)
+    make_trainer(plugins=[resumed], max_steps=10).fit(Chain(), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+    assert resumed.history.skipped_steps == [0, 1, 2]  # the checkpoint's history: no skip after the resume
+    assert resumed._auto.added == ["pool", "head"]
+
+    caplog.clear()
+    off = AmpPlusPrecision("16-mixed", init_scale=2.0**4)
+    make_trainer(plugins=[off], max_steps=6).fit(Chain(), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+    (told,) = [r.getMessage() for r in caplog.records if "do not run" in r.getMessage()]
+    assert told == (
+        '`AmpPlusPrecision`: the checkpoint\'s islands found by observation ("pool", "head") do not run: auto_islands'
+        ' is off. HINT: give `fp32_modules=["pool", "head"]`, or `auto_islands=True`.'
+    )
+
+
+def test_a_new_trainer_starts_without_the_last_fits_islands():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True)
+    fit(Chain(), plugin, max_steps=4)
+    assert plugin._auto.added == ["pool", "head"]
+    fit(Chain(), plugin, max_steps=3)  # a new Trainer: a new run, its own findings
+    assert plugin.history.skipped_steps == [0, 1, 2]  # no island ran from its start
+    assert plugin._auto.added == ["pool", "head"]  # found again, by this run's own observation
+
+
+def test_a_compiled_module_that_overflows_is_told_once_and_the_run_goes_on(caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_amp_plus")
+    pool = torch.compile(SumPool(), backend="eager")
+    plugin = fit(Chain(pool=pool), AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True), max_steps=6)
+    refused = [line for line in lines(caplog) if "cannot be made an island" in line]
+    assert refused == [
+        f"{LINE}: 'pool' overflowed at step 1 but cannot be made an island: it is compiled (torch.compile)."
+    ]
+    assert plugin._auto.added == []
+
+
+def test_bf16_and_sharded_plugins():
+    plugin = fit(Chain(), AmpPlusPrecision("bf16-mixed", auto_islands=True), max_steps=2)
+    assert plugin._auto is None  # no float16 range to escape: nothing is watched or added
+    with pytest.raises(ValueError, match=r"AmpPlusFSDPPrecision\(auto_islands=True\)` is invalid: a sharded model"):
+        AmpPlusFSDPPrecision("16-mixed", auto_islands=True)
+    with pytest.raises(TypeError, match="auto_islands"):
+        AmpPlusPrecision("16-mixed", auto_islands="yes")
+
+
+def test_a_corrupt_islands_state_is_refused_with_its_key_named():
+    plugin = AmpPlusPrecision("16-mixed", auto_islands=True)
+    state = {**plugin.state_dict(), "auto_islands": ["pool"]}
+    with pytest.raises(TypeError, match=r"`checkpoint\['AmpPlusPrecision'\]\['auto_islands'\]` is invalid"):
+        plugin.load_state_dict(state)
