@@ -218,3 +218,44 @@ def test_a_corrupt_islands_state_is_refused_with_its_key_named():
     state = {**plugin.state_dict(), "auto_islands": ["pool"]}
     with pytest.raises(TypeError, match=r"`checkpoint\['AmpPlusPrecision'\]\['auto_islands'\]` is invalid"):
         plugin.load_state_dict(state)
+
+
+DDP = """
+import json, sys
+import torch
+from lightning.pytorch import Trainer
+from lightning_amp_plus import AmpPlusPrecision
+from tests.test_auto_islands import Chain
+
+
+class OneRankOverflows(Chain):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        scale = 1.0 if self.global_rank == 1 else 1e-3  # rank 0's data never overflows: only rank 1 sees it born
+        return super().training_step((x * scale, y), batch_idx)
+
+
+out = sys.argv[1]
+model = OneRankOverflows()
+plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True)
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[plugin], max_steps=6, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model)
+checksum = float(sum(p.double().sum() for p in model.parameters()))
+with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"skipped": plugin.history.skipped_steps, "added": plugin._auto.added, "checksum": checksum}, f)
+
+from tests.helpers.sharded import leave  # noqa: E402
+
+leave()
+"""
+
+
+@pytest.mark.slow
+def test_under_ddp_the_ranks_agree_on_the_islands_one_rank_saw_born(tmp_path):
+    from tests.helpers.sharded import run_script
+
+    zero, one = run_script(DDP, tmp_path, timeout=300)
+    assert zero["added"] == one["added"] == ["pool", "head"]  # rank 0 never saw an overflow: it follows rank 1
+    assert zero["skipped"] == one["skipped"] == [0, 1, 2]
+    assert zero["checksum"] == one["checksum"]
