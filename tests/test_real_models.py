@@ -103,3 +103,12 @@ def test_gpt2_attention_overflow_is_recomputed_in_float32_with_its_key_value_cac
     assert all((o["module"], o["float32"], o["islands"]) == (attn, "finite", [attn]) for o in origins), origins
     _, fixed = _fit([], fp32_modules=[attn], loud="attn")
     assert fixed.history.num_skipped == 0
+
+
+def test_gpt2_auto_islands_find_the_chain_in_one_run_and_nothing_is_born_in_forward_after_the_last():
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0, auto_islands=True)
+    _fit([reporter], plugin=plugin)
+    assert plugin._auto.added == [f"{MLP}.c_fc", f"{MLP}.c_proj"]  # c_fc's float32 output overflows c_proj: it joins
+    assert [r["origin"].get("module") for r in reporter.skips] == [None, f"{MLP}.c_fc", f"{MLP}.c_proj"]
+    assert plugin.history.skipped_steps == [0, 1, 2]  # steps 3 to 5 applied: no skip after the last island
