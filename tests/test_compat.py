@@ -81,8 +81,11 @@ def test_update_listener_is_importable_from_the_package():
     ("old", "name", "new"),
     [
         ("lightning_amp_plus.origins", "OriginFinder", "lightning_amp_plus.forensics.finder"),
-        ("lightning_amp_plus.sandbox", "sandboxed", "lightning_amp_plus.forensics.sandbox"),
-        ("lightning_amp_plus.sandbox", "attempt", "lightning_amp_plus.forensics.sandbox"),
+        ("lightning_amp_plus.sandbox", "sandboxed", "lightning_amp_plus.forensics.opt_in.sandbox"),
+        ("lightning_amp_plus.sandbox", "attempt", "lightning_amp_plus.forensics._safe"),
+        ("lightning_amp_plus.forensics.sandbox", "sandboxed", "lightning_amp_plus.forensics.opt_in.sandbox"),
+        ("lightning_amp_plus.forensics.sandbox", "attempt", "lightning_amp_plus.forensics._safe"),
+        ("lightning_amp_plus.forensics.sandbox", "torch_own", "lightning_amp_plus.forensics._safe"),
     ],
 )
 def test_the_0_3_forensics_paths_warn_at_your_line_and_give_the_same_object(old, name, new):

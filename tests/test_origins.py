@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
 from lightning_amp_plus.forensics.finder import OriginFinder
 from lightning_amp_plus.forensics.observe import BatchRecord
+from lightning_amp_plus.forensics.opt_in.replay import call_frontier
+from lightning_amp_plus.forensics.opt_in.sandbox import sandboxed
 from lightning_amp_plus.forensics.origin import IN_ISLAND, WATCHING, Origin, Phase, Verdict
-from lightning_amp_plus.forensics.replay import call_frontier
-from lightning_amp_plus.forensics.sandbox import sandboxed
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 

@@ -518,7 +518,7 @@ def test_an_islands_gradients_leave_the_advisors_underflow_figures():
 
 
 def test_a_bf16_runs_own_code_islands_are_measured_under_bf16_and_the_fix_trains(monkeypatch):
-    from lightning_amp_plus.forensics import rerun as _rerun
+    from lightning_amp_plus.forensics.opt_in import rerun as _rerun
 
     tried = []
     real = _rerun._finite_as

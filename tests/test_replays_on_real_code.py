@@ -533,7 +533,7 @@ def test_a_replay_cannot_take_part_in_a_collective(tmp_path):
     waiting for ranks that never come, and collectives work again after it."""
     import torch.distributed as dist
 
-    from lightning_amp_plus.forensics.sandbox import sandboxed
+    from lightning_amp_plus.forensics.opt_in.sandbox import sandboxed
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

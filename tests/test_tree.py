@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
 from lightning_amp_plus.forensics._tree import map_tensors, tensors
-from lightning_amp_plus.forensics.sandbox import copied_inputs
+from lightning_amp_plus.forensics.opt_in.sandbox import copied_inputs
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 

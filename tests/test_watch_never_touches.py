@@ -268,7 +268,7 @@ def test_the_origins_of_the_busy_run_are_named_right_and_their_fixes_help(tmp_pa
 
 
 def test_the_sandbox_reaches_the_random_streams_the_model_holds():
-    from lightning_amp_plus.forensics.sandbox import streams
+    from lightning_amp_plus.forensics.opt_in.sandbox import streams
 
     model = Busy("unused.log")
     found = streams("cpu", model)

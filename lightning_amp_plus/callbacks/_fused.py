@@ -20,7 +20,7 @@ import torch
 
 from lightning_amp_plus._identity import resolve_optimizer
 from lightning_amp_plus._repr import same_value
-from lightning_amp_plus.forensics.sandbox import attempt
+from lightning_amp_plus.forensics._safe import attempt
 from lightning_amp_plus.scaler import steps_on_device
 
 #: torch optimizers with a fused implementation, and the device types it runs on (None: torch's fused list)

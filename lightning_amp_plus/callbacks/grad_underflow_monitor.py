@@ -31,8 +31,6 @@ from lightning_amp_plus.callbacks._common import (
 )
 from lightning_amp_plus.engine import UpdateListener
 from lightning_amp_plus.forensics.observe import BatchRecord
-from lightning_amp_plus.forensics.rerun import announce, float32_gradients, why_no_reference
-from lightning_amp_plus.forensics.sandbox import capture, copied_inputs, streams
 from lightning_amp_plus.precision import AmpPlusPrecision, logger_step
 from lightning_amp_plus.syncs import to_host
 
@@ -303,7 +301,11 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         self._batch_state = None
         self._losses, self._measuring = [], False
         self._first = None
-        self.no_reference = "exact=False" if not self.exact else why_no_reference(trainer, self._sharded)
+        self.no_reference = "exact=False"
+        if self.exact:  # asked for by name: the opt-in rerun is loaded now
+            from lightning_amp_plus.forensics.opt_in.rerun import announce, why_no_reference
+
+            self.no_reference = why_no_reference(trainer, self._sharded)
         if self._plugin is None or self._plugin.scaler is None:
             self.no_reference = "bf16-mixed (nothing is measured)"
         elif self.no_reference is None and trainer.is_global_zero:
@@ -321,6 +323,8 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
         if self._measuring and self.no_reference is None:
             assert step is not None
             assert self._plugin is not None
+            from lightning_amp_plus.forensics.opt_in.sandbox import capture, copied_inputs, streams
+
             # a copy: the step may change its batch in place; the reference sees it as it came
             start = capture(streams(self._plugin.device or "cpu", pl_module))
             self._batch_state = (step, BatchRecord(copied_inputs(batch), batch_idx, start=start))
@@ -344,6 +348,8 @@ class GradUnderflowMonitor(KnobsRepr, UpdateListener, Callback):
             return None
         by_id = {id(p): p for group in optimizer.param_groups for p in group["params"]}
         params = [by_id[k] for k in keys]
+        from lightning_amp_plus.forensics.opt_in.rerun import float32_gradients  # exact=True: loaded at setup
+
         reference, error = float32_gradients(
             self._trainer.lightning_module,
             self._batch_state[1],

@@ -43,7 +43,6 @@ from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
 from lightning_amp_plus.forensics.finder import OriginFinder
 from lightning_amp_plus.forensics.observe import BatchRecord
 from lightning_amp_plus.forensics.origin import Origin
-from lightning_amp_plus.forensics.rerun import announce, told_by_rerun
 from lightning_amp_plus.forensics.verdict import job_origin
 
 
@@ -265,6 +264,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             )
             self._say(said or (self.origins.start_watching() if self._watching else None))  # a resumed fit's
             if self._rerun and trainer.is_global_zero and not self.quiet:
+                from lightning_amp_plus.forensics.opt_in.rerun import announce  # backward_origin=True, by name
+
                 announce(
                     "NaNSkipReporter(backward_origin=True)",
                     "on a skipped update born in backward or in the LightningModule's own code,",
@@ -318,6 +319,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         record = calls if calls is not None else self.origins.current
         device = getattr(self._plugin, "device", None) or "cpu"
         before = self.origins.called_before(record) if record is not None else []
+        from lightning_amp_plus.forensics.opt_in.rerun import told_by_rerun  # backward_origin=True: loaded
+
         return told_by_rerun(origin, record, self._trainer, device, scale, before)
 
     @override

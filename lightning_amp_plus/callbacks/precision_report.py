@@ -17,8 +17,8 @@ from lightning_amp_plus._log import say
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
 from lightning_amp_plus._validation import check_bool, check_fraction, check_int
+from lightning_amp_plus.forensics._safe import attempt, replaying, torch_own
 from lightning_amp_plus.forensics._tree import map_tensors, tensors, torch_only
-from lightning_amp_plus.forensics.sandbox import attempt, replaying, sandboxed, torch_own
 from lightning_amp_plus.islands import island_of
 
 #: module types whose work is matmul/conv: they belong in fp16/bf16 under autocast
@@ -75,6 +75,8 @@ def lowered_speedup(module: nn.Module, args: Any, kwargs: Any, device_type: str,
     def full() -> None:
         with torch.autocast(device_type, enabled=False):
             module.forward(*map_tensors(high, args), **map_tensors(high, kwargs))
+
+    from lightning_amp_plus.forensics.opt_in.sandbox import sandboxed  # a flagged module of torch's own: timed
 
     times: dict[Any, list[float]] = {lowered: [], full: []}
     with sandboxed([module], device_type), torch.no_grad(), torch_only():
@@ -295,6 +297,8 @@ class PrecisionReport(KnobsRepr, Callback):
             (call_args, call_kwargs), grad = calls.pop()
             if calls:  # a nested call of the same wrapper: the outermost one replays
                 return
+            from lightning_amp_plus.forensics.opt_in.sandbox import sandboxed  # replay_compiled=True, by name
+
             handles: list[Any] = []
             try:
                 for name, module in inner.named_modules():

@@ -14,11 +14,10 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_amp_plus.forensics._safe import attempt
 from lightning_amp_plus.forensics._tree import torch_only
 from lightning_amp_plus.forensics.observe import BatchRecord, Watch, batch_rows, nonfinite_kinds, read
 from lightning_amp_plus.forensics.origin import WATCHING, Origin, Phase, unknown
-from lightning_amp_plus.forensics.replay import Recorder, measure
-from lightning_amp_plus.forensics.sandbox import attempt, capture, copied_inputs, streams
 from lightning_amp_plus.forensics.verdict import first_born, tell
 from lightning_amp_plus.listener import UpdateListener
 
@@ -43,7 +42,7 @@ class OriginFinder(UpdateListener):
         self.watch = Watch()
         self.current: Optional[BatchRecord] = None  # the batch being observed
         self.last: Optional[BatchRecord] = None  # the one handed over last
-        self._recorder: Optional[Recorder] = None
+        self._recorder: Any = None  # the replay's Recorder (find_origin="replay" only)
         self._model: Optional[torch.nn.Module] = None
         self._context: Callable[[], Any] = contextlib.nullcontext
         self._islands: Callable[[], list[str]] = list
@@ -103,7 +102,9 @@ class OriginFinder(UpdateListener):
             self._told = True
             return f"{self._unwatchable}; skips are told from the batch and the loss."
         self.watch.install(self._model)
-        if self.replay:
+        if self.replay:  # asked for by name: the opt-in replay is loaded now
+            from lightning_amp_plus.forensics.opt_in.replay import Recorder
+
             self._recorder = Recorder(self._model, self.watch, self._device)
         self._told = bool(self.watch.unwatched)
         return f"every module is watched, but not inside: {', '.join(self.watch.unwatched)}." if self._told else None
@@ -156,7 +157,9 @@ class OriginFinder(UpdateListener):
             record.trace = self.watch.begin(rows)
             if self._recorder is not None:
                 record.calls = self._recorder.calls = []
-        if self._rerun:
+        if self._rerun:  # backward_origin=True, by name: the opt-in sandbox keeps what a rerun starts from
+            from lightning_amp_plus.forensics.opt_in.sandbox import capture, copied_inputs, streams
+
             record.start = capture(streams(self._device, self._model))  # type: ignore[arg-type]
             record.loaded, _ = attempt(copied_inputs, batch)  # None where it cannot be copied: the batch itself
 
@@ -210,6 +213,8 @@ class OriginFinder(UpdateListener):
         found = first_born(events) if events is not None else None
         if origin is None or not origin.observed or not self.replay or record.calls is None or found is None:
             return origin
+        from lightning_amp_plus.forensics.opt_in.replay import measure  # find_origin="replay", by name
+
         return measure(origin, record, found.start, self.watch, self._context, self._device, self._model)  # type: ignore
 
 

@@ -23,7 +23,6 @@ from torch.nn.modules import module as _torch_module
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus.forensics._tree import dispatches_to_torch, tensors, torch_only, values
-from lightning_amp_plus.forensics.sandbox import States
 
 #: which ``-inf`` counts (see :func:`nonfinite_kinds`): every one (False), all but an additive mask's (True)
 Masks = Union[bool, Literal["all"]]
@@ -52,7 +51,7 @@ class BatchRecord:
         #: the first watched call of it left unread, and why (:attr:`Watch.unread`)
         self.unread: Optional[str] = None
         self.calls: Optional[list[Any]] = None
-        self.start: Optional[States] = start
+        self.start: Optional[list[tuple[Any, Any]]] = start  # (random stream, state): the opt-in sandbox's
         self.loaded: Any = None
         #: read as its step starts (:meth:`~.finder.OriginFinder.step_starting`)
         self.versions: Optional[list[tuple[Tensor, int]]] = None

@@ -598,7 +598,7 @@ def test_the_reference_draws_the_dropout_masks_the_step_drew():
 def test_a_reference_that_raises_is_told_and_the_run_goes_on():
     class Fails(TinyModel):
         def training_step(self, batch, batch_idx):
-            from lightning_amp_plus.forensics.sandbox import replaying
+            from lightning_amp_plus.forensics._safe import replaying
 
             if replaying():
                 raise RuntimeError("not twice")

@@ -274,7 +274,7 @@ def test_only_torchs_own_modules_are_timed_again():
     """`lowered_speedup` runs a flagged module again: only where all it runs is torch's own code."""
     from torch.nn.utils import parametrize
 
-    from lightning_amp_plus.forensics.sandbox import torch_own
+    from lightning_amp_plus.forensics._safe import torch_own
 
     class WSConv2d(nn.Conv2d):  # weight standardization: a method its forward calls is the user's
         def _conv_forward(self, x, w, b):

@@ -21,10 +21,11 @@ from lightning_amp_plus._identity import clean_name
 from lightning_amp_plus._limits import MAX_ISLANDS
 from lightning_amp_plus._log import say
 from lightning_amp_plus._ranks import all_reduce_, distributed
+from lightning_amp_plus.forensics._safe import attempt
 from lightning_amp_plus.forensics._tree import tensors
 from lightning_amp_plus.forensics.observe import BatchRecord
+from lightning_amp_plus.forensics.opt_in.sandbox import copied_inputs, no_logging, sandboxed
 from lightning_amp_plus.forensics.origin import OWN_CODE, Origin, Phase, Verdict
-from lightning_amp_plus.forensics.sandbox import attempt, copied_inputs, no_logging, sandboxed
 from lightning_amp_plus.islands import in_float32
 
 #: modules tried one at a time as the island that makes an own-code precision loss finite (each a rerun)

@@ -18,20 +18,11 @@ from torch import Tensor
 
 from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus._limits import MAX_ISLANDS
+from lightning_amp_plus.forensics._safe import attempt, raised, replaying
 from lightning_amp_plus.forensics._tree import map_tensors, tensors, version
 from lightning_amp_plus.forensics.observe import Watch, nonfinite_kind, read
+from lightning_amp_plus.forensics.opt_in.sandbox import States, capture, copied_inputs, give_back, no_logging, sandboxed
 from lightning_amp_plus.forensics.origin import Origin, Verdict
-from lightning_amp_plus.forensics.sandbox import (
-    States,
-    attempt,
-    capture,
-    copied_inputs,
-    give_back,
-    no_logging,
-    raised,
-    replaying,
-    sandboxed,
-)
 from lightning_amp_plus.forensics.verdict import first_born
 from lightning_amp_plus.islands import in_float32, island_of
 
