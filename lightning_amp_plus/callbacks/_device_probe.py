@@ -42,17 +42,22 @@ class DeviceSkipProbe:
         if isinstance(found, Tensor):
             self.held = (step, FlagPeek(found), calls)
 
-    def look(self, tell: Callable[[Optional[BatchRecord], int], Any], wait: bool) -> None:
-        """Tell the held batch's origin if its flag is on the host (``wait``: read it anyway)."""
+    def look(self, tell: Callable[[Optional[BatchRecord], int], Any], wait: bool) -> Optional[int]:
+        """Tell the held batch's origin if its flag is on the host (``wait``: read it anyway).
+
+        Returns the step whose skip was just read (its record can be made now), or None.
+        """
         if self.held is None:
-            return
+            return None
         step, peek, calls = self.held
         flag = peek.value(wait=wait)
         if flag is None:
-            return
+            return None
         self.held = None
         if flag > 0:
             self._told[step] = tell(calls, step)
+            return step
+        return None
 
     def records(
         self,

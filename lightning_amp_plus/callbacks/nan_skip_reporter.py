@@ -66,8 +66,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
 
     The offenders are counted on skipped steps only. A fused optimizer decides on the device: its flag is copied
     without waiting and read when it is on the host (at once on CPU, by the next batch's start on a GPU), and on a
-    skip the offenders are counted from the gradients it left and the origin told; the skip is reported at the next
-    logging step. ``sync_fused=True`` reads each flag at its step instead.
+    skip the offenders are counted from the gradients it left and the origin told; the skip is reported then (and its
+    collapse raised), or at the next logging step for a flag read no earlier. ``sync_fused=True`` reads each flag at
+    its step instead.
 
     The ``origin`` (Trainer only) says where the inf/nan were born: the batch, a module's forward, the LightningModule's
     own code, the loss or backward. It is observed: nothing of yours runs again. After the first skip whose loss held
@@ -85,7 +86,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             training error.
         max_warnings: skips printed one by one before the rest are only summarised (default 5).
         sync_fused: read a fused optimizer's skip flag at its step, so its skip is told at once (one host sync per
-            step; default False: read without waiting, told at the next logging step).
+            step; default False: read without waiting, told once it is on the host, or at the next logging step).
         prefix: key prefix of the logged metrics (default ``"amp/"``).
         max_records: skip records kept in full (the first and the last half; default 100; ``None`` keeps all).
         find_origin: where each skip's inf/nan were born: True (observe; the default), ``"watch"`` (watch every
@@ -287,7 +288,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._device_probe.held is not None:  # the previous batch's fused skip: its parameters are unchanged
-            self._device_probe.look(self._tell, wait=False)
+            self._look()
         if self.find_origin:  # begun as its step starts (the plugin tells the finder)
             self.origins.current = BatchRecord(batch, batch_idx)
 
@@ -375,10 +376,20 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         history = self._plugin.history
         if not self._sharded:
             self._device_probe.hold(history, self.origins.last)  # kept until its flag is read
-            self._device_probe.look(self._tell, wait=False)  # at once when it is (host memory, or the device is done)
+            self._look()  # at once when it is (host memory, or the device is done)
         if is_logging_step(history.last_step or 0, logging_interval(trainer)):
             self._collect_device_skips(updated=True)  # another callback may have flushed the history: not `pending`
             self._check_unchecked()  # skips a checkpoint collected in between are checked where they would have been
+
+    def _look(self) -> None:
+        """Read the held flag if it is on the host (no wait); a skip it shows is reported and checked at once.
+
+        As a skip the host knew at its step is: its collapse stops the fit here, not at the next logging step (the
+        history is flushed on a skip read only).
+        """
+        step = self._device_probe.look(self._tell, wait=False)
+        if step is not None:
+            self._collect_device_skips(upto=step, updated=True)
 
     def _tell(self, calls: Optional[BatchRecord], step: int) -> dict[str, Any]:
         """A device-decided skip, once its flag is read: its origin and its offenders, from the gradients it left.
