@@ -436,9 +436,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         found, last = self._device_probe.records(
             self._plugin.history, self._reported_upto, set(self._skipped_steps), upto, scale_now, scaler is not None
         )
-        for record, streak in found:
-            self._add(record, streak, check=check)
+        for record, streak in found:  # all kept before any is checked: a collapse among them drops none of the rest
+            self._add(record, streak, check=False)
         self._reported_upto = last
+        if check:
+            self._check_unchecked()
 
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, record: dict[str, Any], consecutive: int, check: bool = True) -> None:
@@ -486,6 +488,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         batch = sum(1 for origin in self._origins_told if origin["phase"] == "input")
         cause = collapse_advice(figures)
         message = collapse_message(record, self._consecutive, limit, min_scale, cause, (batch, self._num_skips))
+        # the fit stops here: a fused optimizer's skip still unreported (its flag in flight) goes in the report too
+        self._device_probe.look(self._tell, wait=True)
+        self._collect_device_skips(check=False, updated=True)
         try:
             self._write_report()
         except OSError as error:  # the collapse is the error that matters

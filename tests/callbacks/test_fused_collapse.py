@@ -12,6 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, LossScaleMonitor, NaNSkipReporter
+from lightning_amp_plus import syncs
+from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -43,11 +45,11 @@ class ForwardOverflow(TinyModel):
         return torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.fused)
 
 
-def run(tmp_path, fused: bool) -> dict:
+def run(tmp_path, fused: bool, **reporter_args) -> dict:
     """One fit to its collapse: what the report, the history, the error and the advisor say."""
     plugin = AmpPlusPrecision("16-mixed", device="cpu", init_scale=2.0**6)
     path = tmp_path / f"skips_{fused}.json"
-    reporter = NaNSkipReporter(report_path=path, max_warnings=0)
+    reporter = NaNSkipReporter(report_path=path, max_warnings=0, **reporter_args)
     advisor = AmpAdvisor(print_advice=False)
     trainer = make_trainer(
         plugins=[plugin],
@@ -69,6 +71,14 @@ def run(tmp_path, fused: bool) -> dict:
     }
 
 
+@pytest.fixture
+def late_flags(monkeypatch):
+    """A fused skip's flag that reaches the host only when waited for (a GPU whose copy is slow): it is read at the
+    logging step, several skips at once."""
+    value = syncs.FlagPeek.value
+    monkeypatch.setattr(syncs.FlagPeek, "value", lambda self, wait=False: value(self, wait) if wait else None)
+
+
 def test_a_fused_optimizer_collapses_at_the_same_step_with_the_same_report_and_advice(tmp_path):
     plain, fused = run(tmp_path, fused=False), run(tmp_path, fused=True)
     assert "step 9 overflowed while the loss scale already sat at min_scale=1" in plain["error"]
@@ -77,3 +87,35 @@ def test_a_fused_optimizer_collapses_at_the_same_step_with_the_same_report_and_a
     assert plain["recorded"] == plain["history"] == list(range(3, 10))
     assert all(plain["origins"][1:])  # each skip's origin told (the first, read from the loss, starts the watch)
     assert plain["advice"] == ["fp32_module"]  # never `backward_skips` for skips whose origin went untold
+
+
+def test_a_collapse_found_late_keeps_every_skip_and_origin_it_collected(tmp_path, late_flags):
+    fused = run(tmp_path, fused=True)
+    assert "step 9 overflowed while the loss scale already sat at min_scale=1" in fused["error"]
+    assert fused["updates"] == 16  # its flags were read at the logging step (15): six skips after the collapse
+    assert fused["recorded"] == fused["history"] == list(range(3, 16))  # the report holds every skip the run made
+
+
+def test_a_collapse_among_skips_collected_together_keeps_the_origin_of_those_after_it(tmp_path, monkeypatch):
+    """Step 7's flag reaches the host only when waited for, and step 8's replaces it in the probe: both are collected
+    when step 8's is read, step 7 the collapse (five in a row). Step 8's origin, told as its flag was read, is kept."""
+    hold = DeviceSkipProbe.hold
+
+    class Late:
+        def __init__(self, peek):
+            self.peek = peek
+
+        def value(self, wait=False):
+            return self.peek.value(wait) if wait else None
+
+    def late_at_7(self, history, calls):
+        hold(self, history, calls)
+        if self.held is not None and self.held[0] == 7:
+            step, peek, calls = self.held
+            self.held = (step, Late(peek), calls)
+
+    monkeypatch.setattr(DeviceSkipProbe, "hold", late_at_7)
+    fused = run(tmp_path, fused=True, max_consecutive_skips=5)
+    assert "5 consecutive optimizer steps were skipped" in fused["error"]
+    assert fused["recorded"] == fused["history"] == [3, 4, 5, 6, 7, 8]
+    assert fused["origins"] == [True, True, True, True, False, True]  # 7's flag was never read in time
