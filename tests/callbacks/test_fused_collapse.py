@@ -11,8 +11,14 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, LossScaleMonitor, NaNSkipReporter
-from lightning_amp_plus import syncs
+from lightning_amp_plus import (
+    AmpAdvisor,
+    AmpPlusPrecision,
+    LossScaleCollapseError,
+    LossScaleMonitor,
+    NaNSkipReporter,
+    syncs,
+)
 from lightning_amp_plus.callbacks._device_probe import DeviceSkipProbe
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
