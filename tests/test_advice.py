@@ -571,7 +571,7 @@ def test_silent_fp32_fused_optimizer_and_skip_rate_in_full():
     (advice,) = advise(run([(0, 1024.0)], [], 5, non_fused=[same, noisy, faster]))
     assert advice.message == (
         "AdamW: fused, its step takes 1.00 ms, not 3.00 ms (timed here), at least 4% of the 40.0 ms step. Skips"
-        " are then told at the next logging step."
+        " are then told once the flag is read."
     )
     assert advice.fix == "torch.optim.AdamW(params, fused=True)"  # what it optimizes is not known: not guessed
     assert advice.evidence == {"optimizers": [faster]}  # SGD's 0.05 ms is 0.1% of the step, Adam's within noise

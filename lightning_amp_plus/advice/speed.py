@@ -59,7 +59,8 @@ def _silent_fp32(figures: RunFigures) -> Optional[Advice]:
     "fused_optimizer",
     evidence="A torch `SGD`/`Adam`/`AdamW` (`Adagrad` on CPU) runs non-fused, and its fused step, timed here "
     "on copies, saves 2%+ of the step in three of four pairs.",
-    fix="Your own optimizer call with `fused=True`. A fused step's skip is then told at the next logging step.",
+    fix="Your own optimizer call with `fused=True`. A fused step's skip is told once its flag reaches the host"
+    " (at once on CPU, by the next batch on a GPU).",
     look_alike="An optimizer whose fused step saves nothing beyond noise (SGD on a CPU).",
     blind="only live: `advise` cannot see it",
     measured=lambda f: f.non_fused is not None,
@@ -84,7 +85,7 @@ def _fused_optimizer(figures: RunFigures) -> Optional[Advice]:
     )
     return Advice(
         "fused_optimizer",
-        f"{names}. Skips are then told at the next logging step.",
+        f"{names}. Skips are then told once the flag is read.",
         "\n".join(o.get("fused_call") or f"torch.optim.{o['name']}(params, fused=True)" for o in gains),
         {"optimizers": gains},
     )

@@ -386,7 +386,7 @@ def test_fused_optimizer_for_a_non_fused_adamw(fused_saves):
     assert advice.fix == "torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)"  # the user's own call
     assert advice.message == (  # the trade-off is told
         "AdamW over self.parameters(): fused, its step takes 1.00 ms, not 1.50 ms (timed here), at least 5% of the"
-        " 10.0 ms step. Skips are then told at the next logging step."
+        " 10.0 ms step. Skips are then told once the flag is read."
     )
     fixed, _ = fit(TinyModel(optimizer="fused_adamw"), max_steps=3)
     assert codes(fixed) == []
