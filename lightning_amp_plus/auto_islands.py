@@ -66,7 +66,7 @@ def island_change(origin: Optional[Origin], islands: list[str], added: list[str]
 class AutoIslands(UpdateListener):
     """The plugin's observer for ``auto_islands=True``: a finder of its own, and the islands it added.
 
-    ``install(name)`` / ``take_out(name)`` put an island on or off the model (the plugin's); ``tell(line)`` says a
+    ``install(name)`` / ``take_out(name)`` put an island on or off the model (the plugin's); ``say(line)`` says a
     change; ``count(n, step)`` logs the islands' count. ``added`` and ``own`` are kept in checkpoints.
     """
 
@@ -78,14 +78,14 @@ class AutoIslands(UpdateListener):
         islands: Callable[[], list[str]],
         install: Callable[[str], Optional[str]],
         take_out: Callable[[str], None],
-        tell: Callable[[str], None],
+        say: Callable[[str], None],
         count: Callable[[int, int], None],
     ) -> None:
         self.finder = OriginFinder()
         self.added: list[str] = []  # the islands observation added, in order (the user's own are not here)
         self.own: list[str] = []  # taken out: float32 made inf/nan there too
         self.refused: dict[str, str] = {}  # could not be made an island, and why (told once)
-        self._islands, self._install, self._take_out, self._tell, self._count = islands, install, take_out, tell, count
+        self._islands, self._install, self._take_out, self._say, self._count = islands, install, take_out, say, count
 
     def reset(self) -> None:
         """A new run: nothing added yet."""
@@ -95,7 +95,7 @@ class AutoIslands(UpdateListener):
         """Observe ``model`` (the LightningModule) from the next batch; watched after the first forward skip."""
         said = self.finder.attach(model, context, islands=self._islands, accumulating=accumulating)
         if said is not None:
-            self._tell(said)
+            self._say(said)
 
     def detach(self) -> None:
         """Take the watch off and forget the batch."""
@@ -117,15 +117,15 @@ class AutoIslands(UpdateListener):
             gathered: list[Optional[Origin]] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, origin)
             origin = job_origin(gathered)
-        said = self.finder.heed(origin)
+        said = self.finder.watch_if_asked(origin)
         if said is not None:
-            self._tell(said)
+            self._say(said)
         change = island_change(origin, self._islands(), self.added, set(self.own))
         if change.taken_out is not None:
             self._take_out(change.taken_out)
             self.added.remove(change.taken_out)
             self.own.append(change.taken_out)
-            self._tell(
+            self._say(
                 f"{change.taken_out!r} made {origin.kind if origin else 'inf/nan'} again in float32 at step"
                 f" {event.step}: float32 makes them too (the model's own), so it runs in half precision again."
             )
@@ -135,7 +135,7 @@ class AutoIslands(UpdateListener):
             why = self._install(name)
             if why is not None:
                 self.refused[name] = why
-                self._tell(f"{name!r} overflowed at step {event.step} but cannot be made an island: {why}.")
+                self._say(f"{name!r} overflowed at step {event.step} but cannot be made an island: {why}.")
                 continue
             self.added.append(name)
             assert origin is not None  # a change is made from a told origin
@@ -143,7 +143,7 @@ class AutoIslands(UpdateListener):
                 line = f"{name!r} gave {origin.name!r} a half-precision -inf at step {event.step} (mask or overflow)"
             else:
                 line = f"{name!r} made {origin.kind or 'inf/nan'} in float16 at step {event.step} from finite inputs"
-            self._tell(f"{line}: it runs in float32 from the next step.")
+            self._say(f"{line}: it runs in float32 from the next step.")
         if change:
             self._count(len(self.added), event.step)
 
@@ -160,4 +160,4 @@ class AutoIslands(UpdateListener):
                 self.added.append(name)
             else:
                 self.refused[name] = why
-                self._tell(f"{name!r} from the checkpoint cannot be made an island again: {why}.")
+                self._say(f"{name!r} from the checkpoint cannot be made an island again: {why}.")

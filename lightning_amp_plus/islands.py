@@ -12,7 +12,6 @@ import difflib
 import fnmatch
 import functools
 import importlib
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -151,14 +150,13 @@ def in_float32(modules: Iterable[nn.Module], device_type: str) -> Iterator[None]
 
 def compiled_or_scripted(module: torch.nn.Module) -> Optional[str]:
     """Why ``module`` cannot take a float32 forward (a compiled or scripted module), or None."""
-    if isinstance(module, torch.jit.ScriptModule):
-        return "it is scripted (torch.jit)"
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    if dynamo is not None and isinstance(module, getattr(dynamo, "OptimizedModule", ())):
-        return "it is compiled (torch.compile)"
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        return "it is compiled in place (module.compile())"
-    return None
+    from lightning_amp_plus.forensics._modules import How, how
+
+    return {
+        How.SCRIPTED: "it is scripted (torch.jit)",
+        How.COMPILED: "it is compiled (torch.compile)",
+        How.IN_PLACE: "it is compiled in place (module.compile())",
+    }.get(how(module))
 
 
 class Fp32Islands:

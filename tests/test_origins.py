@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
+from lightning_amp_plus.forensics._modules import call_frontier
 from lightning_amp_plus.forensics.finder import OriginFinder
 from lightning_amp_plus.forensics.observe import BatchRecord
-from lightning_amp_plus.forensics.opt_in.replay import call_frontier
 from lightning_amp_plus.forensics.opt_in.sandbox import sandboxed
 from lightning_amp_plus.forensics.origin import IN_ISLAND, WATCHING, Origin, Phase, Verdict
 from tests.helpers.models import TinyModel

@@ -17,7 +17,7 @@ class DeviceSkipProbe:
     """Holds a device-decided update's flag copy and its batch until the flag is on the host, then tells of it.
 
     After such a batch, :meth:`hold` starts a non-blocking copy of the flag; :meth:`look` (at the next batch start, or
-    ``wait=True`` at the end of fit) reads it once it arrived and, on a skip, asks ``tell`` what it can tell of it
+    ``wait=True`` at the end of fit) reads it once it arrived and, on a skip, asks ``read`` what it can tell of it
     (the reporter: the batch's origin, the offending gradients), kept until the skip is reported (:meth:`take`). A
     later batch's flag replaces one still in flight.
     """
@@ -42,7 +42,7 @@ class DeviceSkipProbe:
         if isinstance(found, Tensor):
             self.held = (step, FlagPeek(found), calls)
 
-    def look(self, tell: Callable[[Optional[BatchRecord], int], Any], wait: bool) -> Optional[int]:
+    def look(self, read: Callable[[Optional[BatchRecord], int], Any], wait: bool) -> Optional[int]:
         """Tell the held batch's origin if its flag is on the host (``wait``: read it anyway).
 
         Returns the step whose skip was just read (its record can be made now), or None.
@@ -55,7 +55,7 @@ class DeviceSkipProbe:
             return None
         self.held = None
         if flag > 0:
-            self._told[step] = tell(calls, step)
+            self._told[step] = read(calls, step)
             return step
         return None
 
@@ -95,7 +95,7 @@ class DeviceSkipProbe:
         self.held = None
 
     def take(self, step: int) -> Any:
-        """What ``tell`` said of ``step``'s skip (None: its flag was not read in time)."""
+        """What ``read`` said of ``step``'s skip (None: its flag was not read in time)."""
         return self._told.pop(step, None)
 
     def __repr__(self) -> str:

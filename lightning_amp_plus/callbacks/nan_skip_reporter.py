@@ -236,7 +236,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
             if self._plugin is not None:  # skips a fused optimizer decided: reported, never raised over the error
-                self._device_probe.look(self._tell, wait=True)
+                self._device_probe.look(self._read_device_skip, wait=True)
                 self._collect_device_skips(check=False)
         finally:
             self._unchecked = []
@@ -296,10 +296,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         if line is not None and not self.quiet:
             say(f"`NaNSkipReporter`: {line}")
 
-    def _heed(self, origin: Optional[Origin]) -> None:
+    def _watch_if_asked(self, origin: Optional[Origin]) -> None:
         """Start the watch where this skip's origin asks for it (the job's, over every rank)."""
         if self.find_origin:
-            self._say(self.origins.heed(origin))
+            self._say(self.origins.watch_if_asked(origin))
             self._watching = self.origins.watching
 
     def _origin(
@@ -320,9 +320,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         record = calls if calls is not None else self.origins.current
         device = getattr(self._plugin, "device", None) or "cpu"
         before = self.origins.called_before(record) if record is not None else []
-        from lightning_amp_plus.forensics.opt_in.rerun import told_by_rerun  # backward_origin=True: loaded
+        from lightning_amp_plus.forensics.opt_in.rerun import origin_by_rerun  # backward_origin=True: loaded
 
-        return told_by_rerun(origin, record, self._trainer, device, scale, before)
+        return origin_by_rerun(origin, record, self._trainer, device, scale, before)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -337,9 +337,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         assert self._plugin is not None
         # skips a fused optimizer decided before this one come first (the history is on the host already)
         self._collect_device_skips(upto=event.step - 1)
-        told = self._told(None, event.optimizers, self._mean_loss(), scale=event.scale)
+        told = self._skip_facts(None, event.optimizers, self._mean_loss(), scale=event.scale)
         told["origin"] = self._job_origin(told["origin"])
-        self._heed(told["origin"])
+        self._watch_if_asked(told["origin"])
         self.offenders.clear()
         scaled = self._plugin.scaler is not None
         self._add(skip_record(event.step, event.scale, event.new_scale, told, scaled), event.consecutive)
@@ -387,23 +387,23 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         As a skip the host knew at its step is: its collapse stops the fit here, not at the next logging step (the
         history is flushed on a skip read only).
         """
-        step = self._device_probe.look(self._tell, wait=False)
+        step = self._device_probe.look(self._read_device_skip, wait=False)
         if step is not None:
             self._collect_device_skips(upto=step, updated=True)
 
-    def _tell(self, calls: Optional[BatchRecord], step: int) -> dict[str, Any]:
+    def _read_device_skip(self, calls: Optional[BatchRecord], step: int) -> dict[str, Any]:
         """A device-decided skip, once its flag is read: its origin and its offenders, from the gradients it left.
 
         They are still the skipped step's: it is read at this batch's end or before the next batch's backward.
         """
         optimizers = [resolve_optimizer(o) for o in self._trainer.optimizers] if self._trainer is not None else []
         loss = self._loss if calls is None or not calls.losses else calls.losses[-1]  # this rank's
-        told = self._told(calls, optimizers, loss, step=step)
+        told = self._skip_facts(calls, optimizers, loss, step=step)
         told["offenders"] = told["offenders"] or None
-        self._heed(told["origin"])
+        self._watch_if_asked(told["origin"])
         return told
 
-    def _told(
+    def _skip_facts(
         self,
         calls: Optional[BatchRecord],
         optimizers: list[Any],
@@ -421,7 +421,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         ``check=False`` leaves their collapse check to this reporter's own end of fit (a reader that is not the
         reporter, ``AmpAdvisor``, must not raise in its place).
         """
-        self._device_probe.look(self._tell, wait=True)
+        self._device_probe.look(self._read_device_skip, wait=True)
         self._collect_device_skips(check=check, updated=True)
 
     def _collect_device_skips(self, upto: Optional[int] = None, check: bool = True, updated: bool = False) -> None:
@@ -489,7 +489,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         cause = collapse_advice(figures)
         message = collapse_message(record, self._consecutive, limit, min_scale, cause, (batch, self._num_skips))
         # the fit stops here: a fused optimizer's skip still unreported (its flag in flight) goes in the report too
-        self._device_probe.look(self._tell, wait=True)
+        self._device_probe.look(self._read_device_skip, wait=True)
         self._collect_device_skips(check=False, updated=True)
         try:
             self._write_report()
@@ -504,7 +504,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
 
     def finish(self) -> None:
         """Collect the skips a fused optimizer decided on the device, say a summary, write the JSON report."""
-        self._device_probe.look(self._tell, wait=True)
+        self._device_probe.look(self._read_device_skip, wait=True)
         self._collect_device_skips(updated=True)
         self._check_unchecked()
         if self.quiet:  # records only

@@ -18,7 +18,7 @@ from lightning_amp_plus.forensics._safe import attempt
 from lightning_amp_plus.forensics._tree import torch_only
 from lightning_amp_plus.forensics.observe import BatchRecord, Watch, batch_rows, nonfinite_kinds, read
 from lightning_amp_plus.forensics.origin import WATCHING, Origin, Phase, unknown
-from lightning_amp_plus.forensics.verdict import first_born, tell
+from lightning_amp_plus.forensics.verdict import first_born, read_origin
 from lightning_amp_plus.listener import UpdateListener
 
 
@@ -26,7 +26,8 @@ class OriginFinder(UpdateListener):
     """Tell where a skipped update's non-finite values were born, from what the step computed.
 
     :meth:`attach` at fit start; :meth:`start_batch` and :meth:`take_batch` around each training batch, its losses
-    appended to ``current.losses``; :meth:`origin` on a skip, then :meth:`heed` with the origin told over every rank.
+    appended to ``current.losses``; :meth:`origin` on a skip, then :meth:`watch_if_asked` with the origin told over
+    every rank.
     It listens to the plugin (:meth:`step_starting`).
 
     Example:
@@ -109,7 +110,7 @@ class OriginFinder(UpdateListener):
         self._told = bool(self.watch.unwatched)
         return f"every module is watched, but not inside: {', '.join(self.watch.unwatched)}." if self._told else None
 
-    def heed(self, origin: Optional[Origin]) -> Optional[str]:
+    def watch_if_asked(self, origin: Optional[Origin]) -> Optional[str]:
         """Start the watch where ``origin`` asks for it; what :meth:`start_watching` says."""
         if origin is not None and origin.reason is not None and origin.reason in (WATCHING, self._unwatchable):
             return self.start_watching()
@@ -180,26 +181,26 @@ class OriginFinder(UpdateListener):
         if record is None:
             return None
         with torch_only():  # what the step computed is read by torch's code alone
-            told, error = attempt(self._tell, record)
+            told, error = attempt(self._read, record)
         return unknown(f"telling it raised {error}"[:200]) if error is not None else told
 
-    def _tell(self, record: BatchRecord) -> Optional[Origin]:
+    def _read(self, record: BatchRecord) -> Optional[Origin]:
         events = read(record.trace) if record.trace is not None else None
         reason = self._unwatchable or WATCHING
         batch, unknown_kinds = record.as_loaded()  # as loaded: a tensor the step changed in place is not blamed
         names, losses = self.watch.names, frozenset(self.watch.loss_modules)
-        origin = tell(batch, record.losses, events, names, self._islands(), self._accumulating, reason, losses)
+        origin = read_origin(batch, record.losses, events, names, self._islands(), self._accumulating, reason, losses)
         if (
             origin is not None
             and origin.own_code
             and not origin.batch_too
             and origin.kind in nonfinite_kinds(unknown_kinds)
         ):  # such a tensor holds that kind now: the batch may have held it as loaded (a rerun's copy tells)
-            origin = origin.but(batch_too=True)
+            origin = origin.replace(batch_too=True)
         hidden = self.watch.hidden.get(origin.name, []) if origin is not None and origin.phase is Phase.FORWARD else []
         if origin is not None and hidden and origin.reason is None:
             place = "the LightningModule's own code" if origin.own_code else origin.name
-            origin = origin.but(reason=f"born in {place} or in {', '.join(hidden)} (compiled in place)"[:200])
+            origin = origin.replace(reason=f"born in {place} or in {', '.join(hidden)} (compiled in place)"[:200])
         elif (
             origin is not None
             and events is not None
@@ -209,7 +210,7 @@ class OriginFinder(UpdateListener):
             live = record.trace is not None and record.trace is self.watch.trace  # its batch is still on
             unread = self.watch.unread if live else record.unread
             blind = unread if unread is not None else _compiled_code(self._compiled)
-            origin = origin.but(reason=blind) if blind is not None else origin
+            origin = origin.replace(reason=blind) if blind is not None else origin
         found = first_born(events) if events is not None else None
         if origin is None or not origin.observed or not self.replay or record.calls is None or found is None:
             return origin

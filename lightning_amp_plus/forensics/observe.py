@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules import module as _torch_module
 
-from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
+from lightning_amp_plus.forensics._modules import How, walk
 from lightning_amp_plus.forensics._tree import dispatches_to_torch, tensors, torch_only, values
 
 #: which ``-inf`` counts (see :func:`nonfinite_kinds`): every one (False), all but an additive mask's (True)
@@ -321,27 +321,22 @@ class Watch:
             return
         index: dict[int, Optional[int]] = {id(model): None}
         kept = [model]
-        inside: set[int] = set()
-        for raw, module in model.named_modules():
+        for name, module, kind in walk(model):
             key = id(module)
-            if not raw or key in index:
+            if key in index:
                 continue
             kept.append(module)
-            if key in inside:
+            if kind is How.INSIDE:  # run inside a compiled graph or a script: no Python hook sees it
                 index[key] = None
                 continue
-            name = clean_name(raw)
-            if is_compiled_wrapper(module):  # its inner modules run inside its graph: watched as a whole
-                inside.update(id(m) for m in module._orig_mod.modules())  # type: ignore[operator]
-                self._tell_once(f"{name} (compiled: watched as a whole)")
-            elif isinstance(module, torch.jit.ScriptModule):
-                inside.update(id(m) for m in module.modules())
+            if kind is How.COMPILED:  # its inner modules run inside its graph: watched as a whole
+                self._say_once(f"{name} (compiled: watched as a whole)")
+            elif kind is How.SCRIPTED:
                 index[key] = None
-                self._tell_once(f"{name} (scripted)")
+                self._say_once(f"{name} (scripted)")
                 continue
-            elif getattr(module, "_compiled_call_impl", None) is not None:  # `module.compile()`: its hooks are traced
-                inside.update(id(m) for m in module.modules() if m is not module)
-                self._tell_once(f"{name} (compiled in place: watched from its caller)")
+            elif kind is How.IN_PLACE:  # `module.compile()`: its hooks are traced
+                self._say_once(f"{name} (compiled in place: watched from its caller)")
                 caller = max((n for n in self.names if name.startswith(n + ".")), key=len, default="")
                 hidden = self.hidden.setdefault(caller, [])
                 hidden += [] if name in hidden else [name]
@@ -367,7 +362,7 @@ class Watch:
                 saved
             )
 
-    def _tell_once(self, what: str) -> None:
+    def _say_once(self, what: str) -> None:
         if what not in self.unwatched:
             self.unwatched.append(what)
 

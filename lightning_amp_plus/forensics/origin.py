@@ -85,9 +85,11 @@ class Origin:
     rank: Optional[int] = None
     step: Optional[int] = None
 
-    def but(self, **change: Any) -> Origin:
-        """This origin with ``change`` applied."""
+    def replace(self, **change: Any) -> Origin:
+        """This origin with ``change`` applied (``dataclasses.replace``)."""
         return dataclasses.replace(self, **change)
+
+    but = replace  # 0.4's name, kept: an origin is public (``lightning_amp_plus.origin``)
 
     @property
     def own_code(self) -> bool:

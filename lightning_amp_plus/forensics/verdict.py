@@ -2,7 +2,7 @@
 
 :func:`first_born` finds, in a trace's events, the first place inf/nan appear: a call's output (born in that
 module) or a call's inputs (made by the code around it: the enclosing module's own code, else the step's own code
-or the batch). :func:`tell` turns that, the batch and the losses into an :class:`Origin`.
+or the batch). :func:`read_origin` turns that, the batch and the losses into an :class:`Origin`.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _reaches(events: list[tuple[Any, ...]], position: int, around: list[int]) ->
     return False
 
 
-def tell(
+def read_origin(
     batch: Any,
     losses: list[Tensor],
     events: Optional[list[tuple[Any, ...]]],
@@ -183,4 +183,4 @@ def job_origin(per_rank: list[Optional[Origin]]) -> Optional[Origin]:
     if len(per_rank) == 1 or not told:
         return told[0][3] if told else None
     *_, rank, origin = min(told, key=lambda found: found[:3])
-    return origin.but(rank=rank)
+    return origin.replace(rank=rank)

@@ -9,15 +9,15 @@ Your modules' code runs again: what it does beyond parameters, buffers and rando
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._identity import clean_name, is_compiled_wrapper
 from lightning_amp_plus._limits import MAX_ISLANDS
+from lightning_amp_plus.forensics._modules import call_frontier, walk
 from lightning_amp_plus.forensics._safe import attempt, raised, replaying
 from lightning_amp_plus.forensics._tree import map_tensors, tensors, version
 from lightning_amp_plus.forensics.observe import Watch, nonfinite_kind, read
@@ -48,25 +48,6 @@ class Call:
         """The tensors it gave, or None where the step freed one of them."""
         held = self.held()
         return held if len(held) == len(self.output) else None
-
-
-def call_frontier(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
-    """The modules ``module``'s own code calls: its children, a container's (never called itself) in its place.
-
-    Example:
-        >>> from torch import nn
-        >>> m = nn.Module()
-        >>> m.layers, m.head = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]), nn.Linear(2, 1)
-        >>> [name for name, _ in call_frontier(m)]
-        ['layers.0', 'layers.1', 'head']
-    """
-    for name, child in module.named_children():
-        scripted = isinstance(child, torch.jit.ScriptModule)
-        container = not scripted and type(child).forward is torch.nn.Module.forward and "forward" not in vars(child)
-        if container and not is_compiled_wrapper(child):
-            yield from call_frontier(child, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", child
 
 
 class Recorder:
@@ -164,25 +145,27 @@ def measure(
     calls: list[Call] = record.calls
     index = max((i for i, c in enumerate(calls) if c.position <= position), default=None)
     if index is None:
-        return origin.but(reason="not measured: its call was not recorded")
+        return origin.replace(reason="not measured: its call was not recorded")
     call = calls[index]
     changed = [c.name for c in calls[index:] if [version(t) for t in tensors((c.args, c.kwargs))] != c.versions]
     if changed:
-        return origin.but(reason=f"not measured: the step changed the inputs of {changed[0]} in place after the call")
+        return origin.replace(
+            reason=f"not measured: the step changed the inputs of {changed[0]} in place after the call"
+        )
     covered, chain, fed = _covered(calls, index)
     upstream, replayable = _feeding(calls, index, record.batch)
     islands: list[str] = []
     for round in range(MAX_ISLANDS + 2):
         found, outputs, error = _replay([calls[i] for i in covered], islands, watch, context, device, model)
         if error is not None:
-            return origin.but(float32=Verdict.UNKNOWN, reason=f"the replay of {call.name} raised {error}")
+            return origin.replace(float32=Verdict.UNKNOWN, reason=f"the replay of {call.name} raised {error}")
         if round == 0 and not _same(outputs[covered.index(index)], call.alive()):
-            return origin.but(reason=f"not measured: the replay of {call.name} computed other values than the step")
+            return origin.replace(reason=f"not measured: the replay of {call.name} computed other values than the step")
         if found is None:
-            return origin.but(float32=Verdict.FINITE, islands=() if fed else tuple(islands))
+            return origin.replace(float32=Verdict.FINITE, islands=() if fed else tuple(islands))
         name, kind, by = found
         if not name or (round == 0 and name != origin.name):  # what the own code passed on, not replayed
-            return origin.but(float32=Verdict.FINITE if round else None, islands=() if round else None)
+            return origin.replace(float32=Verdict.FINITE if round else None, islands=() if round else None)
         if name in islands and by is not None and by not in islands:  # fed a float16 -inf: where it was made too
             islands.append(by)
             continue
@@ -193,9 +176,9 @@ def measure(
         if name in islands:  # float32 makes them too
             if name == origin.name or island_of(name, [calls[i].name for i in chain]):  # it, or inside the chain
                 return Origin(origin.phase, name, kind, Verdict.NONFINITE, rank=origin.rank)
-            return origin.but(float32=Verdict.FINITE, islands=())  # another call's, in any precision
+            return origin.replace(float32=Verdict.FINITE, islands=())  # another call's, in any precision
         islands.append(name)
-    return origin.but(float32=Verdict.FINITE, islands=())
+    return origin.replace(float32=Verdict.FINITE, islands=())
 
 
 def _same(replayed: Any, recorded: Optional[list[Tensor]]) -> bool:
@@ -222,7 +205,7 @@ def _replay(
     outputs: list[Any] = []
     modules = [c.module for c in calls]  # a compiled one runs eagerly inside the sandbox, watched from outside
     try:
-        set_aside = [m for n, m in model.named_modules() if clean_name(n) in islands]
+        set_aside = [seen.module for seen in walk(model) if seen.name in islands]
         with (
             watch.apart() as trace,
             sandboxed(modules, device),

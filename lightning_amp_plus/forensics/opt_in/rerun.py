@@ -2,7 +2,7 @@
 
 ``GradUnderflowMonitor(exact=True)`` compares the run's float16 gradients with the batch's float32 ones
 (:func:`float32_gradients`). ``NaNSkipReporter(backward_origin=True)`` reruns a skipped batch for where in backward
-its inf/nan were born, and for an own-code origin's verdicts and islands (:func:`told_by_rerun`). Both run your step
+its inf/nan were born, and for an own-code origin's verdicts and islands (:func:`origin_by_rerun`). Both run your step
 again, in :func:`~.sandbox.sandboxed`: parameters, buffers and random streams are put back; anything else the step
 does (a file written, an environment stepped) happens again.
 """
@@ -17,10 +17,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._identity import clean_name
 from lightning_amp_plus._limits import MAX_ISLANDS
 from lightning_amp_plus._log import say
 from lightning_amp_plus._ranks import all_reduce_, distributed
+from lightning_amp_plus.forensics._modules import walk
 from lightning_amp_plus.forensics._safe import attempt
 from lightning_amp_plus.forensics._tree import tensors
 from lightning_amp_plus.forensics.observe import BatchRecord
@@ -84,7 +84,7 @@ def float32_gradients(
     return [*(g / world for g in summed), peak.reshape(())], None
 
 
-def told_by_rerun(
+def origin_by_rerun(
     origin: Origin,
     record: Optional[BatchRecord],
     trainer: pl.Trainer,
@@ -104,12 +104,12 @@ def told_by_rerun(
         return origin
     module = trainer.lightning_module
     if origin.phase is Phase.FORWARD and origin.own_code and origin.float32 is None:
-        told = origin.but(float32=_finite_as(module, record, device_type))
+        told = origin.replace(float32=_finite_as(module, record, device_type))
         if told.float32 is Verdict.FINITE:  # float16 fails there: its range (bf16 holds it) or its precision (not)
-            told = told.but(bf16=_finite_as(module, record, device_type, torch.bfloat16))
+            told = told.replace(bf16=_finite_as(module, record, device_type, torch.bfloat16))
             if told.bf16 is not Verdict.FINITE:
                 half = torch.bfloat16 if trainer.precision_plugin.precision == "bf16-mixed" else torch.float16
-                told = told.but(islands=tuple(_feeding_islands(module, record, device_type, half, before)))
+                told = told.replace(islands=tuple(_feeding_islands(module, record, device_type, half, before)))
         return told
     if origin.phase is not Phase.BACKWARD or origin.op is not None or origin.float32 is not None or scale is None:
         return origin
@@ -126,7 +126,7 @@ def told_by_rerun(
         return Origin(Phase.BACKWARD, reason=f"the rerun of the step raised {error}")
     if not born:
         return Origin(Phase.BACKWARD, reason="the rerun's backward was finite: it did not make them again")
-    return born[0].but(float32=_finite_as(module, record, device_type))
+    return born[0].replace(float32=_finite_as(module, record, device_type))
 
 
 def _feeding_islands(
@@ -137,7 +137,7 @@ def _feeding_islands(
     Tried: each of ``before``, the latest first (at most ``_ISLAND_TRIES``), then the latest ``MAX_ISLANDS``
     together: each try is a rerun of the step, on skipped updates only.
     """
-    modules = {clean_name(n): m for n, m in module.named_modules()}
+    modules = {seen.name: seen.module for seen in walk(module)}  # a compiled one: its inner module, named alike
     feeding = {n: modules[n] for n in before if n in modules}
     names = list(feeding)
     tries = [[n] for n in reversed(names[-_ISLAND_TRIES:])] + ([names[-MAX_ISLANDS:]] if len(names) > 1 else [])
@@ -240,7 +240,7 @@ def _first_born(node: Any, owners: dict[Any, str], born: list[Origin]) -> Callab
 
 def _owner(module: torch.nn.Module, owners: dict[Any, str]) -> Callable[[torch.nn.Module, Any, Any], None]:
     """A forward hook: each autograd node a module's own forward makes, into ``owners`` (inner modules first)."""
-    names = {id(m): clean_name(n) for n, m in module.named_modules() if n}
+    names = {id(seen.module): seen.name for seen in walk(module)}
 
     def own(mod: torch.nn.Module, args: Any, output: Any) -> None:
         name = names.get(id(mod))
