@@ -508,3 +508,35 @@ def test_an_unused_inf_output_is_not_the_origin_the_module_whose_inf_reaches_the
         _Routed(), data
     )
     assert [r["origin"].get("module") for r in reporter.skips] == ["expert"] * 3  # never the router's sentinel
+
+
+class _MinusHead(LightningModule):
+    """A head whose float16 output overflows to -inf, straight into the loss (no later call takes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+        with torch.no_grad():
+            self.head.weight.fill_(-2e3)
+            self.head.bias.zero_()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        features = (self.body(x).abs() + 10).detach()  # the head's own overflow alone: no float16 backward below it
+        return self.head(features).float().square().mean()  # -inf squared: an inf loss, inf gradients
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_float16_minus_inf_straight_into_the_loss_is_named_at_its_module_and_an_island_there_ends_it():
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8)), batch_size=4)
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, max_warnings=0)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0, min_scale=0.0)], callbacks=[reporter], max_steps=3
+    ).fit(_MinusHead(), data)
+    assert [(r["origin"]["phase"], r["origin"].get("module")) for r in reporter.skips] == [("forward", "head")] * 3
+    fixed = AmpPlusPrecision("16-mixed", init_scale=8.0, fp32_modules=["head"])  # the island the origin names
+    make_trainer(plugins=[fixed], max_steps=3).fit(_MinusHead(), data)
+    assert fixed.history.skipped_steps == []

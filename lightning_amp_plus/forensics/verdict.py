@@ -37,7 +37,7 @@ class Born(NamedTuple):
         return self.fed_at if self.fed_at is not None else self.position
 
 
-def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[Born]:
+def first_born(events: list[tuple[Any, ...]], minus: bool = False, to_loss: bool = False) -> Optional[Born]:
     """Where inf/nan were first born in a trace's events; None where every call was finite.
 
     A call's output holding ``+inf`` or NaN, its inputs not: born in it (inner modules end first: the innermost). A
@@ -52,11 +52,15 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
     A call's ``+inf``/NaN count where they reach (:func:`_reaches`): an output no later call takes while another call
     makes its own is unused (a router's unused choice); the output of a module with forward hooks of its own is read
     before they acted, and counts only where a later call takes it or a call around it gives it.
+
+    ``to_loss``: the loss is inf (not NaN) and nothing else was born: a module's half-precision ``-inf`` no later call
+    took went to the loss, born in that module (a head that overflows to ``-inf``; float32 there tells a mask apart).
     """
     calls: list[int] = []  # the calls in progress
     opened: list[int] = []  # the event each of them started at
     took: list[bool] = []  # whether each took a half-precision -inf in
     maker: Optional[tuple[bool, Optional[int], int]] = None  # where one appeared: made by a module?, which, the event
+    taken = False  # a later call took the -inf its maker made
     for position, (index, kind, *rest) in enumerate(events):
         if kind == "-inf":
             kind = "inf" if minus and index >= 0 and not calls else None
@@ -65,6 +69,8 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
                 return Born(calls[-1] if calls else None, kind, position)
             if kind == "-inf16" and maker is None:
                 maker = False, calls[-1] if calls else None, position
+            elif kind == "-inf16":
+                taken = True
             calls.append(index)
             opened.append(position)
             took.append(kind == "-inf16")
@@ -75,7 +81,7 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
                 calls.pop()
             inside = maker is not None and maker[0] and maker[2] > start  # made by a module inside this call
             if kind == "-inf16" and not fed and not inside:
-                maker = True, ~index, position
+                maker, taken = (True, ~index, position), False
             elif kind is not None and kind != "-inf16":
                 if not fed:
                     if _reaches(events, position, calls, hooked=len(rest) >= 2):
@@ -83,6 +89,8 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False) -> Optional[B
                     continue
                 by_module, by, at = maker  # type: ignore[misc]
                 return Born(~index, kind, position, by, at) if by_module else Born(by, "inf", at)
+    if to_loss and maker is not None and maker[0] and not taken:
+        return Born(maker[1], "inf", maker[2])
     return None
 
 
@@ -134,7 +142,8 @@ def read_origin(
         return Origin(Phase.BACKWARD, batch_too=bool(in_batch))  # no watch: the scale calibrates this way
     if loss is None:  # the loss finite: born in backward, whatever a module gave (phases as the docs define them)
         return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
-    found = first_born(events, minus)
+    to_loss = loss == "inf"  # a NaN loss (an all-masked softmax in the step's code) names no -inf maker
+    found = first_born(events, minus, to_loss)
     if found is not None:
         index, kind, position, fed_by, _ = found
         if index is None:  # the batch's only where they can be its own (a batch tensor, or its samples carried on)
