@@ -73,6 +73,7 @@ def test_benchmark_smoke(capsys):
         "AmpPlusPrecision + callbacks",
         "AmpPlusPrecision + callbacks, watching",
         "AmpPlusPrecision + callbacks + AmpAdvisor",
+        "AmpPlusPrecision(auto_islands=True)",
         "+ GradUnderflowMonitor(exact=True)",
         "+ GradUnderflowMonitor()",
         "stock AMP + 2 empty callbacks",
@@ -82,6 +83,7 @@ def test_benchmark_smoke(capsys):
     assert rows[2]["syncs_per_step"] == rows[3]["syncs_per_step"] == rows[1]["syncs_per_step"]  # none of our own
     assert rows[4]["syncs_per_step"] == rows[1]["syncs_per_step"]  # the watch adds none: read only on a skip
     assert rows[5]["syncs_per_step"] == rows[1]["syncs_per_step"]  # the advisor adds none between measurements
+    assert rows[6]["syncs_per_step"] == rows[1]["syncs_per_step"]  # auto_islands adds none on a clean step
     assert rows[1]["us_over_stock"] == 0.0  # the paired difference of stock with itself
     out = capsys.readouterr().out
     assert "MLP (256, 512, 4) batch 8 SGD clip 1.0" in out
