@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_amp_plus._ranks import distributed
+from lightning_amp_plus.forensics._modules import walk
 from lightning_amp_plus.forensics.finder import OriginFinder
 from lightning_amp_plus.forensics.origin import Origin, Phase, Verdict
 from lightning_amp_plus.forensics.verdict import job_origin
@@ -85,6 +86,7 @@ class AutoIslands(UpdateListener):
         self.added: list[str] = []  # the islands observation added, in order (the user's own are not here)
         self.own: list[str] = []  # taken out: float32 made inf/nan there too
         self.refused: dict[str, str] = {}  # could not be made an island, and why (told once)
+        self.at_start: set[str] = set()  # the modules the model had when the fit started (a fix line can name them)
         self._islands, self._install, self._take_out, self._say, self._count = islands, install, take_out, say, count
 
     def reset(self) -> None:
@@ -93,6 +95,7 @@ class AutoIslands(UpdateListener):
 
     def attach(self, model: torch.nn.Module, context: Callable[[], Any], accumulating: bool) -> None:
         """Observe ``model`` (the LightningModule) from the next batch; watched after the first forward skip."""
+        self.at_start = {seen.name for seen in walk(model)}
         said = self.finder.attach(model, context, islands=self._islands, accumulating=accumulating)
         if said is not None:
             self._say(said)
@@ -137,7 +140,7 @@ class AutoIslands(UpdateListener):
                 self.refused[name] = why
                 self._say(f"{name!r} overflowed at step {event.step} but cannot be made an island: {why}.")
                 continue
-            self.added.append(name)
+            self.added += [] if name in self.added else [name]  # a replaced module: the same name, wrapped again
             assert origin is not None  # a change is made from a told origin
             if name == origin.fed_by:
                 line = f"{name!r} gave {origin.name!r} a half-precision -inf at step {event.step} (mask or overflow)"

@@ -123,10 +123,13 @@ class AmpEngine:
         self._given_state = scaler.state_dict()
 
     # ------------------------------------------------------------------ listeners
-    def listen(self, listener: UpdateListener) -> None:
-        """Tell ``listener`` of the updates from now on (once, however often it is given; what it needs read again)."""
+    def listen(self, listener: UpdateListener, first: bool = False) -> None:
+        """Tell ``listener`` of the updates from now on (once, however often it is given; what it needs read again).
+
+        ``first``: before those listening already (the plugin's own part, before a callback that may raise).
+        """
         if listener not in self._listeners:
-            self._listeners.append(listener)
+            self._listeners.insert(0, listener) if first else self._listeners.append(listener)
         self._route()
 
     def unlisten(self, listener: UpdateListener) -> None:

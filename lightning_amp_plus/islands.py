@@ -242,11 +242,11 @@ class Fp32Islands:
         An island found by observation (``auto_islands``): one module, by its exact name. A compiled or scripted
         module cannot take a float32 forward.
         """
-        if name in self.names:
-            return None
         module = next((m for n, m in model.named_modules() if n and clean_name(n) == name), None)
         if module is None:
             return "no module of the model has that name now"
+        if getattr(vars(module).get("forward"), "fp32_island", False):
+            return None  # this very module runs in float32 already
         why = compiled_or_scripted(module)
         if why is not None:
             return why
@@ -254,8 +254,17 @@ class Fp32Islands:
             self._installed += set_aside([module], device_type)
         except Exception as error:  # a module whose forward cannot be set: told, and the run goes on
             return f"its forward cannot be wrapped ({type(error).__name__}: {error})"[:200]
-        self.names.append(name)
+        self.names += [] if name in self.names else [name]
         return None
+
+    def running(self, model: Optional[nn.Module]) -> list[str]:
+        """The names whose module runs in float32 now: a module replaced under its name mid-fit (a new instance) does
+        not, until it is made an island again."""
+        if model is None or not self.names:
+            return list(self.names)
+        wrapped = {id(m) for m, _ in self._installed}
+        now = {clean_name(n): m for n, m in model.named_modules() if n}
+        return [name for name in self.names if name not in now or id(now[name]) in wrapped]
 
     def take_out(self, model: nn.Module, name: str) -> None:
         """The module named ``name`` runs in half precision again (an island :meth:`add` put on)."""

@@ -167,8 +167,11 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
 
     @property
     def fp32_module_names(self) -> list[str]:
-        """The qualified names of the modules running as fp32 islands (empty before the model is connected)."""
-        return list(self._islands.names)
+        """The qualified names of the modules running as fp32 islands (empty before the model is connected).
+
+        A module replaced under its name mid-fit (a new instance) is not one until it is made an island again.
+        """
+        return self._islands.running(self._module)
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -222,11 +225,11 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
             )
         self._auto.added = [name for name in self._auto.added if self._add_island(name) is None]
         self._auto.attach(module, self.forward_context, getattr(trainer, "accumulate_grad_batches", 1) > 1)
-        self._engine.listen(self._auto)
+        self._engine.listen(self._auto, first=True)  # an island is in place before a callback's collapse raises
         self._auto_fit = True
 
     def _island_names(self) -> list[str]:
-        return self._islands.names
+        return self._islands.running(self._module)
 
     def _tell_auto(self, line: str) -> None:
         say(f"`{type(self).__name__}(auto_islands=True)`: {line}")
@@ -256,8 +259,10 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         from lightning_amp_plus.callbacks._common import plugin_arguments
 
         args = plugin_arguments(self)
-        args.pop("auto_islands", None)
-        args["fp32_modules"] = [*args.get("fp32_modules", []), *self._auto.added]
+        named = [n for n in self._auto.added if n in self._auto.at_start]
+        if len(named) == len(self._auto.added):  # every island can be named at the next run's start
+            args.pop("auto_islands", None)
+        args["fp32_modules"] = [*args.get("fp32_modules", []), *named]  # one made mid-fit: auto_islands finds it
         return plugin_call(type(self).__name__, args)
 
     @override
@@ -319,8 +324,10 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         try:
             with self.autocast_context_manager():
                 yield
-        except BaseException:
+        except BaseException as error:
             self._engine.abort_cycle()
+            if self._auto is not None and self._auto.added and isinstance(error, RuntimeError):
+                _name_the_islands(error, self._auto.added)
             raise
         module = self._module
         if module is not None and not module.automatic_optimization:
@@ -341,6 +348,17 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         if self._auto is not None:
             self._auto.loss(tensor)  # the true loss: read (detached) only on a skipped update
         return self._engine.scale(tensor)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        """Backward; with fp32 islands, autocast off (manual optimization's ``manual_backward`` runs inside the step's
+        autocast, which would run the islands' backward matmuls in half precision)."""
+        if not self._islands.names:
+            return super().backward(tensor, model, optimizer, *args, **kwargs)
+        with torch.autocast(self.device or "cpu", enabled=False):
+            return super().backward(tensor, model, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------ optimizer step
     @override
@@ -497,6 +515,20 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
 
 
 _MISSING = object()
+
+
+def _name_the_islands(error: RuntimeError, added: list[str]) -> None:
+    """On a dtype mismatch in the step, say that observation made islands, whose outputs stay float32."""
+    text = str(error)
+    if not ("Half" in text and "Float" in text) and "dtype" not in text:
+        return
+    note = (
+        f"AmpPlusPrecision(auto_islands=True) runs {', '.join(repr(n) for n in added)} in float32, and an island's"
+        " output stays float32: code that writes it into a float16 tensor (out[idx] = island(x), index_add_, scatter_)"
+        " needs `.to(out.dtype)` there."
+    )
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
 #: the key of the islands observation found, in the plugin's checkpoint state (``auto_islands=True``)
 _AUTO_KEY = "auto_islands"
 _SUMMARY_WARNING = r"Precision (16|bf16)-mixed is not supported by the model summary"

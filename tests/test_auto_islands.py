@@ -2,6 +2,7 @@
 
 import csv
 import logging
+import sys
 
 import pytest
 import torch
@@ -259,3 +260,84 @@ def test_under_ddp_the_ranks_agree_on_the_islands_one_rank_saw_born(tmp_path):
     assert zero["added"] == one["added"] == ["pool", "head"]  # rank 0 never saw an overflow: it follows rank 1
     assert zero["skipped"] == one["skipped"] == [0, 1, 2]
     assert zero["checksum"] == one["checksum"]
+
+
+class ManualChain(Chain):
+    """Manual optimization: ``manual_backward`` runs inside the step's autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+def test_in_manual_optimization_the_islands_backward_runs_in_float32_too():
+    plugin = fit(ManualChain(), AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True), max_steps=10)
+    assert plugin._auto.added == ["pool", "head"]
+    assert plugin.history.skipped_steps == [0, 1, 2]  # the islands' backward matmuls are not autocast back to float16
+    pasted = AmpPlusPrecision("16-mixed", init_scale=2.0**4, fp32_modules=["pool", "head"])
+    assert fit(ManualChain(), pasted, max_steps=4).history.skipped_steps == []
+
+
+class Rebuilt(Chain):
+    """Replaces its pool with a new instance at step 6 (a stage change that rebuilds a block)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == 6:
+            self.pool = SumPool()
+
+
+def test_a_module_replaced_under_its_islands_name_is_made_an_island_again_not_called_the_models_own(caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_amp_plus")
+    plugin = fit(Rebuilt(), AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True))
+    assert plugin.history.skipped_steps == [0, 1, 2, 6]  # the new instance ran in float16 once, then as an island
+    assert plugin._auto.added == ["pool", "head"] and plugin._auto.own == []
+    assert not any("again in float32" in line for line in lines(caplog))
+
+
+class Late(Chain):
+    """At step 3 a new pooling module is added (and the old one replaced by an identity)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3 and not hasattr(self, "late"):
+            self.late, self.pool = SumPool(), nn.Identity()
+        if hasattr(self, "late"):
+            x, y = batch
+            return ((self.head(self.late(self.pool(self.embed(x)))) / 1e6 - y) ** 2).mean()
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_island_made_mid_fit_is_left_to_auto_islands_in_the_fix_line_which_pasted_builds_and_trains():
+    plugin = fit(Late(), AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True))
+    assert plugin._auto.added == ["pool", "head", "late"]
+    fix = plugin.auto_islands_fix()
+    assert fix == 'AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True, fp32_modules=["pool", "head"])'
+    pasted = eval(fix, {"AmpPlusPrecision": AmpPlusPrecision})  # "late" does not exist at connect: not named
+    assert fit(Late(), pasted).history.skipped_steps == [3, 4]  # late found by observation again, then none
+
+
+class Dispatch(Chain):
+    """MoE-style dispatch: an expert's output written into a float16 buffer (``index_put`` is strict on dtypes)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        out = torch.zeros(h.shape[0], h.shape[2], dtype=h.dtype)
+        out[torch.arange(h.shape[0])] = self.pool(h)
+        return ((self.head(out) / 1e6 - y) ** 2).mean()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11's")
+def test_a_dtype_mismatch_an_island_causes_in_the_users_code_says_which_islands_and_the_one_line_cure():
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True)
+    with pytest.raises(RuntimeError, match="dtypes match") as raised:
+        fit(Dispatch(), plugin)
+    assert raised.value.__notes__ == [
+        "AmpPlusPrecision(auto_islands=True) runs 'pool' in float32, and an island's output stays float32: code that"
+        " writes it into a float16 tensor (out[idx] = island(x), index_add_, scatter_) needs `.to(out.dtype)` there."
+    ]
