@@ -7,8 +7,11 @@ is wrong.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from lightning_amp_plus._log import global_rank
 
@@ -43,3 +46,22 @@ def warn_at_user(message: str) -> None:
 def deprecated(old: str, new: str) -> None:
     """Warn that ``old`` (0.2's) is deprecated, at the user's line (the caller's caller), naming ``new``."""
     warnings.warn(f"`{old}` is deprecated since 0.3 and goes in 0.4: use {new}.", DeprecationWarning, stacklevel=3)
+
+
+def moved(here: str, table: dict[str, str], goes: str) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` for names that moved: each read warns at the user's line, gives the new object.
+
+    ``table`` maps each name to its new module; ``goes``: the release the old path goes in.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name not in table:
+            raise AttributeError(f"module {here!r} has no attribute {name!r}")
+        warnings.warn(
+            f"`{here}.{name}` moved to `{table[name]}.{name}`; the old path goes in {goes}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(table[name]), name)
+
+    return __getattr__

@@ -258,8 +258,10 @@ class Fp32Islands:
         return None
 
     def running(self, model: Optional[nn.Module]) -> list[str]:
-        """The names whose module runs in float32 now: a module replaced under its name mid-fit (a new instance) does
-        not, until it is made an island again."""
+        """The names whose module runs in float32 now.
+
+        A module replaced under its name mid-fit (a new instance) does not, until it is made an island again.
+        """
         if model is None or not self.names:
             return list(self.names)
         wrapped = {id(m) for m, _ in self._installed}

@@ -353,8 +353,11 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        """Backward; with fp32 islands, autocast off (manual optimization's ``manual_backward`` runs inside the step's
-        autocast, which would run the islands' backward matmuls in half precision)."""
+        """Backward; with fp32 islands, autocast off.
+
+        Manual optimization's ``manual_backward`` runs inside the step's autocast, which would run the islands'
+        backward matmuls in half precision.
+        """
         if not self._islands.names:
             return super().backward(tensor, model, optimizer, *args, **kwargs)
         with torch.autocast(self.device or "cpu", enabled=False):
@@ -529,6 +532,8 @@ def _name_the_islands(error: RuntimeError, added: list[str]) -> None:
     )
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(note)
+
+
 #: the key of the islands observation found, in the plugin's checkpoint state (``auto_islands=True``)
 _AUTO_KEY = "auto_islands"
 _SUMMARY_WARNING = r"Precision (16|bf16)-mixed is not supported by the model summary"

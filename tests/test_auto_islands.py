@@ -296,7 +296,8 @@ def test_a_module_replaced_under_its_islands_name_is_made_an_island_again_not_ca
     caplog.set_level(logging.WARNING, logger="lightning_amp_plus")
     plugin = fit(Rebuilt(), AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True))
     assert plugin.history.skipped_steps == [0, 1, 2, 6]  # the new instance ran in float16 once, then as an island
-    assert plugin._auto.added == ["pool", "head"] and plugin._auto.own == []
+    assert plugin._auto.added == ["pool", "head"]
+    assert plugin._auto.own == []
     assert not any("again in float32" in line for line in lines(caplog))
 
 

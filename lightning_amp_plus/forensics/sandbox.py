@@ -3,23 +3,14 @@
 ``attempt`` and ``torch_own`` (the default path's) live in :mod:`lightning_amp_plus.forensics._safe`.
 """
 
-from __future__ import annotations
+from lightning_amp_plus._warnings import moved
 
-import warnings
-from typing import Any
-
-_MOVED = {"sandboxed": "opt_in.sandbox", "attempt": "_safe", "torch_own": "_safe"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    where = f"lightning_amp_plus.forensics.{_MOVED[name]}"
-    warnings.warn(
-        f"`lightning_amp_plus.forensics.sandbox.{name}` moved to `{where}.{name}`; the old path goes in 0.6.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(where), name)
+__getattr__ = moved(
+    __name__,
+    {
+        "sandboxed": "lightning_amp_plus.forensics.opt_in.sandbox",
+        "attempt": "lightning_amp_plus.forensics._safe",
+        "torch_own": "lightning_amp_plus.forensics._safe",
+    },
+    "0.6",
+)
