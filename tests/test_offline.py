@@ -395,6 +395,9 @@ def test_advise_on_a_bf16_runs_log_reads_its_skips_without_a_scale(tmp_path, cap
     assert "1 finding from the logged series" in captured.out
     # the log starts at its first logging point (step 1): the monitor's counts say 20 updates, not the span's 19
     assert "[skip_rate] 18 of 20 updates were skipped (90.0%)" in captured.out
+    # it had a NaNSkipReporter (its skips are logged): the fix is not to add one, but to read its origins live
+    assert "fix: AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter" in captured.out
+    assert "fix: NaNSkipReporter(" not in captured.out
 
 
 def test_advise_on_a_tensorboard_folder_without_scalars_is_one_error_line(tmp_path, capsys):

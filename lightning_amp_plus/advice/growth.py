@@ -166,7 +166,8 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
     evidence="More skips than a settling loss scale makes (its leading skips, then about one per growth, and one "
     "more), half the updates or more skipped, 3+ skips in a row where the run ended, a skip born before backward "
     "(no loss scale causes it), or the scale held at its floor by skips; and no code above explains it.",
-    fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders).",
+    fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders). Offline, where"
+    " the run had one: `AmpAdvisor()`, which reads its origins live.",
     look_alike="A healthy saw-tooth: leading skips while the scale settles, then one skip per growth attempt.",
     unless_explained=True,
 )
@@ -212,7 +213,9 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
         "skip_rate",
         f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
         " rule here explains why: the weights moved on the rest only.",
-        'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
+        "AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter this run already had"
+        if figures.reporter_logged
+        else 'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
         {
             "skipped": skipped,
             "updates": figures.num_updates,

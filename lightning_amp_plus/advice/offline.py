@@ -56,6 +56,7 @@ def figures_from_series(
             # the run's own call: its knobs, the defaults where it left them out; the scale where the log starts
             figures.knobs = {**knobs.DEFAULTS, **given, "init_scale": figures.curve[0][1]}
     figures.skipped = skipped_steps(series, prefix)
+    figures.reporter_logged = bool(series.get(prefix + "step_skipped"))
     underflow = dict(series.get(prefix + "underflow_fraction", []))
     headroom = dict(series.get(prefix + "headroom_bits", []))
     if underflow and figures.curve:

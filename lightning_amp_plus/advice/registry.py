@@ -61,6 +61,8 @@ class RunFigures:
         plugin_args: the arguments the plugin was given (those that differ from its defaults), in order.
         ended: how the fit ended where an exception ended it (``"AssertionError: bad batch"``); None: it ran to its
             end (or unknown, offline).
+        reporter_logged: offline, whether a ``NaNSkipReporter`` logged the skips (``step_skipped``): the run had one,
+            and only a live advisor reads its origins; None: live, or not known.
     """
 
     precision: Optional[str] = None
@@ -77,6 +79,7 @@ class RunFigures:
     plugin: str = "AmpPlusPrecision"
     plugin_args: dict[str, Any] = field(default_factory=dict)
     ended: Optional[str] = None
+    reporter_logged: Optional[bool] = None
 
 
 @dataclass(frozen=True)
