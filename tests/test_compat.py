@@ -98,3 +98,14 @@ def test_the_0_3_forensics_paths_warn_at_your_line_and_give_the_same_object(old,
         assert caught[0].filename == __file__  # the user's line, not ours
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         importlib.import_module(old).nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["MAX_ISLANDS", "value_at", "Origin", "_nice", "_scaling_skips"])
+def test_a_name_0_4s_advice_module_held_warns_and_is_given_from_its_family(name):
+    from lightning_amp_plus import advice
+
+    with pytest.warns(DeprecationWarning, match=rf"`lightning_amp_plus.advice.{name}` moved to `lightning_amp_plus"):
+        found = getattr(advice, name)
+    assert found is not None
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        advice.nothing  # noqa: B018

@@ -18,6 +18,10 @@ The order of importance is decided once, in :data:`CODES`; :data:`RULES` keeps i
 A figure that is missing (``None``) makes its rule stay silent.
 """
 
+import importlib
+import warnings
+from typing import Any
+
 # the rule families: each declares its rules into RULES when imported (RULES keeps them in CODES' order)
 from lightning_amp_plus.advice import bf16, growth, origins, scale, speed  # noqa: E402,F401
 from lightning_amp_plus.advice.figures import HIGH_UNDERFLOW, fitting_scale, most
@@ -50,6 +54,23 @@ from lightning_amp_plus.advice.registry import (
 )
 from lightning_amp_plus.advice.scale import MAX_PROPOSED_SCALE
 from lightning_amp_plus.advice.speed import MIN_FUSED_GAIN, MIN_LOWERED_SPEEDUP
+
+_FAMILIES = ("registry", "figures", "fix", "origins", "bf16", "scale", "growth", "speed", "offline")
+
+
+def __getattr__(name: str) -> Any:
+    """0.4's ``advice.py`` held every helper and import in one module: a name found in a family warns and is given."""
+    for family in _FAMILIES:
+        found = vars(importlib.import_module(f"{__name__}.{family}"))
+        if name in found:
+            warnings.warn(
+                f"`{__name__}.{name}` moved to `{__name__}.{family}.{name}`; the old path goes in 0.6.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return found[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CODES",
