@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -714,3 +715,49 @@ def test_minus_inf_made_in_float16_on_purpose_is_no_overflow_the_later_one_is_na
         assert plugin.history.skipped_steps == [1, 4, 7]
         told = [r["origin"] for r in reporter.skips][0 if find_origin == "replay" else 1 :]  # the first starts it
         assert [(o["phase"], o["module"]) for o in told] == [("forward", "big")] * len(told), find_origin
+
+
+class _HandBCE(LightningModule):
+    """A hand-written BCE on float16 sigmoid outputs; logits of 20 saturate float16's sigmoid at 1 (log(1 - p) = -inf).
+
+    ``fixed``: the loss line the advice prints, as printed.
+    """
+
+    def __init__(self, fixed=False):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+        self.fixed = fixed
+        with torch.no_grad():
+            self.net.weight.zero_()
+            self.net.bias.fill_(20.0)
+
+    def training_step(self, batch, batch_idx):
+        x, target = batch
+        logits = self.net(x)
+        if self.fixed:
+            return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), target.float())
+        p = torch.sigmoid(logits)
+        return -(target * torch.log(p) + (1 - target) * torch.log(1 - p)).float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        x, y = torch.randn(32, 8), (torch.arange(32) % 2).float().unsqueeze(1)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def test_a_loss_that_takes_the_log_of_a_saturated_float16_sigmoid_is_named_and_its_printed_loss_line_trains():
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, max_warnings=0)
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, min_scale=0.0)
+    make_trainer(plugins=[plugin], callbacks=[reporter, advisor], max_steps=4).fit(_HandBCE())
+    assert [(r["origin"]["phase"], r["origin"].get("op")) for r in reporter.skips] == [("loss", "log(sigmoid)")] * 4
+    (advice,) = [a for a in advisor.advice if a.code == "nonfinite_loss"]
+    assert "its code takes the log(sigmoid) of float16 values" in advice.message
+    assert advice.fix.startswith(
+        "loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), target.float())"
+    )
+    fixed = AmpPlusPrecision("16-mixed", init_scale=2.0**10, min_scale=0.0)
+    make_trainer(plugins=[fixed], max_steps=4).fit(_HandBCE(fixed=True))  # the printed line, in the step
+    assert fixed.history.skipped_steps == []

@@ -28,7 +28,9 @@ def _model_made(figures: RunFigures) -> list[Origin]:
     "nonfinite_loss",
     evidence="Half or more of the skips with a known origin: the batch held inf/nan, or the loss was inf/nan "
     "while every watched module output was finite.",
-    fix="A guard on the batch (its targets too), or the loss in float32. Never an island.",
+    fix="A guard on the batch (its targets too), or the loss in float32. Where the loss takes the log of a float16 "
+    "sigmoid or softmax (read from its graph), the loss from the logits (`binary_cross_entropy_with_logits`, "
+    "`cross_entropy`). Never an island.",
     look_alike="A module's fp16 overflow. NaN-coded values the step fills in before the model.",
     blind="only live: `advise` cannot see it",
     measured=_origins_measured,
@@ -59,12 +61,31 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
             " skipped updates"
         )
         fix = "loss = loss_fn(logits.float(), target)  # compute the loss in float32; check log/div/sqrt for 0 and <0"
+        ops = Counter(o.op for o in at_loss if o.op in _LOSS_FROM_LOGITS)
+        if ops and most(ops.most_common(1)[0][1], len(at_loss), half=True):  # the op its graph shows, and its cure
+            op = ops.most_common(1)[0][0]
+            what += f": its code takes the {op} of float16 values ({_LOSS_FROM_LOGITS[op][0]})"
+            fix = _LOSS_FROM_LOGITS[op][1]
     return Advice(
         "nonfinite_loss",
         f"{what[0].upper()}{what[1:]}: not a scaling problem (no loss scale or fp32 island fixes it).",
         fix,
         {"input": phases[Phase.INPUT], "loss": phases[Phase.LOSS], "told": len(origins)},
     )
+
+
+#: a loss's log of a saturating op (``verdict.log_of``): why it is inf, and the loss that takes the logits instead
+_LOSS_FROM_LOGITS = {
+    "log(sigmoid)": (
+        "a sigmoid saturates at 1 or 0 in float16, and log(0) is -inf",
+        "loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), target.float())"
+        "  # from the logits: no sigmoid to saturate",
+    ),
+    "log(softmax)": (
+        "a softmax rounds to 0 in float16, and log(0) is -inf",
+        "loss = torch.nn.functional.cross_entropy(logits.float(), target)  # log_softmax inside: no 0 to take",
+    ),
+}
 
 
 #: the guard each backward op that makes inf/nan at a point needs (``SqrtBackward0`` -> ``sqrt``)

@@ -152,13 +152,51 @@ def read_origin(
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
         name, by = names[index], names[fed_by] if fed_by is not None else None
         if name in loss_modules:  # a loss computed by a module (`self.criterion`): the loss, never an island
-            return Origin(Phase.LOSS, batch_too=bool(nonfinite_kinds(batch)))
+            return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
         if island_of(name, islands) and (by is None or island_of(by, islands)):  # float32 made them: the run says
             return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND)
         return Origin(Phase.FORWARD, name, kind, fed_by=by)
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
-        return Origin(Phase.LOSS, batch_too=bool(nonfinite_kinds(batch)))
+        return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
     return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
+
+
+#: the ops that saturate in half precision, by the autograd node they leave: a log of their output is log(0)
+_SATURATING = {"SigmoidBackward0": "log(sigmoid)", "SoftmaxBackward0": "log(softmax)"}
+#: the nodes a saturated value passes through on its way to the log (``1 - p``, a cast, a clamp that keeps 0)
+_ON_THE_WAY = frozenset({"RsubBackward1", "RsubBackward0", "NegBackward0", "ToCopyBackward0", "SubBackward0"})
+#: the loss graph's nodes read at most (names only: after backward, autograd keeps no value)
+_NODES = 2000
+
+
+def log_of(losses: list[Tensor]) -> Optional[str]:
+    """``"log(sigmoid)"`` or ``"log(softmax)"`` where a loss's code takes the log of a saturating op's output.
+
+    Read from the losses' autograd graphs by node names alone (torch's metadata, no value, nothing run): a float16
+    sigmoid saturates at 1 (``log(1 - p)`` is ``log(0)``), a float16 softmax rounds to 0. None: no such log.
+
+    Example:
+        >>> logits = torch.tensor([12.0], dtype=torch.float16, requires_grad=True)
+        >>> log_of([-(1 - torch.sigmoid(logits)).log().float().mean()])
+        'log(sigmoid)'
+    """
+    seen: set[Any] = set()
+    stack: list[Any] = [loss.grad_fn for loss in losses if loss.grad_fn is not None]
+    while stack and len(seen) < _NODES:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "LogBackward0":
+            found = node.next_functions[0][0] if node.next_functions else None
+            for _ in range(3):  # through `1 - p`, a cast
+                if found is None or type(found).__name__ not in _ON_THE_WAY:
+                    break
+                found = found.next_functions[0][0] if found.next_functions else None
+            if found is not None and type(found).__name__ in _SATURATING:
+                return _SATURATING[type(found).__name__]
+        stack.extend(f for f, _ in node.next_functions)
+    return None
 
 
 def _from_batch(batch: Any, tops: list[tuple[Any, ...]], minus: bool) -> bool:
