@@ -753,6 +753,11 @@ def test_a_loss_that_takes_the_log_of_a_saturated_float16_sigmoid_is_named_and_i
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, min_scale=0.0)
     make_trainer(plugins=[plugin], callbacks=[reporter, advisor], max_steps=4).fit(_HandBCE())
     assert [(r["origin"]["phase"], r["origin"].get("op")) for r in reporter.skips] == [("loss", "log(sigmoid)")] * 4
+    from lightning_amp_plus.callbacks._skip_text import describe_origin
+
+    assert describe_origin(reporter.skips[1]["origin"]) == (  # the skip line's words
+        "born in the loss (every watched module output was finite; it takes the log(sigmoid) of float16 values)"
+    )
     (advice,) = [a for a in advisor.advice if a.code == "nonfinite_loss"]
     assert "its code takes the log(sigmoid) of float16 values" in advice.message
     assert advice.fix.startswith(
