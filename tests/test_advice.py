@@ -287,6 +287,7 @@ def test_offline_figures_and_what_they_cannot_tell():
         "model_nonfinite",
         "fp32_module",
         "own_code",
+        "nonfinite_batches",
         "zero_gradients",
         "max_scale",
         "silent_fp32",

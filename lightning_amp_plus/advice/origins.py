@@ -41,10 +41,7 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     bad = phases[Phase.INPUT] + phases[Phase.LOSS]
     if not most(bad, len(origins), half=True):
         return None
-    guard = (
-        "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
-        ' "inf/nan in the batch"  # first line of training_step; then fix the data pipeline'
-    )
+    guard = _GUARD
     at_loss = [o for o in origins if o.phase is Phase.LOSS]
     if phases[Phase.INPUT] >= phases[Phase.LOSS]:
         what = f"the batch's inf/nan reached the model in {phases[Phase.INPUT]} of {len(origins)} skipped updates"
@@ -71,6 +68,42 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
         f"{what[0].upper()}{what[1:]}: not a scaling problem (no loss scale or fp32 island fixes it).",
         fix,
         {"input": phases[Phase.INPUT], "loss": phases[Phase.LOSS], "told": len(origins)},
+    )
+
+
+#: the batch guard a batch-born skip's fix is
+_GUARD = (
+    "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
+    ' "inf/nan in the batch"  # first line of training_step; then fix the data pipeline'
+)
+
+
+@rule(
+    "nonfinite_batches",
+    evidence="Fewer than half the skips with a known origin were born in the batch (it held inf/nan, and they "
+    "reached the model or the loss): a problem of its own, told beside what explains the other skips.",
+    fix="A guard on the batch as the first line of `training_step`; then fix those records in the data pipeline.",
+    look_alike="A batch whose inf/nan the step replaces before any module or the loss reads them.",
+    blind="only live: `advise` cannot see it",
+    measured=_origins_measured,
+    explains_skips=False,
+)
+def _nonfinite_batches(figures: RunFigures) -> Optional[Advice]:
+    """Batch-born skips too few for ``nonfinite_loss``: every distinct problem gets its line (a NaN record)."""
+    origins = _known_origins(figures)
+    # watched: the batch's inf/nan seen reaching a module or the loss (unwatched, a batch may hold masked labels)
+    batch = [o for o in origins if o.phase is Phase.INPUT and o.reason is None]
+    bad = sum(1 for o in origins if o.phase in (Phase.INPUT, Phase.LOSS))
+    if not batch or most(bad, len(origins), half=True):  # nonfinite_loss says it
+        return None
+    steps = [o.step for o in batch if o.step is not None]
+    at = f" (step {', '.join(map(str, steps[:5]))}{', ...' if len(steps) > 5 else ''})" if steps else ""
+    return Advice(
+        "nonfinite_batches",
+        f"{len(batch)} of {len(origins)} skipped updates {'was' if len(batch) == 1 else 'were'} born in the batch"
+        f"{at}: the data held inf/nan there, a problem apart from what explains the other skips.",
+        _GUARD,
+        {"batch": len(batch), "told": len(origins), "steps": steps},
     )
 
 

@@ -119,6 +119,7 @@ CODES = (
     "own_code",
     "bf16",
     "backward_skips",
+    "nonfinite_batches",
     "zero_gradients",
     "init_scale",
     "max_scale",

@@ -596,7 +596,7 @@ def test_the_advise_command_gives_what_the_logged_series_support(tmp_path, capsy
     assert out[2] == f"    fix: {next(a.fix for a in advisor.advice if a.code == 'init_scale')}"
     assert out[3] == (
         "not checked (they need the live callback, `AmpAdvisor`): nonfinite_loss, model_nonfinite, fp32_module,"
-        " own_code, zero_gradients, max_scale, silent_fp32, fused_optimizer"
+        " own_code, nonfinite_batches, zero_gradients, max_scale, silent_fp32, fused_optimizer"
     )
 
 
@@ -1414,3 +1414,39 @@ def test_the_fused_fix_copies_neither_of_two_calls_that_could_have_built_the_opt
     module = Branches()
     ((_, entry),) = candidates([module.configure_optimizers()], module)
     assert entry["fused_call"] == "torch.optim.Adam(self.parameters(), lr=0.003, fused=True)"  # the values it ran with
+
+
+def _one_nan_record(nan):
+    """12 batches of 4 rows; with ``nan``, one record of the 5th batch (step 4) holds a NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 8, generator=g)
+    if nan:
+        x[17, 3] = float("nan")
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True) * 0.1), batch_size=4)
+
+
+class Guarded(Overflowing):
+    """The printed guard, pasted as the first line of ``training_step``."""
+
+    def training_step(self, batch, batch_idx):
+        assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()), (
+            "inf/nan in the batch"
+        )
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("nan", [True, False])
+def test_a_nan_record_among_forward_overflows_gets_a_line_of_its_own_and_its_guard_finds_the_batch(nan):
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, min_scale=0.0)
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=12).fit(Overflowing(), _one_nan_record(nan))
+    if not nan:  # the healthy look-alike of this finding: every skip a forward overflow
+        assert "nonfinite_batches" not in codes(advisor)
+        return
+    assert codes(advisor)[:2] == ["fp32_module", "nonfinite_batches"]  # each problem its line, the larger first
+    advice = only(advisor, "nonfinite_batches")
+    assert advice.message.startswith("1 of 11 skipped updates was born in the batch (step 4): the data held inf/nan")
+    guard = AmpPlusPrecision("16-mixed", init_scale=1024.0, min_scale=0.0)
+    with pytest.raises(AssertionError, match="inf/nan in the batch"):  # the guard, pasted, stops at that batch
+        make_trainer(plugins=[guard], max_steps=12).fit(Guarded(), _one_nan_record(nan))
+    assert guard.history.num_steps == 4  # steps 0 to 3 ran: the record is in batch 4
