@@ -49,9 +49,8 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False, to_loss: bool
     (a mask there, or an overflow to ``-inf``: observation cannot tell, and a fix runs both in float32); where the code
     around a call made it, that code is named (no island holds it).
 
-    A call's ``+inf``/NaN count where they reach (:func:`_reaches`): an output no later call takes while another call
-    makes its own is unused (a router's unused choice); the output of a module with forward hooks of its own is read
-    before they acted, and counts only where a later call takes it or a call around it gives it.
+    The output of a module with forward hooks of its own is read before they acted: its ``+inf``/NaN count where a
+    later call takes them or a call around it gives them (:func:`_reaches`); one a hook cleaned does not.
 
     ``to_loss``: the loss is inf (not NaN) and nothing else was born: a module's half-precision ``-inf`` no later call
     took went to the loss, born in that module (a head that overflows to ``-inf``; float32 there tells a mask apart).
@@ -84,7 +83,7 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False, to_loss: bool
                 maker, taken = (True, ~index, position), False
             elif kind is not None and kind != "-inf16":
                 if not fed:
-                    if _reaches(events, position, calls, hooked=len(rest) >= 2):
+                    if len(rest) < 2 or _reaches(events, position, calls):
                         return Born(~index, kind, position)
                     continue
                 by_module, by, at = maker  # type: ignore[misc]
@@ -94,19 +93,20 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False, to_loss: bool
     return None
 
 
-def _reaches(events: list[tuple[Any, ...]], position: int, around: list[int], hooked: bool = False) -> bool:
-    """Whether the ``+inf``/NaN the call ending at ``position`` gave count as born there (:func:`first_born`).
+def _reaches(events: list[tuple[Any, ...]], position: int, around: list[int]) -> bool:
+    """Whether the ``+inf``/NaN the call ending at ``position`` gave reach a later call (:func:`first_born`).
 
-    They count where they reach: the first event after it holding inf/nan decides. A call's inputs, or the output of
-    a call around it: yes. Another call's output, born there from finite inputs: no (this output went unused: a
-    router's unused choice, a sentinel). None: yes (the step's own code may hand them to the loss), except for a
-    module with forward hooks of its own (``hooked``): its output was read before they acted, and one may have
-    cleaned it. ``around``: the calls in progress around it.
+    Asked of a module with forward hooks of its own: its output was read before they acted (one may have cleaned
+    it). ``around``: the calls in progress around it. The first event after it holding them decides: a call's inputs
+    or the output of a call around it, yes; another call's output (born there) or none, no.
+
+    Not asked of other modules: an output the step's own code hands to the loss (a teacher's target) holds the same
+    events as an unused one (a router's +inf sentinel), so an unhooked module's output counts where it is born.
     """
     for index, kind, *_ in events[position + 1 :]:
         if kind in ("inf", "nan"):
             return index >= 0 or ~index in around
-    return not hooked
+    return False
 
 
 def read_origin(
