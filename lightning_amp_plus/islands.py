@@ -12,6 +12,7 @@ import difflib
 import fnmatch
 import functools
 import importlib
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -32,11 +33,21 @@ def _resolve_class(entry: str) -> type | None:
 
 
 def _module_of(entry: str) -> Any:
-    """The Python module ``entry``'s part before its last dot imports (None: none does, or ``entry`` is a pattern)."""
+    """The Python module ``entry``'s part before its last dot imports (None: none does, or ``entry`` is a pattern).
+
+    Only a class path is imported: dotted identifiers whose last part reads as a class (``torch.nn.LayerNorm``), or
+    whose module is imported already. A module name (``towers.1.0``, ``encoder.attn``) never imports anything: a
+    script or package of the same name would run.
+    """
     if "." not in entry or any(ch in entry for ch in "*?[]"):
         return None
+    path, _, attr = entry.rpartition(".")
+    if not all(part.isidentifier() for part in entry.split(".")):
+        return None
+    if not attr[:1].isupper() and path not in sys.modules:
+        return None
     try:
-        return importlib.import_module(entry.rpartition(".")[0])
+        return importlib.import_module(path)
     except (ImportError, ValueError):
         return None
 

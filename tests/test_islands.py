@@ -1,4 +1,6 @@
 import pytest
+import sys
+
 import torch
 from torch import nn
 
@@ -188,3 +190,13 @@ def test_a_module_name_with_pattern_characters_selects_that_module_as_printed():
         assert (model.heads["proj[0]"](x).dtype, model.heads["proj0"](x).dtype) == (torch.float32, torch.float16)
     islands.remove()
     assert Fp32Islands(["heads.proj?"]).match(model) == ["heads.proj0"]  # a pattern still selects by pattern
+
+
+def test_a_module_name_never_imports_a_script_of_the_same_name(tmp_path, monkeypatch):
+    """`fp32_modules=["towers.1.0"]` names a module of the model: a `towers.py` on the path is never run for it."""
+    (tmp_path / "ampplus_towers.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin = AmpPlusPrecision("16-mixed", fp32_modules=["ampplus_towers.1.0", "ampplus_towers.head"])
+    assert plugin.fp32_modules == ["ampplus_towers.1.0", "ampplus_towers.head"]
+    assert not (tmp_path / "ran").exists()
+    assert "ampplus_towers" not in sys.modules
