@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -976,3 +977,62 @@ def test_a_module_whose_forward_a_library_set_on_its_instance_is_measured_in_flo
     plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, fp32_modules=["net.lin"])
     make_trainer(plugins=[plugin], max_steps=4).fit(_tiny(_HookedTower()))
     assert plugin.history.num_skipped == 0  # measured: the island the replay claims ends the skips
+
+
+class _ThreeTowers(LightningModule):
+    """Three towers of two Linears. Tower k's first overflows float16 (8e4) on the batches whose slice k is loud, and
+    its float32 output overflows the second in turn. Each module makes a minority of the skips (issue 52)."""
+
+    def __init__(self):
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(3))
+        with torch.no_grad():
+            for tower in self.towers:
+                tower[0].weight.fill_(1e3)
+                tower[0].bias.zero_()
+                tower[2].weight.fill_(1e-4)
+                tower[2].bias.zero_()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return sum(t(x[:, 8 * k : 8 * k + 8]).float().mean() for k, t in enumerate(self.towers)) ** 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _three_towers_fit(plugin, callbacks=()):
+    x = torch.rand(24, 4, 24, generator=torch.Generator().manual_seed(0))
+    for i in range(1, 24, 4):  # 6 of 24 batches (25%), each tower loud on 2 of them
+        k = (i // 4) % 3
+        x[i, :, 8 * k : 8 * k + 8] = 10.0
+    torch.manual_seed(0)
+    make_trainer(plugins=[plugin], callbacks=list(callbacks), max_steps=24).fit(
+        _ThreeTowers(), DataLoader(TensorDataset(x.reshape(96, 24)), batch_size=4)
+    )
+    return plugin
+
+
+def test_three_towers_each_a_minority_get_the_union_and_the_second_run_prints_the_fix_that_trains():
+    """Run 1 names the three first Linears (the union: none makes most skips); run 2, with them, names the three
+    second Linears their float32 outputs overflow, beside the given islands (six: not a chain too long for float16);
+    the fix it prints, pasted, trains with no forward-born skip."""
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0)
+    fixes = []
+    for _ in range(3):
+        advisor = AmpAdvisor(print_advice=False)
+        plugin = _three_towers_fit(plugin, [advisor])
+        if not advisor.advice or advisor.advice[0].code != "fp32_module":
+            break
+        assert "auto_islands=True" in advisor.advice[0].message  # the way to the islands in one run
+        fixes.append(advisor.advice[0].fix)
+        plugin = eval(fixes[-1], {"AmpPlusPrecision": AmpPlusPrecision})
+    firsts = ", ".join(f'"towers.{k}.0"' for k in (1, 2, 0))  # the most frequent first
+    seconds = ", ".join(f'"towers.{k}.2"' for k in (1, 2, 0))
+    assert fixes == [
+        f'AmpPlusPrecision("16-mixed", init_scale=2.0**0, min_scale=0.0, fp32_modules=[{firsts}])',
+        f'AmpPlusPrecision("16-mixed", init_scale=2.0**0, min_scale=0.0, fp32_modules=[{firsts}, {seconds}])',
+    ]
+    assert plugin.history.skipped_steps == []  # the pasted fix trains: no skip at all
+    _three_towers_fit(plain := AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0))
+    assert plain.history.skipped_steps == [0, 1, 5, 9, 13, 17, 21]  # without: every loud batch skips

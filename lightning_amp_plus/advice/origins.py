@@ -198,7 +198,8 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     'modules did together. The watch names the module; a replay (`find_origin="replay"`) also '
     "measures its islands finite in float32.",
     fix='`fp32_modules=[..., "that.module"]`, your own islands kept. Born there again in float32: '
-    "`model_nonfinite`. Born in the next module: it joins.",
+    "`model_nonfinite`. Born in the next module: it joins. Up to 4 new modules a run; with 4 islands given and "
+    "values born in another module still: `bf16`.",
     look_alike="A NaN the model makes in float32 too. An overflow no island contains (`bf16`).",
     blind="only live: `advise` cannot see it",
     measured=_origins_measured,
@@ -226,8 +227,8 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             if o.name == name:
                 islands += [i for i in o.islands or _watched_islands(o) if i not in islands]
     watched = any(o.observed for o in fixable)
-    if watched and len(islands) > MAX_ISLANDS:
-        return None  # a chain of islands that long: bf16 (below)
+    if watched and (len(given) >= MAX_ISLANDS or len(islands) - len(given) > MAX_ISLANDS):
+        return None  # a chain of islands that long, or that many modules at once: bf16 (below)
     born = set(modules)
     kinds = Counter(o.kind for o in fixable)
     fed = sorted({o.fed_by for o in fixable if o.fed_by in islands and o.fed_by not in born and o.fed_by not in given})
