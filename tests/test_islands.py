@@ -1,6 +1,6 @@
-import pytest
 import sys
 
+import pytest
 import torch
 from torch import nn
 

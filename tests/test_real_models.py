@@ -193,7 +193,8 @@ def test_auto_islands_find_a_feed_forward_chain_in_one_run_and_the_printed_fix_t
     assert [r["origin"].get("module") for r in reporter.skips] == [None, first, consumer]
     assert plugin.history.skipped_steps == [0, 1, 2]  # steps 3 to 7 applied: nothing born in forward after
     fix = plugin.auto_islands_fix()
-    assert fix is not None and f'fp32_modules=["{first}", "{consumer}"]' in fix
+    assert fix is not None
+    assert f'fp32_modules=["{first}", "{consumer}"]' in fix
     plain = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0)
     _chain_fit(kind, plain)
     assert plain.history.num_skipped == 8  # without islands every update skips
