@@ -13,6 +13,18 @@ from lightning_amp_plus.history import ScaleHistory
 from lightning_amp_plus.syncs import FlagPeek
 
 
+class _Read:
+    """A flag the history read already, held as a :class:`FlagPeek` is (its value is on the host)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: float) -> None:
+        self._value = value
+
+    def value(self, wait: bool = False) -> float:
+        return self._value
+
+
 class DeviceSkipProbe:
     """Holds a device-decided update's flag copy and its batch until the flag is on the host, then tells of it.
 
@@ -23,7 +35,8 @@ class DeviceSkipProbe:
     """
 
     def __init__(self) -> None:
-        self.held: Optional[tuple[int, FlagPeek, Optional[BatchRecord]]] = None  # a flag in flight, with its batch
+        # a flag in flight (or read already), with its batch
+        self.held: Optional[tuple[int, FlagPeek | _Read, Optional[BatchRecord]]] = None
         self._probed_upto = -1  # the last update whose flag was held
         self._told: dict[int, Any] = {}
 
@@ -41,6 +54,8 @@ class DeviceSkipProbe:
         self._probed_upto = step
         if isinstance(found, Tensor):
             self.held = (step, FlagPeek(found), calls)
+        elif found > 0:  # read on the host already (another callback flushed the history first): told at once
+            self.held = (step, _Read(float(found)), calls)
 
     def look(self, read: Callable[[Optional[BatchRecord], int], Any], wait: bool) -> Optional[int]:
         """Tell the held batch's origin if its flag is on the host (``wait``: read it anyway).
