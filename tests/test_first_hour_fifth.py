@@ -158,3 +158,55 @@ def test_a_fit_that_raises_after_the_advice_was_given_is_not_left_healthy(tmp_pa
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AmpAdvisor")]
     assert "RuntimeError: export failed" in said[-1]
     assert json.loads((tmp_path / "advice.json").read_text())["healthy"] is False
+
+
+class _Big(torch.nn.Module):
+    """A Linear whose float16 output overflows on every 7th call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        return y * 1e5 if self.calls % 7 == 0 else y
+
+
+class _ThreeProblems(TinyModel):
+    """A hand-written BCE on float16 sigmoid outputs, a module that overflows now and then, and (in the data) one
+    NaN record: three distinct problems."""
+
+    def __init__(self):
+        super().__init__(lr=0.5, optimizer="adam")
+        self.inp, self.big, self.head = torch.nn.Linear(8, 16), _Big(), torch.nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        p = torch.sigmoid(self.head(torch.relu(self.big(self.inp(x)))))
+        return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def test_every_distinct_problem_gets_its_line_most_important_first():
+    """Break pass on issue 54: three problems gave one line (the loss's); the module's overflow and the NaN record
+    were in `skips.json` only. Each now gets its line, most important first."""
+    torch.manual_seed(0)
+    x = torch.randn(64 * 40, 8)
+    y = (x[:, :1] > 0).float()
+    x = x * 30
+    x[15 * 64 + 3, 2] = float("nan")
+    advisor = AmpAdvisor(print_advice=False)
+    reporter = NaNSkipReporter(max_warnings=0, max_consecutive_skips=None)
+    trainer = make_trainer(plugins=[AmpPlusPrecision("16-mixed")], callbacks=[reporter, advisor], max_steps=40)
+    with pytest.raises(LossScaleCollapseError):  # the loss's problem walks the scale to its floor
+        trainer.fit(_ThreeProblems(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64))
+    origins = [r["origin"].get("module") or r["origin"]["phase"] for r in reporter.skips]
+    assert {"loss", "big", "input"} <= set(origins)
+    # and a fourth: the first 5 updates overflowed in backward while the scale came down from 2^16
+    assert origins[:5] == ["backward"] * 5
+    assert [a.code for a in advisor.advice] == ["nonfinite_loss", "fp32_module", "nonfinite_batches", "init_scale"]
+    loss, module, batch, _ = advisor.advice
+    assert "binary_cross_entropy_with_logits" in loss.fix
+    assert module.fix.endswith('fp32_modules=["big"])')
+    assert f"born in the batch (step {15})" in batch.message

@@ -71,6 +71,13 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     )
 
 
+def _loss_tells_the_batch(origins: list[Origin]) -> bool:
+    """Whether ``nonfinite_loss`` speaks of the batch: the batch and the loss make half the skips, the batch most."""
+    phases = Counter(o.phase for o in origins)
+    bad = phases[Phase.INPUT] + phases[Phase.LOSS]
+    return most(bad, len(origins), half=True) and phases[Phase.INPUT] >= phases[Phase.LOSS]
+
+
 #: the batch guard a batch-born skip's fix is
 _GUARD = (
     "assert all(torch.isfinite(t).all() for t in batch if torch.is_tensor(t) and t.is_floating_point()),"
@@ -80,8 +87,9 @@ _GUARD = (
 
 @rule(
     "nonfinite_batches",
-    evidence="Fewer than half the skips with a known origin were born in the batch (it held inf/nan, and they "
-    "reached the model or the loss): a problem of its own, told beside what explains the other skips.",
+    evidence="Skips born in the batch (it held inf/nan, and they reached the model or the loss) that "
+    "`nonfinite_loss` does not tell (it tells the batch where batch and loss make half the skips, the batch most): "
+    "a problem of its own, told beside what explains the other skips.",
     fix="A guard on the batch as the first line of `training_step`; then fix those records in the data pipeline.",
     look_alike="A batch whose inf/nan the step replaces before any module or the loss reads them.",
     blind="only live: `advise` cannot see it",
@@ -93,8 +101,7 @@ def _nonfinite_batches(figures: RunFigures) -> Optional[Advice]:
     origins = _known_origins(figures)
     # watched: the batch's inf/nan seen reaching a module or the loss (unwatched, a batch may hold masked labels)
     batch = [o for o in origins if o.phase is Phase.INPUT and o.reason is None]
-    bad = sum(1 for o in origins if o.phase in (Phase.INPUT, Phase.LOSS))
-    if not batch or most(bad, len(origins), half=True):  # nonfinite_loss says it
+    if not batch or _loss_tells_the_batch(origins):
         return None
     steps = [o.step for o in batch if o.step is not None]
     at = f" (step {', '.join(map(str, steps[:5]))}{', ...' if len(steps) > 5 else ''})" if steps else ""
@@ -196,7 +203,7 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     "fp32_module",
     evidence="One module's forward made the inf/nan in over half the told skips (2 at least), or several "
     'modules did together. The watch names the module; a replay (`find_origin="replay"`) also '
-    "measures its islands finite in float32.",
+    "measures its islands finite in float32. Fewer: told as a problem apart from what explains the others.",
     fix='`fp32_modules=[..., "that.module"]`, your own islands kept. Born there again in float32: '
     "`model_nonfinite`. Born in the next module: it joins. Up to 4 new modules a run; with 4 islands given and "
     "values born in another module still: `bf16`.",
@@ -213,7 +220,8 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     """
     origins = _known_origins(figures)
     fixable = [o for o in origins if o.observed or (o.overflow and o.islands)]
-    if not most(len(fixable), len(origins), least=2):
+    apart = 2 * len(fixable) <= len(origins)  # half or fewer: a problem of its own beside the others, told too
+    if not fixable:
         return None
     modules = Counter(o.name for o in fixable)
     module, count = modules.most_common(1)[0]
@@ -254,10 +262,13 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
         )
     else:
         said = f": {whose} overflows float16{also}.{took} A replay with these islands computed finite values."
+    if apart:
+        where += f" of {len(origins)} skipped updates, a problem apart from what explains the others"
+    else:
+        where += f" of {len(origins)} skipped updates"
     return Advice(
         "fp32_module",
-        f"Non-finite values were born in {where} of {len(origins)} skipped updates"
-        f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}){said}",
+        f"Non-finite values were born in {where} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}){said}",
         plugin_fix(figures, fp32_modules=islands),
         {
             "module": module,
