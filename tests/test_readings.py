@@ -723,10 +723,10 @@ class _HandBCE(LightningModule):
     ``fixed``: the loss line the advice prints, as printed.
     """
 
-    def __init__(self, fixed=False):
+    def __init__(self, fixed=False, eps=0.0):
         super().__init__()
         self.net = nn.Linear(8, 1)
-        self.fixed = fixed
+        self.fixed, self.eps = fixed, eps
         with torch.no_grad():
             self.net.weight.zero_()
             self.net.bias.fill_(20.0)
@@ -737,6 +737,8 @@ class _HandBCE(LightningModule):
         if self.fixed:
             return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), target.float())
         p = torch.sigmoid(logits)
+        if self.eps:  # the common guard, which float16 rounds away (1e-8 is 0 there)
+            return -(target * torch.log(p + self.eps) + (1 - target) * torch.log(1 - p + self.eps)).float().mean()
         return -(target * torch.log(p) + (1 - target) * torch.log(1 - p)).float().mean()
 
     def configure_optimizers(self):
@@ -747,11 +749,13 @@ class _HandBCE(LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
 
-def test_a_loss_that_takes_the_log_of_a_saturated_float16_sigmoid_is_named_and_its_printed_loss_line_trains():
+@pytest.mark.parametrize("eps", [0.0, 1e-8])
+def test_a_loss_that_takes_the_log_of_a_saturated_float16_sigmoid_is_named_and_its_printed_loss_line_trains(eps):
+    """``eps``: `log(p + 1e-8)`, the usual guard, is named too (break pass on issue 54: it got the template fix)."""
     reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, max_warnings=0)
     advisor = AmpAdvisor(print_advice=False)
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, min_scale=0.0)
-    make_trainer(plugins=[plugin], callbacks=[reporter, advisor], max_steps=4).fit(_HandBCE())
+    make_trainer(plugins=[plugin], callbacks=[reporter, advisor], max_steps=4).fit(_HandBCE(eps=eps))
     assert [(r["origin"]["phase"], r["origin"].get("op")) for r in reporter.skips] == [("loss", "log(sigmoid)")] * 4
     from lightning_amp_plus.callbacks._skip_text import describe_origin
 

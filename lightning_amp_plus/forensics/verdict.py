@@ -164,7 +164,13 @@ def read_origin(
 #: the ops that saturate in half precision, by the autograd node they leave: a log of their output is log(0)
 _SATURATING = {"SigmoidBackward0": "log(sigmoid)", "SoftmaxBackward0": "log(softmax)"}
 #: the nodes a saturated value passes through on its way to the log (``1 - p``, a cast, a clamp that keeps 0)
-_ON_THE_WAY = frozenset({"RsubBackward1", "RsubBackward0", "NegBackward0", "ToCopyBackward0", "SubBackward0"})
+_ON_THE_WAY = frozenset(
+    {"RsubBackward1", "RsubBackward0", "NegBackward0", "ToCopyBackward0", "SubBackward0", "ClampMinBackward0"}
+    | {"ClampBackward1"}
+)
+#: a node on the way where its other input is a constant (``p + 1e-8``: the loss was inf, so the eps did not help;
+#: 1e-8 is 0 in float16)
+_WITH_A_CONSTANT = frozenset({"AddBackward0", "AddBackward1"})
 #: the loss graph's nodes read at most (names only: after backward, autograd keeps no value)
 _NODES = 2000
 
@@ -179,6 +185,8 @@ def log_of(losses: list[Tensor]) -> Optional[str]:
         >>> logits = torch.tensor([12.0], dtype=torch.float16, requires_grad=True)
         >>> log_of([-(1 - torch.sigmoid(logits)).log().float().mean()])
         'log(sigmoid)'
+        >>> log_of([-torch.log(1 - torch.sigmoid(logits) + 1e-8).float().mean()])  # 1e-8 is 0 in float16
+        'log(sigmoid)'
     """
     seen: set[Any] = set()
     stack: list[Any] = [loss.grad_fn for loss in losses if loss.grad_fn is not None]
@@ -189,8 +197,12 @@ def log_of(losses: list[Tensor]) -> Optional[str]:
         seen.add(node)
         if type(node).__name__ == "LogBackward0":
             found = node.next_functions[0][0] if node.next_functions else None
-            for _ in range(3):  # through `1 - p`, a cast
-                if found is None or type(found).__name__ not in _ON_THE_WAY:
+            for _ in range(4):  # through `1 - p`, `+ eps`, a clamp, a cast
+                if found is None:
+                    break
+                name = type(found).__name__
+                constant = name in _WITH_A_CONSTANT and any(f is None for f, _ in found.next_functions)
+                if name not in _ON_THE_WAY and not constant:
                     break
                 found = found.next_functions[0][0] if found.next_functions else None
             if found is not None and type(found).__name__ in _SATURATING:
