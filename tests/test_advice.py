@@ -292,9 +292,11 @@ def test_offline_figures_and_what_they_cannot_tell():
         "model_nonfinite",
         "fp32_module",
         "own_code",
+        "backward_skips",  # live-only, as the docs say (break pass on issue 54: the list left it out)
         "nonfinite_batches",
         "zero_gradients",
         "max_scale",
+        "hysteresis",  # needs the knobs (the cap), which this log does not hold
         "silent_fp32",
         "fused_optimizer",
     ]
@@ -623,7 +625,10 @@ def test_what_the_offline_figures_cannot_tell():
     assert needs_live(live) == []
     unmeasured = RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=None, knobs={})
     assert needs_live(unmeasured) == ["zero_gradients", "max_scale"]
-    assert needs_live(RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=[], knobs=None)) == ["max_scale"]
+    assert needs_live(RunFigures(origins=[], fp32_rows=[], non_fused=[], underflow=[], knobs=None)) == [
+        "max_scale",
+        "hysteresis",
+    ]
     with pytest.raises(ValueError, match=r"amp/loss_scale at step 2 is -5.0: not a loss scale"):
         figures_from_series({"amp/loss_scale": [(0, 4.0), (2, -5.0)]})
     bf16 = figures_from_series({"amp/skipped_steps": [(0, 0.0), (3, 1.0)], "amp/step_skipped": [(3, 1.0)]})
@@ -1029,3 +1034,31 @@ def test_every_code_has_one_rule_kept_in_the_order_of_importance():
     assert tuple(RULES) == CODES  # each family's file declared its codes; the order is CODES', not the imports'
     with pytest.raises(ValueError, match="'made_up' is not in CODES"):
         rule("made_up", evidence="", fix="", look_alike="")
+
+
+def test_offline_init_scale_says_the_log_cannot_tell_where_its_skips_were_born():
+    """A log without the reporter's `skip_loss_nonfinite` cannot tell a NaN batch from the scale's calibration: the
+    init_scale line says so (break pass on issue 54); with it, skips whose loss was inf/nan do not count."""
+    curve = [(0, 2.0**16), (1, 2.0**15), (2, 2.0**14)]
+    unknown = run(curve, [0, 1], 20, origins=None)
+    (advice,) = advise(unknown)
+    assert advice.code == "init_scale"
+    assert "The log does not say where they were born" in advice.message
+    told = run(curve, [0, 1], 20, origins=None, loss_nonfinite=[0, 1])
+    assert "init_scale" not in codes(told)
+    (rate,) = advise(told)
+    assert rate.code == "skip_rate"
+    assert "2 were born before backward (the loss was already inf/nan" in rate.message
+    assert "The log does not say" not in advise(run(curve, [0, 1], 20, origins=None, loss_nonfinite=[]))[0].message
+
+
+def test_skip_rate_says_bf16_has_no_scale_to_settle_and_no_rest_where_nothing_applied():
+    """Break pass on issue 54: a bf16 run was told what "a settling loss scale" skips; a run with every update
+    skipped, that "the weights moved on the rest"."""
+    bf16 = RunFigures(precision="bf16-mixed", num_updates=20, last_step=19, skipped=[3, 9], origins=[])
+    (advice,) = advise(bf16)
+    assert "bf16 has no loss scale to settle" in advice.message
+    assert "settling loss scale" not in advice.message
+    none = run([(0, 1.0)], list(range(5)), 4, origins=None)
+    (advice,) = [a for a in advise(none) if a.code == "skip_rate"]
+    assert advice.message.endswith("No rule here explains why: no update was applied.")

@@ -140,8 +140,42 @@ def test_offline_advise_never_says_backward_skips_of_a_forward_born_run(tmp_path
     main(["advise", logger.log_dir])
     out = capsys.readouterr().out
     assert "skipped" in out  # the log's skips are read
-    assert "backward_skips" not in out
+    assert "[backward_skips]" not in out  # no finding of it (the "not checked" line lists it)
     assert "forward and loss finite" not in out
+
+
+class _NaNStart(TinyModel):
+    """Its first three batches' losses are NaN (a corrupt start): skips no loss scale causes, at the run's start."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step < 3 else loss
+
+
+@pytest.mark.parametrize("kind", ["csv", "tb"])
+def test_offline_advise_never_calls_batch_born_leading_skips_the_init_scale(tmp_path, capsys, kind):
+    """Break pass on issue 54: offline, three NaN-loss skips at the start were told `init_scale` (the scale's
+    calibration). The reporter now logs whether each skip's loss was already inf/nan; `advise` reads it."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_amp_plus import LossScaleMonitor
+    from lightning_amp_plus.__main__ import main
+
+    logger = {"csv": CSVLogger, "tb": TensorBoardLogger}[kind](tmp_path, name="run")
+    callbacks = [LossScaleMonitor(), NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)]
+    plugin = AmpPlusPrecision("16-mixed")
+    make_trainer(plugins=[plugin], callbacks=callbacks, logger=logger, max_steps=12, log_every_n_steps=1).fit(
+        _NaNStart()
+    )
+    if kind == "tb":
+        logger.experiment.flush()
+    assert plugin.history.skipped_steps == [0, 1, 2]
+    capsys.readouterr()
+    main(["advise", logger.log_dir])
+    out = capsys.readouterr().out
+    assert "init_scale" not in out
+    assert "3 were born before backward (the loss was already inf/nan" in out
+    assert "looks healthy" not in out
 
 
 class _RaisesAtTrainEnd(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
@@ -210,3 +244,15 @@ def test_every_distinct_problem_gets_its_line_most_important_first():
     assert "binary_cross_entropy_with_logits" in loss.fix
     assert module.fix.endswith('fp32_modules=["big"])')
     assert f"born in the batch (step {15})" in batch.message
+
+
+def test_a_skip_line_says_a_minus_inf_loss_as_the_record_holds_it(caplog):
+    """Break pass on issue 54: a first skip, read from a loss of -inf, said "the loss was inf" (its record: "-inf")."""
+    reporter = NaNSkipReporter(max_consecutive_skips=None)
+    with caplog.at_level(logging.INFO, logger="lightning_amp_plus"):
+        make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=8.0)], callbacks=[reporter], max_steps=4).fit(
+            TinyModel(poison={1: "-inf"})
+        )
+    assert reporter.skips[0]["loss"] == "-inf"
+    (line,) = [r.getMessage() for r in caplog.records if "step 1 skipped" in r.getMessage()]
+    assert "(the loss was -inf;" in line

@@ -15,6 +15,7 @@ from lightning_amp_plus.advice.figures import (
     _high_underflow,
     _known_origins,
     _measured,
+    _origins_measured,
     _referenced,
     most,
 )
@@ -178,6 +179,7 @@ def _bf16_at_floor(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
     "says if float32 makes it too. Then `model_nonfinite` or `bf16`.",
     look_alike="Overflows at `min_scale` with a measured range cause (`bf16`).",
     blind="only live: `advise` cannot see it",
+    measured=_origins_measured,
 )
 def _backward_skips(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or figures.origins is None:

@@ -33,11 +33,21 @@ def _known_origins(figures: RunFigures, unnamed: bool = False) -> list[Origin]:
     return typed if unnamed else [o for o in typed if not o.unnamed]
 
 
+def _origins_measured(figures: RunFigures) -> bool:
+    """Whether the run's origins were told (live); offline a log holds none."""
+    return figures.origins is not None
+
+
+def _knobs_known(figures: RunFigures) -> bool:
+    """Whether the run's scaler knobs are known (live, or its plugin call logged at a fit from step 0)."""
+    return figures.knobs is not None
+
+
 def _scaling_skips(figures: RunFigures) -> list[int]:
     """The skipped steps a loss scale could have avoided.
 
     All but those born in the batch, the loss or a forward, and those whose float32 replay is non-finite too (a
-    backward that makes inf/nan at any scale).
+    backward that makes inf/nan at any scale). Offline, those whose loss the reporter logged inf/nan.
     """
     not_scaling = {
         o.step
@@ -45,6 +55,7 @@ def _scaling_skips(figures: RunFigures) -> list[int]:
         if o.step is not None
         and (o.phase in (Phase.INPUT, Phase.LOSS, Phase.FORWARD) or o.float32 is Verdict.NONFINITE)
     }
+    not_scaling.update(figures.loss_nonfinite or ())
     return [s for s in figures.skipped or [] if s not in not_scaling]
 
 

@@ -6,7 +6,13 @@ from typing import Optional
 
 from lightning_amp_plus._limits import scale_floor
 from lightning_amp_plus._series import value_at
-from lightning_amp_plus.advice.figures import _known_origins, _leading_skips, _measured, _scaling_skips
+from lightning_amp_plus.advice.figures import (
+    _knobs_known,
+    _known_origins,
+    _leading_skips,
+    _measured,
+    _scaling_skips,
+)
 from lightning_amp_plus.advice.fix import _scale, plugin_fix
 from lightning_amp_plus.advice.registry import Advice, RunFigures, rule
 from lightning_amp_plus.forensics.origin import Phase
@@ -111,6 +117,7 @@ def _spikes(figures: RunFigures, interval: int, cap: float) -> list[int]:
     fix="`hysteresis=2`.",
     look_alike="The saw-tooth: each growth into the ceiling overflows once (`hysteresis=2` adds skips there).",
     blind="only live: it needs the cap",
+    measured=_knobs_known,
 )
 def _hysteresis(figures: RunFigures) -> Optional[Advice]:
     """Rare spikes at ``max_scale``, each halving a scale the run holds, where the halved scale loses gradient bits.
@@ -185,16 +192,27 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     leading, growths = _settling(figures)
     expected = leading + growths + 1
     early = [o for o in _known_origins(figures, unnamed=True) if o.phase not in (Phase.BACKWARD, Phase.UNKNOWN)]
+    # offline: the skips whose loss the reporter logged inf/nan (where, the log does not say)
+    early_logged = sorted(figures.loss_nonfinite or []) if figures.origins is None else []
     floor = _held_at_floor(figures)
-    if skipped < 2 and not early and not floor:
+    if skipped < 2 and not early and not early_logged and not floor:
         return None  # one skip alone: a scale's first meeting with the gradients
-    if rate < HIGH_SKIP_RATE and trailing < TRAILING_STREAK and skipped <= expected and not early and not floor:
+    calm = skipped <= expected and not early and not early_logged and not floor
+    if rate < HIGH_SKIP_RATE and trailing < TRAILING_STREAK and calm:
         return None
     saw = []
-    if skipped > expected:
+    if skipped > expected and not figures.curve:
+        saw.append("bf16 has no loss scale to settle: each skip is a gradient that held inf/nan")
+    elif skipped > expected:
         saw.append(
             f"a settling loss scale skips about {expected} here ({leading} leading, {growths} growth"
             f"{'s' if growths != 1 else ''}, one more)"
+        )
+    if early_logged:
+        saw.append(
+            f"{len(early_logged)} {'was' if len(early_logged) == 1 else 'were'} born before backward (the loss was"
+            " already inf/nan: the batch, a forward or the loss; the log does not say which), which no loss scale"
+            " causes"
         )
     if early:
         phases = sorted({o.phase.value for o in early})
@@ -212,7 +230,8 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     return Advice(
         "skip_rate",
         f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
-        " rule here explains why: the weights moved on the rest only.",
+        " rule here explains why: "
+        + ("no update was applied." if skipped >= figures.num_updates else "the weights moved on the rest only."),
         "AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter this run already had"
         if figures.reporter_logged
         else 'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
@@ -222,7 +241,7 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
             "rate": rate,
             "trailing_streak": trailing,
             "expected": expected,
-            "born_before_backward": len(early),
+            "born_before_backward": len(early) or len(early_logged),
             "at_floor": floor,
         },
     )

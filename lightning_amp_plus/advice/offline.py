@@ -57,6 +57,9 @@ def figures_from_series(
             figures.knobs = {**knobs.DEFAULTS, **given, "init_scale": figures.curve[0][1]}
     figures.skipped = skipped_steps(series, prefix)
     figures.reporter_logged = bool(series.get(prefix + "step_skipped"))
+    told = series.get(prefix + "skip_loss_nonfinite")
+    if told:
+        figures.loss_nonfinite = sorted(step for step, value in told if value > 0)
     underflow = dict(series.get(prefix + "underflow_fraction", []))
     headroom = dict(series.get(prefix + "headroom_bits", []))
     if underflow and figures.curve:

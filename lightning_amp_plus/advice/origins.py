@@ -9,14 +9,10 @@ from collections import Counter
 from typing import Optional
 
 from lightning_amp_plus._limits import MAX_ISLANDS
-from lightning_amp_plus.advice.figures import _known_origins, most
+from lightning_amp_plus.advice.figures import _known_origins, _origins_measured, most
 from lightning_amp_plus.advice.fix import _given_islands, plugin_fix
 from lightning_amp_plus.advice.registry import Advice, RunFigures, rule
 from lightning_amp_plus.forensics.origin import IN_ISLAND, Origin, Phase, Verdict
-
-
-def _origins_measured(figures: RunFigures) -> bool:
-    return figures.origins is not None
 
 
 def _model_made(figures: RunFigures) -> list[Origin]:

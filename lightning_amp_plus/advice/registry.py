@@ -63,6 +63,9 @@ class RunFigures:
             end (or unknown, offline).
         reporter_logged: offline, whether a ``NaNSkipReporter`` logged the skips (``step_skipped``): the run had one,
             and only a live advisor reads its origins; None: live, or not known.
+        loss_nonfinite: offline, the skipped steps whose loss was already inf/nan (the reporter's
+            ``skip_loss_nonfinite`` series): born in the batch, a forward or the loss, never the scale's. None: not
+            logged (live, the origins tell it).
     """
 
     precision: Optional[str] = None
@@ -80,6 +83,7 @@ class RunFigures:
     plugin_args: dict[str, Any] = field(default_factory=dict)
     ended: Optional[str] = None
     reporter_logged: Optional[bool] = None
+    loss_nonfinite: Optional[list[int]] = None
 
 
 @dataclass(frozen=True)

@@ -99,10 +99,16 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
         return None
     down = value_at(figures.curve, after)  # where the leading skips left it
     later = f", and settled at {_scale(settled)} before it first grew" if settled < down else ""
+    unknown = (
+        " The log does not say where they were born: a batch, a forward or a loss that held inf/nan looks the same"
+        " (a `NaNSkipReporter` logs it, and the scale then counts only skips it could avoid)."
+        if figures.origins is None and figures.loss_nonfinite is None
+        else ""
+    )
     return Advice(
         "init_scale",
         f"The first {leading} updates were skipped while the loss scale came down from {_scale(init)} to"
-        f" {_scale(down)}{later}: those batches trained nothing.",
+        f" {_scale(down)}{later}: those batches trained nothing.{unknown}",
         plugin_fix(figures, init_scale=settled),
         {"leading_skips": leading, "init_scale": init, "settled_scale": settled},
     )

@@ -55,7 +55,7 @@ def describe(record: dict[str, Any], hysteresis: int = 1, min_scale: float = 0.0
             parts.append(f"{o['name']} ({kinds})")
         more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
         where = "gradients non-finite in " + ", ".join(parts) + more
-    born = describe_origin(record.get("origin"))
+    born = describe_origin(record.get("origin"), record.get("loss"))
     if born:
         where = f"{born}; {where}"
     if record["scale"] is None:  # bf16-mixed: no loss scale
@@ -88,8 +88,11 @@ def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def describe_origin(told: Optional[dict[str, Any]]) -> str:
-    """``born in forward of encoder.3.ff (inf)`` and the like (from a record's origin); empty when not known."""
+def describe_origin(told: Optional[dict[str, Any]], loss: Any = None) -> str:
+    """``born in forward of encoder.3.ff (inf)`` and the like (from a record's origin); empty when not known.
+
+    ``loss``: the record's loss, whose ``"-inf"`` a loss read alone tells (an origin's kind says ``inf`` for both).
+    """
     try:
         origin = Origin.from_dict(told) if told else None
     except ValueError:  # a phase or verdict this version does not know
@@ -101,7 +104,8 @@ def describe_origin(told: Optional[dict[str, Any]]) -> str:
         if origin.module is None and origin.within is None:  # read from the loss: no module watched
             named = "no module named yet: " if origin.reason == WATCHING else ""
             # nothing watched yet tells a module's forward from the loss function: both said
-            return f"born in forward or in the loss (the loss was {origin.kind or 'inf/nan'}; {named}{origin.reason})"
+            was = loss if loss in ("inf", "-inf", "nan") else origin.kind or "inf/nan"
+            return f"born in forward or in the loss (the loss was {was}; {named}{origin.reason})"
         if origin.module is None:
             return f"born in forward of {origin.within} (the module inside: unknown, {origin.reason})"
         where = f"{origin.where} (between its module calls)" if origin.own_code else origin.where

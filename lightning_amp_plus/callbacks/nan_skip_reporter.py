@@ -452,6 +452,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             return
         if self._trainer is not None:
             metrics = {"step_skipped": 1.0, "consecutive_skips": float(self._consecutive)}
+            if record.get("loss") is not None:  # read: whether the loss was inf/nan before scaling (offline `advise`)
+                metrics["skip_loss_nonfinite"] = float(isinstance(record["loss"], str))
             log_to_all(self._trainer, {self.prefix + key: value for key, value in metrics.items()}, record["step"])
         if self._warned < self.max_warnings:
             self._warned += 1

@@ -596,7 +596,7 @@ def test_the_advise_command_gives_what_the_logged_series_support(tmp_path, capsy
     assert out[2] == f"    fix: {next(a.fix for a in advisor.advice if a.code == 'init_scale')}"
     assert out[3] == (
         "not checked (they need the live callback, `AmpAdvisor`): nonfinite_loss, model_nonfinite, fp32_module,"
-        " own_code, nonfinite_batches, zero_gradients, max_scale, silent_fp32, fused_optimizer"
+        " own_code, backward_skips, nonfinite_batches, zero_gradients, max_scale, silent_fp32, fused_optimizer"
     )
 
 
