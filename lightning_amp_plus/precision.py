@@ -486,8 +486,12 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
                 f" auto_islands is off. HINT: give `fp32_modules=[{names}]`, or `auto_islands=True`."
             )
 
+    def __repr__(self) -> str:
+        self._name_running_knobs()  # a knob set on the scaler since (`set_growth_interval`): named as it runs
+        return super().__repr__()
+
     def _name_running_knobs(self) -> None:
-        """After a checkpoint loaded: the repr and the logged call name the knobs that run."""
+        """The repr, the logged call and the fix lines name the knobs that run (after a checkpoint loaded, say)."""
         scaler = self.scaler
         if scaler is None or "scaler" in self._given:
             return

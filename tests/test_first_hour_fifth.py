@@ -109,6 +109,25 @@ def test_a_knob_not_given_on_resume_is_the_checkpoints_and_is_named(tmp_path):
     assert "growth_interval=50" in logged
 
 
+class _BackToTheDefault(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
+    def on_train_start(self, trainer, pl_module):
+        trainer.precision_plugin.scaler.set_growth_interval(2000)
+
+
+def test_a_knob_given_at_its_default_on_resume_is_the_checkpoints_and_the_documented_way_back_works(tmp_path):
+    """Break pass on issue 54: a knob given at its default cannot be told from one left out (the checkpoints page
+    says so, and how to go back to the default)."""
+    plugin, _ = _resume(tmp_path, growth_interval=2000)
+    assert plugin.scaler.knobs()["growth_interval"] == 50  # the checkpoint's
+    assert "growth_interval=50" in repr(plugin)
+    again = AmpPlusPrecision("16-mixed", growth_interval=2000)
+    make_trainer(plugins=[again], callbacks=[_BackToTheDefault()], max_steps=10).fit(
+        TinyModel(), ckpt_path=str(tmp_path / "last.ckpt")
+    )
+    assert again.scaler.knobs()["growth_interval"] == 2000
+    assert "growth_interval" not in repr(again)  # at its default: not named
+
+
 # ----------------------------------------------------------- 2. offline advice states no cause it cannot see
 class _Overflowing(TinyModel):
     """Its forward overflows float16 at every step (the loss inf): every skip is born in forward."""

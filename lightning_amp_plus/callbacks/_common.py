@@ -92,6 +92,9 @@ def plugin_arguments(plugin: Any) -> dict[str, Any]:
 
     A scaler given (``scaler=``) is told by its knobs, as though given to the plugin: a fix line changes one.
     """
+    refresh = getattr(plugin, "_name_running_knobs", None)
+    if callable(refresh):
+        refresh()  # the knobs that run (a checkpoint's, or set on the scaler since)
     args = dict(getattr(plugin, "_given", {}))
     if args.pop("scaler", None) is not None:
         knobs = plugin.scaler.knobs()  # the scaler in use: set later (`plugin.scaler = ...`) it is that one
