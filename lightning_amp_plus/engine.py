@@ -466,7 +466,8 @@ class AmpEngine:
         """Whether the last cycle was skipped (reads the device flag for fused optimizers: one sync)."""
         closed = self.closed
         if closed.skipped is None and self.checker is not None:
-            closed.skipped = any_skipped(self.checker.outcomes(), sync=True)
+            record = self._last_record  # the update's own record decides, its flag read now
+            closed.skipped = record.read() if record is not None else any_skipped(self.checker.outcomes(), sync=True)
         return bool(closed.skipped)
 
     @property

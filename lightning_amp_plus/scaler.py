@@ -76,12 +76,16 @@ def any_skipped(outcomes: Iterable[StepOutcome], *, sync: bool) -> bool | None:
 
 
 class UpdateRecord:
-    """What one :meth:`DynamicLossScaler.update` did, as :meth:`~DynamicLossScaler.last_update` tells it.
+    """One update of the scale: its steps' outcomes as they come, then what the scaler's ``update`` did with them.
 
-    The engine records it in the history and reports it; a subclass that overrides ``update`` calls
-    ``super().update()``, which writes it.
+    The update's one place: its skip is decided here, once, and read by the rest.
+
+    :meth:`DynamicLossScaler.last_update` gives the closed one; a subclass that overrides ``update`` calls
+    ``super().update()``, which closes it.
 
     Attributes:
+        outcomes: per optimizer (its ``id``, the real one), its step's outcome in this update.
+        closed: whether ``update`` closed it. Then:
         skipped: whether it was skipped (``None``: a fused optimizer decided on the device, and nobody read it).
         flag: its overflow flag as the history records it (a device tensor when the host does not know it).
         scale: a copy of the scale its backward used (a device tensor; None when ``kept``), and ``kept``: whether
@@ -91,59 +95,79 @@ class UpdateRecord:
             ``step`` override that returned without stepping). Read only when the host could not decide.
     """
 
-    __slots__ = ("flag", "kept", "scale", "scale_before", "skipped", "unstepped")
+    __slots__ = ("closed", "flag", "kept", "outcomes", "scale", "scale_before", "skipped", "unstepped")
 
-    def __init__(
-        self,
-        skipped: bool | None,
-        flag: Tensor | float,
-        scale: Tensor | None,
-        kept: bool,
-        scale_before: float | None,
-        unstepped: tuple[int, ...] = (),
-    ) -> None:
-        self.skipped, self.flag, self.scale, self.kept, self.scale_before = skipped, flag, scale, kept, scale_before
-        self.unstepped = unstepped
-
-    def __repr__(self) -> str:
-        return f"UpdateRecord(skipped={self.skipped}, kept={self.kept})"
-
-
-class HostMirror:
-    """What the host knows of a scaler's open update without a sync.
-
-    A new one is the one place it starts (a new run, a loaded state, a copy). ``outcomes``: per optimizer (the real
-    one), its last step's outcome, until the next update begins. ``growth``: the device growth tracker, mirrored while
-    every update's outcome is known on the host (None: not). ``kept``: the last update is known to have left the
-    scale as it was.
-    """
-
-    __slots__ = ("growth", "kept", "outcomes")
-
-    def __init__(self, growth: int | None = 0) -> None:
+    def __init__(self) -> None:
         self.outcomes: dict[int, StepOutcome] = {}
-        self.growth = growth
+        self.closed = False
+        self.skipped: bool | None = None
+        self.flag: Tensor | float = 0.0
+        self.scale: Tensor | None = None
         self.kept = False
+        self.scale_before: float | None = None
+        self.unstepped: tuple[int, ...] = ()
 
-    def known(self, states: dict[int, dict[str, Any]]) -> bool | None:
-        """Whether the update overflowed (``states``: torch's per optimizer); None when the host cannot tell."""
-        if not states:
-            return None
-        outcomes = []
-        for key, state in states.items():
-            if state["stage"] is not OptState.STEPPED:  # checked (clipped) without a step: not decided here
-                return None
-            outcomes.append(self.outcomes[key])
-        return any_skipped(outcomes, sync=False)
+    def decide(self, states: dict[int, dict[str, Any]]) -> tuple[bool | None, bool | None]:
+        """The update's outcome as the host knows it, no sync: (overflowed, skipped).
 
-    def skipped(self, optimizer: torch.optim.Optimizer, sync: bool) -> bool | None:
-        """Whether ``optimizer``'s last step was skipped (None: it has not stepped, or its flag is unread)."""
+        ``overflowed``: whether its checked gradients held inf/nan (``states``: torch's per optimizer); None when an
+        optimizer was checked without a step (clipped only) or a fused step's flag is unread. ``skipped``: whether a
+        step was skipped, by :func:`any_skipped` over the steps it holds (None: a flag unread).
+        """
+        skipped = any_skipped(self.outcomes.values(), sync=False)
+        if not states or any(state["stage"] is not OptState.STEPPED for state in states.values()):
+            return None, skipped
+        return skipped, skipped
+
+    def skipped_by(self, optimizer: torch.optim.Optimizer, sync: bool) -> bool | None:
+        """Whether ``optimizer``'s step in it was skipped (None: it did not step, or its flag is unread)."""
         outcome = self.outcomes.get(id(optimizer))  # the optimizer itself (the engine's): no resolving
         if outcome is None:
             outcome = self.outcomes.get(id(resolve_optimizer(optimizer)))
         if outcome is None:
             return None
         return outcome.read() if sync else outcome._skipped
+
+    def read(self) -> bool:
+        """Whether it was skipped, a fused step's flag read now (one host sync at most); a closed update keeps it."""
+        skipped = bool(any_skipped(self.outcomes.values(), sync=True))
+        if self.closed:
+            self.skipped = skipped
+        return skipped
+
+    def close(
+        self,
+        skipped: bool | None,
+        flag: Tensor | float,
+        scale: Tensor | None,
+        kept: bool,
+        scale_before: float | None,
+        unstepped: tuple[int, ...],
+    ) -> None:
+        """What ``update`` did: the record is complete."""
+        self.skipped, self.flag, self.scale, self.kept, self.scale_before = skipped, flag, scale, kept, scale_before
+        self.unstepped = unstepped
+        self.closed = True
+
+    def __repr__(self) -> str:
+        if not self.closed:
+            return f"UpdateRecord(open, {len(self.outcomes)} step{'s' if len(self.outcomes) != 1 else ''})"
+        return f"UpdateRecord(skipped={self.skipped}, kept={self.kept})"
+
+
+class HostMirror:
+    """What the host knows of a scaler's trackers between updates, without a sync.
+
+    A new one is the one place it starts (a new run, a loaded state, a copy). ``growth``: the device growth tracker,
+    mirrored while every update's outcome is known on the host (None: not). ``kept``: the last update is known to
+    have left the scale as it was.
+    """
+
+    __slots__ = ("growth", "kept")
+
+    def __init__(self, growth: int | None = 0) -> None:
+        self.growth = growth
+        self.kept = False
 
 
 def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -212,7 +236,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
     _max_scale: float
     _hysteresis: int
     _init_hysteresis_tracker: int
-    _host: HostMirror  # what the host knows of the open update
+    _host: HostMirror  # what the host knows of the trackers between updates
+    _update: UpdateRecord  # the open update (its steps' outcomes), or the last one until a step opens the next
     _last: UpdateRecord | None = None  # what the last update did
 
     def __init__(
@@ -246,6 +271,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._loss_nonfinite: Tensor | None = None  # this cycle's losses, any inf/nan (backoff_on="backward")
         self._hysteresis_tracker: Tensor | None = None
         self._host = HostMirror()
+        self._update = UpdateRecord()
         #: reduce the overflow flag over ``process_group`` wherever gradients are checked (sharded gradients)
         self._reduce_over_ranks = False
         self.process_group: Any = None
@@ -337,6 +363,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._hysteresis_tracker = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._host = HostMirror()
+        self._update = UpdateRecord()
         self._last = None
 
     # ------------------------------------------------------------------ lazy init
@@ -352,8 +379,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         skipped = False
         for flag in optimizer_state["found_inf_per_device"].values():
             skipped = skipped or bool(flag.item())
-        self._host.outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
+        self._stepped(optimizer, SKIPPED if skipped else APPLIED)
         return None if skipped else optimizer.step(*args, **kwargs)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, outcome: StepOutcome) -> None:
+        """Keep ``optimizer``'s step outcome in the open update (a step after an update closed opens the next)."""
+        if self._update.closed:
+            self._update = UpdateRecord()
+        self._update.outcomes[id(optimizer)] = outcome
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
@@ -407,7 +440,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 # a skipped fused step still creates state (fused SGD's momentum uninitialised): take it back out
                 for param in list(optimizer.state)[created_from:]:
                     del optimizer.state[param]
-            self._host.outcomes[id(optimizer)] = outcome
+            self._stepped(optimizer, outcome)
             return retval
         return super().step(optimizer, *args, **kwargs)
 
@@ -463,7 +496,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             for optimizer in optimizers:
                 key = id(resolve_optimizer(optimizer))
                 self._per_optimizer_states.pop(key, None)
-                self._host.outcomes.pop(key, None)
+                self._update.outcomes.pop(key, None)
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> bool | None:
         """Whether the last step of ``optimizer`` was skipped (``None`` if it has not stepped).
@@ -471,15 +504,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         Free for non-fused optimizers (torch already read the flag). For fused optimizers the flag lives on the
         device: ``sync=True`` reads it (one host sync), ``sync=False`` returns ``None``.
         """
-        return self._host.skipped(optimizer, sync)
+        return self._update.skipped_by(optimizer, sync)
 
     def outcomes(self) -> list[StepOutcome]:
         """The outcome of each optimizer's last step since :meth:`forget_skips` (read them with :func:`any_skipped`)."""
-        return list(self._host.outcomes.values())
+        return list(self._update.outcomes.values())
 
     def forget_skips(self) -> None:
         """Forget the last steps' outcomes (a new update begins)."""
-        self._host.outcomes = {}
+        self._update = UpdateRecord()
 
     def found_inf(self) -> Tensor:
         """The combined overflow flag of this cycle so far (a device tensor, > 0 on overflow), as `update` sees it.
@@ -503,7 +536,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         ``True``/``False``, or ``None`` when a fused optimizer decided on the device or an optimizer was checked
         without stepping.
         """
-        return self._host.known(self._per_optimizer_states)
+        return self._update.decide(self._per_optimizer_states)[0]
 
     @property
     def scale_kept(self) -> bool:
@@ -523,15 +556,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if new_scale is not None:
             check_new_scale(f"{type(self).__name__}.update", new_scale)
         live, _ = self._check_scale_growth_tracker("update")
-        host = self._host
+        host, record = self._host, self._update
+        if record.closed:  # an update with no step since the last (a scale set between cycles): a record of its own
+            record = self._update = UpdateRecord()
         kept = host.kept and new_scale is None
         scale = None if kept else live.clone()  # as it was: the rule changes it in place
         states = self._per_optimizer_states
-        overflowed = host.known(states) if states or new_scale is None else False  # a scale set between cycles
+        overflowed, skipped = record.decide(states)  # the update's one decision
+        if not states and new_scale is not None:
+            overflowed = skipped = False  # a scale set between cycles
         flag: Tensor | float = self.found_inf() if overflowed is None else float(overflowed)
-        skipped = overflowed if overflowed is not None else any_skipped(host.outcomes.values(), sync=False)
         before = (float(live.item()) if self._moves else 1.0) if skipped is True else None  # read on skips only
-        unstepped = () if overflowed is not None else tuple(k for k, v in states.items() if k not in host.outcomes)
+        unstepped = () if overflowed is not None else tuple(k for k in states if k not in record.outcomes)
         if new_scale is None:
             self._apply(flag if isinstance(flag, Tensor) else None, overflowed)
         else:  # the caller's scale, inside the bounds at once (the growth tracker as it was, as in torch)
@@ -539,7 +575,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
             super().update(new_scale)
             live.clamp_(min=self._floor, max=self._max_scale)
             self.reset_cycle()
-        self._last = UpdateRecord(skipped, flag, scale, kept, before, unstepped)
+        record.close(skipped, flag, scale, kept, before, unstepped)
+        self._last = record
 
     def last_update(self) -> UpdateRecord | None:
         """What the last :meth:`update` did (None before the first)."""
@@ -650,6 +687,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         torch_knobs = {knob.name: read.knobs[knob.name] for knob in KNOBS if knob.torch and knob.name in read.knobs}
         super().load_state_dict({**state_dict, **torch_knobs, "scale": read.scale})
         self._host = HostMirror(read.growth_tracker)
+        self._update = UpdateRecord()
         self._set_knobs({name: read.knobs[name] for name in ("min_scale", "max_scale", "hysteresis")})
         self._init_hysteresis_tracker = read.hysteresis_tracker
         if self._hysteresis_tracker is not None:
@@ -683,6 +721,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
             state["_host"] = HostMirror(state["_init_growth_tracker"])
+            state["_update"] = UpdateRecord()
         return state
 
 
@@ -826,5 +865,5 @@ class NonFiniteChecker(DynamicLossScaler):
             optimizer.state.update(saved_state)
         state["found_inf_per_device"] = {found.device: found}
         state["stage"] = OptState.STEPPED
-        self._host.outcomes[id(optimizer)] = SKIPPED if skipped else APPLIED
+        self._stepped(optimizer, SKIPPED if skipped else APPLIED)
         return retval
