@@ -35,16 +35,14 @@ def _resolve_class(entry: str) -> type | None:
 def _module_of(entry: str) -> Any:
     """The Python module ``entry``'s part before its last dot imports (None: none does, or ``entry`` is a pattern).
 
-    Only a class path is imported: dotted identifiers whose last part reads as a class (``torch.nn.LayerNorm``), or
-    whose module is imported already. A module name (``towers.1.0``, ``encoder.attn``) never imports anything: a
-    script or package of the same name would run.
+    Only a module imported already is read (``torch.nn`` for ``torch.nn.LayerNorm``; your model's own module, once
+    imported): nothing is imported here, so a module name (``towers.1.0``, ``enc.Proj``) never runs a script or
+    package of the same name.
     """
     if "." not in entry or any(ch in entry for ch in "*?[]"):
         return None
-    path, _, attr = entry.rpartition(".")
-    if not all(part.isidentifier() for part in entry.split(".")):
-        return None
-    if not attr[:1].isupper() and path not in sys.modules:
+    path = entry.rpartition(".")[0]
+    if not all(part.isidentifier() for part in entry.split(".")) or path not in sys.modules:
         return None
     try:
         return importlib.import_module(path)

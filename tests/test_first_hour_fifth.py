@@ -275,3 +275,51 @@ def test_a_skip_line_says_a_minus_inf_loss_as_the_record_holds_it(caplog):
     assert reporter.skips[0]["loss"] == "-inf"
     (line,) = [r.getMessage() for r in caplog.records if "step 1 skipped" in r.getMessage()]
     assert "(the loss was -inf;" in line
+
+
+class _NaNFirstMicroBatch(TinyModel):
+    """With accumulation over 2 batches: the first micro-batch of updates 0 to 2 has a NaN loss; the last is fine."""
+
+    calls = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.calls += 1
+        return loss * float("nan") if self.calls in (1, 3, 5) else loss
+
+
+@pytest.mark.parametrize("kind", ["csv", "tb"])
+def test_an_earlier_micro_batchs_nan_loss_is_the_updates_and_never_the_scales(tmp_path, capsys, kind):
+    """Break pass on issue 54: a NaN loss in the first micro-batch was recorded with the last one's finite loss,
+    told "born in backward", logged as a finite loss, and advised `init_scale` live and offline."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_amp_plus import LossScaleMonitor
+    from lightning_amp_plus.__main__ import main
+
+    logger = {"csv": CSVLogger, "tb": TensorBoardLogger}[kind](tmp_path, name="run")
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0)
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = AmpPlusPrecision("16-mixed")
+    trainer = make_trainer(
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor(), reporter, advisor],
+        logger=logger,
+        max_steps=10,
+        log_every_n_steps=1,
+        accumulate_grad_batches=2,
+    )
+    trainer.fit(_NaNFirstMicroBatch())
+    if kind == "tb":
+        logger.experiment.flush()
+    assert plugin.history.skipped_steps == [0, 1, 2]
+    assert [r["loss"] for r in reporter.skips] == ["nan"] * 3
+    assert all(
+        r["origin"]["phase"] == "forward" and "earlier micro-batch" in r["origin"]["reason"] for r in reporter.skips
+    )
+    assert "init_scale" not in [a.code for a in advisor.advice]
+    capsys.readouterr()
+    main(["advise", logger.log_dir])
+    out = capsys.readouterr().out
+    assert "[init_scale]" not in out
+    assert "3 were born before backward" in out

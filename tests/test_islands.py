@@ -196,7 +196,8 @@ def test_a_module_name_never_imports_a_script_of_the_same_name(tmp_path, monkeyp
     """`fp32_modules=["towers.1.0"]` names a module of the model: a `towers.py` on the path is never run for it."""
     (tmp_path / "ampplus_towers.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    plugin = AmpPlusPrecision("16-mixed", fp32_modules=["ampplus_towers.1.0", "ampplus_towers.head"])
-    assert plugin.fp32_modules == ["ampplus_towers.1.0", "ampplus_towers.head"]
+    names = ["ampplus_towers.1.0", "ampplus_towers.head", "ampplus_towers.Proj"]  # a submodule named `Proj` too
+    plugin = AmpPlusPrecision("16-mixed", fp32_modules=names)
+    assert plugin.fp32_modules == names
     assert not (tmp_path / "ran").exists()
     assert "ampplus_towers" not in sys.modules

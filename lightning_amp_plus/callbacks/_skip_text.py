@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_amp_plus._repr import number
-from lightning_amp_plus.forensics.origin import WATCHING, Origin, Phase
+from lightning_amp_plus.forensics.origin import EARLIER_MICRO_BATCH, WATCHING, Origin, Phase
 
 
 def skip_record(step: int, scale: Any, new_scale: Any, told: dict[str, Any], scaled: bool = True) -> dict[str, Any]:
@@ -101,6 +101,12 @@ def describe_origin(told: Optional[dict[str, Any]], loss: Any = None) -> str:
         return ""
     watching = "; every module is watched from the next step" if origin.reason == WATCHING else ""
     if origin.phase is Phase.FORWARD:
+        if origin.module is None and origin.within is None and origin.reason == EARLIER_MICRO_BATCH:
+            was = loss if loss in ("inf", "-inf", "nan") else origin.kind or "inf/nan"
+            return (
+                f"born before backward, in an earlier micro-batch (its loss was {was}: the batch, a forward or the"
+                " loss; only the last micro-batch is watched)"
+            )
         if origin.module is None and origin.within is None:  # read from the loss: no module watched
             named = "no module named yet: " if origin.reason == WATCHING else ""
             # nothing watched yet tells a module's forward from the loss function: both said

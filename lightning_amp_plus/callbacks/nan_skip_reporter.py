@@ -42,7 +42,7 @@ from lightning_amp_plus.callbacks._state import DeclaredState
 from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
 from lightning_amp_plus.forensics.finder import OriginFinder
 from lightning_amp_plus.forensics.observe import BatchRecord
-from lightning_amp_plus.forensics.origin import Origin
+from lightning_amp_plus.forensics.origin import EARLIER_MICRO_BATCH, Origin, Phase
 from lightning_amp_plus.forensics.verdict import job_origin
 
 
@@ -146,6 +146,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.offenders = OffenderCounter()  # the parameters whose gradients held inf/nan, per skipped update
         self._sharded = False
         self._loss: Optional[Tensor] = None
+        # with gradient accumulation: the update's micro-batch losses (an earlier one's inf/nan is the update's too)
+        self._accumulating = False
+        self._losses: list[Tensor] = []
+        self._losses_after: Optional[int] = None  # the history's last step when they were collected
         # the skips reported: a new fit resets them (`reset`), a resumed fit then loads its checkpoint
         tail = None if max_records is None else max_records - max_records // 2
         self._head: list[dict[str, Any]] = self.add_state("head", list, load=list)
@@ -250,8 +254,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.offenders.track(pl_module, self._sharded)
         self._unhook()
         self._rerun = False
+        self._accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
+        self._losses, self._losses_after = [], None
         if self.find_origin:
-            accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
+            accumulating = self._accumulating
             # a rerun of the step: only where one batch's step makes the update and steps no optimizer itself
             self._rerun = self.backward_origin and pl_module.automatic_optimization and not accumulating
             plugin = self._plugin
@@ -327,6 +333,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._loss = loss  # the true loss (the plugin scales after this hook); read (detached) only on skips
+        if self._accumulating and self._plugin is not None:  # each micro-batch's, until the update is recorded
+            last = self._plugin.history.last_step
+            if last != self._losses_after:
+                self._losses, self._losses_after = [], last
+            self._losses.append(loss)
         current = self.origins.current
         if current is not None:  # a GAN's batch backpropagates two
             current.losses.append(loss)
@@ -337,7 +348,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         assert self._plugin is not None
         # skips a fused optimizer decided before this one come first (the history is on the host already)
         self._collect_device_skips(upto=event.step - 1)
-        told = self._skip_facts(None, event.optimizers, self._mean_loss(), scale=event.scale)
+        earlier = self._earlier_nonfinite_loss()
+        loss = earlier if earlier is not None else self._mean_loss()
+        told = self._skip_facts(None, event.optimizers, loss, scale=event.scale)
+        self._told_earlier(told, earlier)
         told["origin"] = self._job_origin(told["origin"])
         self._watch_if_asked(told["origin"])
         self.offenders.clear()
@@ -355,6 +369,27 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     @override
     def skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.offenders.at_skipped_step(optimizer)
+
+    def _earlier_nonfinite_loss(self) -> Optional[Tensor]:
+        """With accumulation, an earlier micro-batch's loss of this update that held inf/nan (read on a skip only)."""
+        losses = self._losses[:-1] if self._accumulating else []
+        if not losses or distributed():  # under DDP each rank's differs: the last micro-batch's, as documented
+            return None
+        with torch.no_grad():
+            bad = [loss for loss in losses if not bool(torch.isfinite(loss.detach()).all())]
+        return bad[0] if bad else None
+
+    def _told_earlier(self, told: dict[str, Any], earlier: Optional[Tensor]) -> None:
+        """An earlier micro-batch's loss held inf/nan, the last one's (the one watched) did not: born before backward.
+
+        Never "backward", which says the loss was finite.
+        """
+        origin = told["origin"]
+        if earlier is None or not self.find_origin:
+            return
+        if origin is None or origin.phase in (Phase.BACKWARD, Phase.UNKNOWN):
+            kind = "nan" if told["loss"] == "nan" else "inf"
+            told["origin"] = Origin(Phase.FORWARD, kind=kind, reason=EARLIER_MICRO_BATCH)
 
     def _mean_loss(self) -> Optional[Tensor]:
         """The loss, averaged over ranks when several train (every rank skips the same steps, so all call this)."""
@@ -398,7 +433,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         """
         optimizers = [resolve_optimizer(o) for o in self._trainer.optimizers] if self._trainer is not None else []
         loss = self._loss if calls is None or not calls.losses else calls.losses[-1]  # this rank's
-        told = self._skip_facts(calls, optimizers, loss, step=step)
+        # the micro-batch losses kept are the last update's: read before the next batch's backward
+        latest = self._plugin is not None and step == self._plugin.history.last_step
+        earlier = self._earlier_nonfinite_loss() if latest else None
+        told = self._skip_facts(calls, optimizers, earlier if earlier is not None else loss, step=step)
+        self._told_earlier(told, earlier)
         told["offenders"] = told["offenders"] or None
         self._watch_if_asked(told["origin"])
         return told

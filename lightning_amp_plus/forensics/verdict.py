@@ -175,11 +175,20 @@ _WITH_A_CONSTANT = frozenset({"AddBackward0", "AddBackward1"})
 _NODES = 2000
 
 
+def _half_output(node: Any) -> bool:
+    """Whether a backward node's op gave a half-precision output (its gradient's metadata: names, no value)."""
+    try:
+        return node._input_metadata[0].dtype in (torch.float16, torch.bfloat16)
+    except Exception:  # noqa: BLE001 - a torch without the metadata: the graph's shape alone tells
+        return True
+
+
 def log_of(losses: list[Tensor]) -> Optional[str]:
     """``"log(sigmoid)"`` or ``"log(softmax)"`` where a loss's code takes the log of a saturating op's output.
 
-    Read from the losses' autograd graphs by node names alone (torch's metadata, no value, nothing run): a float16
-    sigmoid saturates at 1 (``log(1 - p)`` is ``log(0)``), a float16 softmax rounds to 0. None: no such log.
+    Read from the losses' autograd graphs by node names and output dtypes alone (torch's metadata, no value, nothing
+    run): a float16 sigmoid saturates at 1 (``log(1 - p)`` is ``log(0)``), a float16 softmax rounds to 0. None: no
+    such log (a sigmoid in float32 is not one).
 
     Example:
         >>> logits = torch.tensor([12.0], dtype=torch.float16, requires_grad=True)
@@ -187,6 +196,8 @@ def log_of(losses: list[Tensor]) -> Optional[str]:
         'log(sigmoid)'
         >>> log_of([-torch.log(1 - torch.sigmoid(logits) + 1e-8).float().mean()])  # 1e-8 is 0 in float16
         'log(sigmoid)'
+        >>> log_of([-torch.log(1 - torch.sigmoid(logits.float())).mean()]) is None  # float32's sigmoid: not this
+        True
     """
     seen: set[Any] = set()
     stack: list[Any] = [loss.grad_fn for loss in losses if loss.grad_fn is not None]
@@ -205,7 +216,7 @@ def log_of(losses: list[Tensor]) -> Optional[str]:
                 if name not in _ON_THE_WAY and not constant:
                     break
                 found = found.next_functions[0][0] if found.next_functions else None
-            if found is not None and type(found).__name__ in _SATURATING:
+            if found is not None and type(found).__name__ in _SATURATING and _half_output(found):
                 return _SATURATING[type(found).__name__]
         stack.extend(f for f, _ in node.next_functions)
     return None

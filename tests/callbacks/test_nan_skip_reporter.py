@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_amp_plus import AmpPlusPrecision, LossScaleCollapseError, NaNSkipReporter
-from lightning_amp_plus.forensics.origin import WATCHING
+from lightning_amp_plus.forensics.origin import EARLIER_MICRO_BATCH, WATCHING
 from tests.helpers.models import TinyModel, make_loader
 from tests.helpers.trainer import make_trainer
 
@@ -376,7 +376,8 @@ def test_minus_inf_in_the_batch_is_an_input(optimizer):
 def test_accumulation_tells_the_last_micro_batch_and_nothing_it_cannot_see(optimizer):
     # batches 0,1 -> update 0; 2,3 -> update 1; 4,5 -> update 2
     first = _origins(_BatchPoison({2}, value=float("inf"), optimizer=optimizer), max_steps=3, accumulate_grad_batches=2)
-    assert first == [(1, None)]  # an earlier micro-batch: not replayed, not called "backward"
+    # an earlier micro-batch: not replayed, not called "backward"; its loss says it was born before backward
+    assert [(step, told["phase"], told["reason"]) for step, told in first] == [(1, "forward", EARLIER_MICRO_BATCH)]
     last = _origins(_BatchPoison({3}, value=float("inf"), optimizer=optimizer), max_steps=3, accumulate_grad_batches=2)
     assert last == [(1, {"phase": "input", "reason": WATCHING})]  # the stepping micro-batch's, not the next one
 
