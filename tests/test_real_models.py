@@ -126,15 +126,9 @@ class FeedForwardChain(LightningModule):
     def __init__(self, kind):
         super().__init__()
         self.kind = kind
+        tiny = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}  # BERT's and ViT's
         if kind == "bert":
-            config = transformers.BertConfig(
-                vocab_size=128,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                max_position_embeddings=64,
-            )
+            config = transformers.BertConfig(vocab_size=128, hidden_size=64, max_position_embeddings=64, **tiny)
             config._attn_implementation = "eager"
             self.model = transformers.BertForMaskedLM(config)
         elif kind == "t5":
@@ -143,15 +137,7 @@ class FeedForwardChain(LightningModule):
             )
             self.model = transformers.T5ForConditionalGeneration(config)
         else:
-            config = transformers.ViTConfig(
-                image_size=32,
-                patch_size=8,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                num_labels=10,
-            )
+            config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_labels=10, **tiny)
             self.model = transformers.ViTForImageClassification(config)
         self.first = next(n for n, _ in self.named_modules() if n.endswith(self.FIRST[kind]))  # layer 0's
         with torch.no_grad():
