@@ -1,4 +1,4 @@
-"""Scale fixes pasted as printed, measured on real CPU float16 fits (issue 52.4).
+"""Scale fixes pasted as printed, measured on real CPU float16 fits (issue 52.4): hysteresis, max_scale, growth.
 
 Each test runs a fit that has the problem, takes the advisor's first fix as printed, runs it, and measures that the
 fix changed what the advice said was wrong. The other fixes' pairs live beside their rules' tests
@@ -85,3 +85,21 @@ def test_max_scale_pasted_lifts_the_cap_to_the_scale_the_reference_fits_and_the_
     assert fixed.history.num_skipped == 0  # the scale the reference found fits: no overflow
     assert _lost(monitor) < 0.05 < lost  # measured: what float16 lost is gone
     assert again.advice == []
+
+
+def test_growth_interval_pasted_grows_the_scale_back_within_the_run_and_less_is_lost():
+    """One spike at step 5 backs the scale off past its calibration; growth_interval=2000 never grows it back in this
+    run while float16 loses gradient at the lower scale. The printed interval, pasted, grows it back."""
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10, max_scale=2.0**10)
+    advisor, monitor = _fit(plugin, Spread(2.0**-20, (5,)), 64)
+    (advice,) = [a for a in advisor.advice if a.code == "growth_interval"]
+    assert plugin.history.curve() == [(0, 2.0**10), (6, 2.0**9)]  # never grew back
+    assert _lost(monitor, below=2.0**10) > 0.05
+    below = sum(m["scale"] < 2.0**10 for m in monitor.measurements)  # updates at the lower scale
+    fixed = _pasted(advice)
+    assert fixed.scaler.knobs()["growth_interval"] < 2000
+    again, monitor = _fit(fixed, Spread(2.0**-20, (5,)), 64)
+    assert fixed.history.skipped_steps == [5]  # the spike still skips
+    assert fixed.history.curve()[-1][1] == 2.0**10  # grown back to the cap within the run
+    assert 2 * sum(m["scale"] < 2.0**10 for m in monitor.measurements) < below  # measured: under half as many
+    assert "growth_interval" not in [a.code for a in again.advice]
