@@ -369,8 +369,9 @@ def test_nonfinite_loss_in_full():
     assert batches.code == "nonfinite_batches"  # the batch's skip, which the loss's line does not tell: its own line
     assert batches.message.startswith("1 of 3 skipped updates was born in the batch (step 5)")
     assert advice.message == (
-        "The loss was inf/nan with every watched module output finite in 2 of 3 skipped updates: not a scaling"
-        " problem (no loss scale or fp32 island fixes it)."
+        "The loss was inf/nan with every watched module output finite in 2 of 3 skipped updates (born after the last"
+        " module call: in your code after it, or in the loss function): not a scaling problem (no loss scale or fp32"
+        " island fixes it)."
     )
     assert advice.fix.startswith("loss = loss_fn(logits.float(), target)")
     tie = [{"phase": "loss", "step": 1}, {"phase": "input", "step": 3}]

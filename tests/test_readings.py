@@ -770,3 +770,34 @@ def test_a_loss_that_takes_the_log_of_a_saturated_float16_sigmoid_is_named_and_i
     fixed = AmpPlusPrecision("16-mixed", init_scale=2.0**10, min_scale=0.0)
     make_trainer(plugins=[fixed], max_steps=4).fit(_HandBCE(fixed=True))  # the printed line, in the step
     assert fixed.history.skipped_steps == []
+
+
+class _ScaledInPlace(TinyModel):
+    """The step's own code scales the last module's output in place after it returned (`h.mul_`): float16 overflows
+    there, with every module output finite. ``fixed``: the printed fix applied (the output in float32 first)."""
+
+    def __init__(self, fixed=False):
+        super().__init__(lr=0.0)
+        self.fixed = fixed
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net(x)
+        if self.fixed:  # loss_fn(logits.float(), target), logits the last module's output before the code touches it
+            h = h.float()
+        h.mul_(1e6)
+        return nn.functional.mse_loss(h.float(), y) * 1e-12
+
+
+def test_own_code_after_the_last_module_call_is_said_and_the_printed_fix_as_applied_trains():
+    """Issue 52.5: told "loss" with a fix at the loss call that did not help. The line now says where it was born
+    (after the last module call: your code or the loss function), and its fix casts the module's output first."""
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, max_warnings=0)
+    advisor, plugin = _fit(_ScaledInPlace(), callbacks=[reporter], steps=4)
+    assert plugin.history.num_skipped == 4
+    assert {r["origin"]["phase"] for r in reporter.skips} == {"loss"}
+    (advice,) = [a for a in advisor.advice if a.code == "nonfinite_loss"]
+    assert "born after the last module call: in your code after it, or in the loss function" in advice.message
+    assert "the last module's output, in float32 before your code" in advice.fix
+    _, fixed = _fit(_ScaledInPlace(fixed=True), steps=4)
+    assert fixed.history.num_skipped == 0

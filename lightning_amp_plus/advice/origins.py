@@ -51,13 +51,20 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     else:
         what = (
             f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of {len(origins)}"
-            " skipped updates"
+            " skipped updates (born after the last module call: in your code after it, or in the loss function)"
         )
-        fix = "loss = loss_fn(logits.float(), target)  # compute the loss in float32; check log/div/sqrt for 0 and <0"
+        fix = (
+            "loss = loss_fn(logits.float(), target)  # logits: the last module's output, in float32 before your code"
+            " or the loss touch it; check log/div/sqrt for 0 and <0"
+        )
         ops = Counter(o.op for o in at_loss if o.op in _LOSS_FROM_LOGITS)
         if ops and most(ops.most_common(1)[0][1], len(at_loss), half=True):  # the op its graph shows, and its cure
             op = ops.most_common(1)[0][0]
-            what += f": its code takes the {op} of float16 values ({_LOSS_FROM_LOGITS[op][0]})"
+            what = (
+                f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of"
+                f" {len(origins)} skipped updates: its code takes the {op} of float16 values"
+                f" ({_LOSS_FROM_LOGITS[op][0]})"
+            )
             fix = _LOSS_FROM_LOGITS[op][1]
     return Advice(
         "nonfinite_loss",
