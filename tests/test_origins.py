@@ -1036,3 +1036,52 @@ def test_three_towers_each_a_minority_get_the_union_and_the_second_run_prints_th
     assert plugin.history.skipped_steps == []  # the pasted fix trains: no skip at all
     _three_towers_fit(plain := AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0))
     assert plain.history.skipped_steps == [0, 1, 5, 9, 13, 17, 21]  # without: every loud batch skips
+
+
+class _Router(nn.Module):
+    """Returns the gate it routes with and its scores with +inf where it masks (its own sentinel): the step uses the
+    gate only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        scores = self.lin(x)
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        mask[:, 1] = True
+        return torch.softmax(scores.float(), -1), scores.masked_fill(mask, float("inf"))
+
+
+class _Routed(LightningModule):
+    """A router whose +inf sentinel the step never uses, then an expert that overflows float16 on its own."""
+
+    def __init__(self, use_sentinel=False):
+        super().__init__()
+        self.router, self.expert = _Router(), nn.Linear(8, 1)
+        self.use_sentinel = use_sentinel
+        with torch.no_grad():
+            self.expert.weight.fill_(1e4)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        gate, scores = self.router(x)
+        out = self.expert(x.abs() + 1.0).float() * gate[:, :1]
+        if self.use_sentinel:  # the step takes the sentinel in: its inf reaches the loss through the graph
+            out = out + scores.float().amax(1, keepdim=True)
+        return out.mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(("use_sentinel", "named"), [(False, "expert"), (True, "router")])
+def test_an_unused_sentinel_is_not_named_before_the_module_whose_inf_reached_the_loss(use_sentinel, named):
+    """Issue 52.5: the router's +inf sentinel, which the loss never used (its graph says so), was named first; the
+    expert that overflowed on its own is. Where the step takes the sentinel in, the router is named."""
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, max_warnings=0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0, min_scale=0.0)
+    loader = DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(_Routed(use_sentinel), loader)
+    assert plugin.history.num_skipped == 3
+    assert [r["origin"].get("module") for r in reporter.skips] == [named] * 3

@@ -152,7 +152,12 @@ Read = dict[int, tuple[Any, int, tuple[Any, ...]]]
 
 
 def _extremes(
-    value: Any, kwargs: Any = None, top: bool = False, rows: Optional[set[int]] = None, read: Optional[Read] = None
+    value: Any,
+    kwargs: Any = None,
+    top: bool = False,
+    rows: Optional[set[int]] = None,
+    read: Optional[Read] = None,
+    nodes: bool = False,
 ) -> tuple[list[tuple[Any, ...]], Optional[str]]:
     """A call's ``value`` (and ``kwargs``) as an :data:`Event` keeps them, on the device; why one was left unread.
 
@@ -161,7 +166,8 @@ def _extremes(
     reduce as it is (:func:`_unreadable`) is left out. ``top``: the step's own inputs, read per sample where their
     first dimension is one of the batch's ``rows`` (at most :data:`_ROWS`; none: read whole, with their storage).
     ``read``: the tensors read before in this batch; one met again unchanged (a call's output the next call takes)
-    gives what was read then, with no op; each tensor read whole is added.
+    gives what was read then, with no op; each tensor read whole is added. ``nodes`` (a call's output): each entry
+    ends with its tensor's autograd node, by its sequence number (None: no graph): whether the loss used it.
     """
     found: list[tuple[Any, ...]] = []
     unread: Optional[str] = None
@@ -197,7 +203,12 @@ def _extremes(
             if read is not None and key in read and not sampled:
                 ref, version, entry = read[key]
                 if ref() is t and (t.is_inference() or t._version == version):
-                    found.append((*entry, t.untyped_storage().data_ptr()) if top else entry)
+                    if top:
+                        found.append((*entry, t.untyped_storage().data_ptr()))
+                    else:  # an output's: with its autograd node (inline: no call a tensor)
+                        found.append(
+                            (*entry, None if (node := t.grad_fn) is None else node._sequence_nr()) if nodes else entry
+                        )
                     continue
             if not t.numel():
                 continue
@@ -217,7 +228,7 @@ def _extremes(
             entry = (t.dtype in _HALF, torch.aminmax(t))
             if top:  # the step's own: its storage tells a batch tensor
                 entry = (*entry, t.untyped_storage().data_ptr())
-            found.append(entry)
+            found.append((*entry, None if (node := t.grad_fn) is None else node._sequence_nr()) if nodes else entry)
             if read is not None:
                 read[key] = (weakref.ref(t), -1 if t.is_inference() else t._version, entry[:2])
     return found, unread
@@ -423,12 +434,19 @@ class Watch:
         # before they acted (see `verdict.first_born`), and is not kept for a later call to reuse
         hooked = bool(module._forward_hooks) and any(_yours(hook) for hook in module._forward_hooks.values())
         hooked = hooked or (len(_GLOBAL_AFTER) > 1 and _hooked_after_us())
-        gave = self._read_safely(index, (output,), None, False, None, keep=not hooked)
+        gave = self._read_safely(index, (output,), None, False, None, keep=not hooked, nodes=True)
         trace[position] = (index, took)
         trace.append((~index, gave, True) if hooked else (~index, gave))
 
     def _read_safely(
-        self, index: int, args: Any, kwargs: Any, top: bool, rows: Optional[set[int]], keep: bool = True
+        self,
+        index: int,
+        args: Any,
+        kwargs: Any,
+        top: bool,
+        rows: Optional[set[int]],
+        keep: bool = True,
+        nodes: bool = False,
     ) -> list[tuple[Any, ...]]:
         """:func:`_extremes` of a call's ``args``/``kwargs`` (no graph, torch's code only); never raises."""
         try:
@@ -436,7 +454,7 @@ class Watch:
                 grad = torch.is_grad_enabled()
                 torch._C._set_grad_enabled(False)  # no graph: no detach a tensor
                 try:
-                    found, why = _extremes(args, kwargs, top, rows, self._read if keep else None)
+                    found, why = _extremes(args, kwargs, top, rows, self._read if keep else None, nodes)
                 finally:
                     torch._C._set_grad_enabled(grad)
         except Exception as error:  # noqa: BLE001 - a watch never raises into the step
@@ -533,10 +551,11 @@ def _kind(low: float, high: float, half: bool) -> Optional[str]:
 _ORDER = ("inf", "nan", "-inf16", "-inf")
 
 
-def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, list[Optional[str]]]]]]:
-    """Each event's module index, its kind (``"inf"`` first) and, for the step's own inputs, storages and samples.
+def read(trace: list[Event]) -> list[tuple[Any, ...]]:
+    """Each event's module index, kind (``"inf"`` first), storages and samples, hooked, and +inf/NaN nodes.
 
-    One transfer to the host.
+    Storages and samples: the step's own inputs'. Hooked: an output read before your forward hooks acted. Nodes: the
+    autograd nodes of an output's tensors that hold +inf/NaN. One transfer to the host.
     """
     with torch_only():  # a mode the step runs under is not called
         flat = [torch.stack([m.float().flatten() for m in entry[1]]) for _, entries, *_ in trace for entry in entries]
@@ -547,12 +566,17 @@ def read(trace: list[Event]) -> list[tuple[int, Optional[str], list[tuple[Any, l
     for index, entries, *hooked in trace:  # hooked: (True,) where read before your forward hooks acted
         kinds: list[Optional[str]] = []
         tops: list[tuple[Any, list[Optional[str]]]] = []
-        for half, extremes, *storage in entries:
+        bad: list[Optional[int]] = []  # an output's tensors holding +inf/NaN: their autograd nodes (None: no graph)
+        for half, extremes, *more in entries:  # more: a step input's storage, or an output's node
             n = extremes[0].numel()
             samples = [_kind(a, b, half) for a, b in zip(low[at : at + n], high[at : at + n], strict=True)]
             at += n
-            kinds.append(next((k for k in _ORDER if k in samples), None))
-            if storage:
-                tops.append((storage[0], samples))
-        events.append((index, next((k for k in _ORDER if k in kinds), None), tops, *hooked))
+            kind = next((k for k in _ORDER if k in samples), None)
+            kinds.append(kind)
+            if index < 0:
+                if kind in ("inf", "nan"):
+                    bad.append(more[0] if more else None)
+            elif more:
+                tops.append((more[0], samples))
+        events.append((index, next((k for k in _ORDER if k in kinds), None), tops, bool(hooked), tuple(bad)))
     return events

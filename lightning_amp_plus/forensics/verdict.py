@@ -7,6 +7,7 @@ or the batch). :func:`read_origin` turns that, the batch and the losses into an 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -37,7 +38,12 @@ class Born(NamedTuple):
         return self.fed_at if self.fed_at is not None else self.position
 
 
-def first_born(events: list[tuple[Any, ...]], minus: bool = False, to_loss: bool = False) -> Optional[Born]:
+def first_born(
+    events: list[tuple[Any, ...]],
+    minus: bool = False,
+    to_loss: bool = False,
+    in_loss: Optional[Callable[[int], bool]] = None,
+) -> Optional[Born]:
     """Where inf/nan were first born in a trace's events; None where every call was finite.
 
     A call's output holding ``+inf`` or NaN, its inputs not: born in it (inner modules end first: the innermost). A
@@ -54,6 +60,10 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False, to_loss: bool
 
     ``to_loss``: the loss is inf (not NaN) and nothing else was born: a module's half-precision ``-inf`` no later call
     took went to the loss, born in that module (a head that overflows to ``-inf``; float32 there tells a mask apart).
+
+    ``in_loss``: whether an autograd node (its sequence number) is in the losses' graphs. An output whose +inf/NaN
+    tensors all have a graph the loss never used (a router's unused sentinel), followed by another call's own
+    overflow, does not count: that call is named (:func:`_unused`).
     """
     calls: list[int] = []  # the calls in progress
     opened: list[int] = []  # the event each of them started at
@@ -83,9 +93,12 @@ def first_born(events: list[tuple[Any, ...]], minus: bool = False, to_loss: bool
                 maker, taken = (True, ~index, position), False
             elif kind is not None and kind != "-inf16":
                 if not fed:
-                    if len(rest) < 2 or _reaches(events, position, calls):
-                        return Born(~index, kind, position)
-                    continue
+                    hooked, bad = rest[1], rest[2]
+                    if hooked and not _reaches(events, position, calls):
+                        continue  # read before your hook acted, and it reached nothing: the hook cleaned it
+                    if not hooked and _unused(events, position, calls, bad, in_loss):
+                        continue
+                    return Born(~index, kind, position)
                 by_module, by, at = maker  # type: ignore[misc]
                 return Born(~index, kind, position, by, at) if by_module else Born(by, "inf", at)
     if to_loss and maker is not None and maker[0] and not taken:
@@ -101,12 +114,63 @@ def _reaches(events: list[tuple[Any, ...]], position: int, around: list[int]) ->
     or the output of a call around it, yes; another call's output (born there) or none, no.
 
     Not asked of other modules: an output the step's own code hands to the loss (a teacher's target) holds the same
-    events as an unused one (a router's +inf sentinel), so an unhooked module's output counts where it is born.
+    events as an unused one (a router's +inf sentinel); for them the loss's graph tells (:func:`_unused`).
     """
     for index, kind, *_ in events[position + 1 :]:
         if kind in ("inf", "nan"):
             return index >= 0 or ~index in around
     return False
+
+
+def _unused(
+    events: list[tuple[Any, ...]],
+    position: int,
+    around: list[int],
+    bad: tuple[Optional[int], ...],
+    in_loss: Optional[Callable[[int], bool]],
+) -> bool:
+    """Whether an output's +inf/NaN went unused, so that another call explains the loss.
+
+    Every tensor holding them has a graph the loss never used, and the next event holding them is another call's
+    output, born there.
+
+    An output without a graph (a teacher under ``inference_mode``, a detached value) cannot be told: it counts.
+    """
+    if in_loss is None or not bad or any(node is None or in_loss(node) for node in bad):
+        return False
+    for index, kind, *_ in events[position + 1 :]:
+        if kind in ("inf", "nan"):
+            return index < 0 and ~index not in around
+    return False
+
+
+def loss_graph(losses: list[Tensor], limit: int = 200_000) -> Callable[[int], bool]:
+    """Whether a node (its sequence number) is in the losses' autograd graphs: read once, when first asked.
+
+    Node names and numbers only: after backward autograd keeps no value, and nothing runs. ``limit`` nodes at most
+    (a graph larger than that: every node counts as used).
+    """
+    found: Optional[set[int]] = None
+    complete = True
+
+    def used(node: int) -> bool:
+        nonlocal found, complete
+        if found is None:
+            found, seen = set(), set[Any]()
+            stack: list[Any] = [loss.grad_fn for loss in losses if loss.grad_fn is not None]
+            while stack:
+                step = stack.pop()
+                if step is None or step in seen:
+                    continue
+                if len(seen) >= limit:
+                    complete = False
+                    break
+                seen.add(step)
+                found.add(step._sequence_nr())
+                stack.extend(f for f, _ in step.next_functions)
+        return not complete or node in found
+
+    return used
 
 
 def read_origin(
@@ -143,7 +207,7 @@ def read_origin(
     if loss is None:  # the loss finite: born in backward, whatever a module gave (phases as the docs define them)
         return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
     to_loss = loss == "inf"  # a NaN loss (an all-masked softmax in the step's code) names no -inf maker
-    found = first_born(events, minus, to_loss)
+    found = first_born(events, minus, to_loss, loss_graph(losses))
     if found is not None:
         index, kind, position, fed_by, _ = found
         if index is None:  # the batch's only where they can be its own (a batch tensor, or its samples carried on)
