@@ -171,6 +171,7 @@ def _extremes(
     """
     found: list[tuple[Any, ...]] = []
     unread: Optional[str] = None
+    nodes = nodes and SEQUENCED
     items = value if type(value) is tuple else (value,)  # a call's arguments, or the one value it returned
     if kwargs:
         items = (*items, *kwargs.values())
@@ -205,10 +206,11 @@ def _extremes(
                 if ref() is t and (t.is_inference() or t._version == version):
                     if top:
                         found.append((*entry, t.untyped_storage().data_ptr()))
-                    else:  # an output's: with its autograd node (inline: no call a tensor)
-                        found.append(
-                            (*entry, None if (node := t.grad_fn) is None else node._sequence_nr()) if nodes else entry
-                        )
+                    elif nodes:  # an output's: with its autograd node (inline: no call a tensor)
+                        node = t.grad_fn
+                        found.append((*entry, None if node is None else node._sequence_nr()))
+                    else:
+                        found.append(entry)
                     continue
             if not t.numel():
                 continue
@@ -228,13 +230,20 @@ def _extremes(
             entry = (t.dtype in _HALF, torch.aminmax(t))
             if top:  # the step's own: its storage tells a batch tensor
                 entry = (*entry, t.untyped_storage().data_ptr())
-            found.append((*entry, None if (node := t.grad_fn) is None else node._sequence_nr()) if nodes else entry)
+            if nodes:
+                node = t.grad_fn
+                found.append((*entry, None if node is None else node._sequence_nr()))
+            else:
+                found.append(entry)
             if read is not None:
                 read[key] = (weakref.ref(t), -1 if t.is_inference() else t._version, entry[:2])
     return found, unread
 
 
 _FLAT = (tuple, list)
+
+#: whether this torch's autograd nodes tell their sequence number (an output's node: whether the loss used it)
+SEQUENCED = hasattr((torch.ones(1, requires_grad=True) * 2).grad_fn, "_sequence_nr")
 
 
 def batch_rows(batch: Any) -> set[int]:

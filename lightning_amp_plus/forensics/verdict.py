@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus.forensics._tree import values
-from lightning_amp_plus.forensics.observe import _mask_like, nonfinite_kind, nonfinite_kinds
+from lightning_amp_plus.forensics.observe import SEQUENCED, _mask_like, nonfinite_kind, nonfinite_kinds
 from lightning_amp_plus.forensics.origin import IN_ISLAND, OWN_CODE, WATCHING, Origin, Phase, Verdict
 from lightning_amp_plus.islands import island_of
 
@@ -207,7 +207,7 @@ def read_origin(
     if loss is None:  # the loss finite: born in backward, whatever a module gave (phases as the docs define them)
         return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
     to_loss = loss == "inf"  # a NaN loss (an all-masked softmax in the step's code) names no -inf maker
-    found = first_born(events, minus, to_loss, loss_graph(losses))
+    found = first_born(events, minus, to_loss, loss_graph(losses) if SEQUENCED else None)
     if found is not None:
         index, kind, position, fed_by, _ = found
         if index is None:  # the batch's only where they can be its own (a batch tensor, or its samples carried on)
@@ -240,11 +240,16 @@ _NODES = 2000
 
 
 def _half_output(node: Any) -> bool:
-    """Whether a backward node's op gave a half-precision output (its gradient's metadata: names, no value)."""
+    """Whether a backward node's op gave a half-precision output (its gradient's metadata: names, no value).
+
+    A torch without the metadata (2.4): the graph's shape tells, and a cast just below the op (``x.float()``) says
+    it ran in float32 (or cannot be told): not named.
+    """
     try:
         return node._input_metadata[0].dtype in (torch.float16, torch.bfloat16)
-    except Exception:  # noqa: BLE001 - a torch without the metadata: the graph's shape alone tells
-        return True
+    except Exception:  # noqa: BLE001 - a torch without the metadata
+        below = node.next_functions[0][0] if node.next_functions else None
+        return below is None or type(below).__name__ != "ToCopyBackward0"
 
 
 def log_of(losses: list[Tensor]) -> Optional[str]:
