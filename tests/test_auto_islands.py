@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_amp_plus import AmpPlusFSDPPrecision, AmpPlusPrecision, NaNSkipReporter
+from lightning_amp_plus import AmpAdvisor, AmpPlusFSDPPrecision, AmpPlusPrecision, NaNSkipReporter
+from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
 LINE = "`AmpPlusPrecision(auto_islands=True)`"
@@ -342,3 +343,43 @@ def test_a_dtype_mismatch_an_island_causes_in_the_users_code_says_which_islands_
         "AmpPlusPrecision(auto_islands=True) runs 'pool' in float32, and an island's output stays float32: code that"
         " writes it into a float16 tensor (out[idx] = island(x), index_add_, scatter_) needs `.to(out.dtype)` there."
     ]
+
+
+class _Root(nn.Module):
+    """A square root of values below 0 (NaN in any precision); ``guarded``: its input clamped, as the fix says."""
+
+    def __init__(self, guarded=False):
+        super().__init__()
+        self.guarded = guarded
+
+    def forward(self, x):
+        shifted = x - 5.0
+        return torch.sqrt(shifted.clamp_min(1e-12) if self.guarded else shifted)
+
+
+class _Rooted(TinyModel):
+    def __init__(self, guarded=False):
+        super().__init__(lr=0.0)
+        self.pre, self.sq = nn.Linear(8, 8), _Root(guarded)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(self.sq(self.pre(x))).float(), y)
+
+
+def test_a_module_float32_makes_nan_in_too_is_the_models_own_and_its_guard_fixes_the_ops_input():
+    """Break pass on issue 52: auto_islands took `sq` out (float32 made NaN too) while the advisor still printed it as
+    an island, and model_nonfinite's fix was a nan_to_num of the output (its backward stays NaN). Now the advice is
+    model_nonfinite, naming the op, and its guard on the op's input trains."""
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True)
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=8).fit(_Rooted())
+    assert plugin._auto.own == ["sq"]
+    assert [a.code for a in advisor.advice][:1] == ["model_nonfinite"]
+    assert "fp32_module" not in [a.code for a in advisor.advice]
+    advice = advisor.advice[0]
+    assert "(a sqrt: its input is out of its domain)" in advice.message
+    assert advice.fix.startswith("torch.sqrt(x.clamp_min(1e-12))")
+    guarded = AmpPlusPrecision("16-mixed", init_scale=2.0**4)
+    make_trainer(plugins=[guarded], max_steps=8).fit(_Rooted(guarded=True))  # the guard, as printed, on its input
+    assert guarded.history.skipped_steps == []

@@ -179,11 +179,16 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
         kind = "a sqrt, log or division at 0 in backward"
     else:
         what = f"in the forward of {where}" + (" (between its module calls)" if made[0].own_code else "")
-        fix = (
-            f"# fix the inputs of {where} (e.g. give every attention row one unmasked key), or replace its inf/nan:"
-            " out = torch.nan_to_num(out)"
+        base = op.split("Backward")[0].lower() if op else None
+        what += f" (a {base}: its input is out of its domain)" if base else ""
+        # the op the graph shows in it: guard its input (a nan_to_num of the output leaves its backward inf/nan)
+        fix = _guard(op) or (
+            f"# fix the inputs of {where} (e.g. give every attention row one unmasked key); a sqrt, log or division"
+            " there: guard its input (x.clamp_min(1e-12)), not its output"
         )
-        kind = "an all-masked attention row, a log or division of 0"
+        kind = (
+            f"a {base} of values out of its domain" if base else "an all-masked attention row, a log or division of 0"
+        )
     watched = any(o.reason == IN_ISLAND for o in made)
     upstream = (
         " (Watched as an fp32 island, from inputs computed in float16: if those differ by less than float16"

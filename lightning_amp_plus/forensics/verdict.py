@@ -144,33 +144,55 @@ def _unused(
     return False
 
 
-def loss_graph(losses: list[Tensor], limit: int = 200_000) -> Callable[[int], bool]:
-    """Whether a node (its sequence number) is in the losses' autograd graphs: read once, when first asked.
+class LossGraph:
+    """The losses' autograd graphs, by node sequence number: read once, when first asked, and only on a skip.
 
     Node names and numbers only: after backward autograd keeps no value, and nothing runs. ``limit`` nodes at most
     (a graph larger than that: every node counts as used).
     """
-    found: Optional[set[int]] = None
-    complete = True
 
-    def used(node: int) -> bool:
-        nonlocal found, complete
-        if found is None:
-            found, seen = set(), set[Any]()
-            stack: list[Any] = [loss.grad_fn for loss in losses if loss.grad_fn is not None]
+    def __init__(self, losses: list[Tensor], limit: int = 200_000) -> None:
+        self._losses, self._limit = losses, limit
+        self._nodes: Optional[dict[int, Any]] = None
+        self._complete = True
+
+    def _read(self) -> dict[int, Any]:
+        if self._nodes is None:
+            self._nodes = {}
+            stack: list[Any] = [loss.grad_fn for loss in self._losses if loss.grad_fn is not None]
             while stack:
                 step = stack.pop()
-                if step is None or step in seen:
+                if step is None or step._sequence_nr() in self._nodes:
                     continue
-                if len(seen) >= limit:
-                    complete = False
+                if len(self._nodes) >= self._limit:
+                    self._complete = False
                     break
-                seen.add(step)
-                found.add(step._sequence_nr())
+                self._nodes[step._sequence_nr()] = step
                 stack.extend(f for f, _ in step.next_functions)
-        return not complete or node in found
+        return self._nodes
 
-    return used
+    def __call__(self, node: int) -> bool:
+        """Whether the node is in the graphs (the loss used what it made)."""
+        return node in self._read() or not self._complete
+
+    def op_in(self, node: Optional[int], ops: frozenset[str], within: int = 32) -> Optional[str]:
+        """The nearest op among ``ops`` (``"Sqrt"``) at or below ``node`` (a module's output), ``within`` nodes."""
+        start = self._read().get(node) if node is not None else None
+        queue, seen = [start], 0
+        while queue and seen < within:
+            step = queue.pop(0)
+            if step is None:
+                continue
+            seen += 1
+            name = type(step).__name__.split("Backward")[0]
+            if name in ops:
+                return type(step).__name__
+            queue.extend(f for f, _ in step.next_functions)
+        return None
+
+
+#: the ops that make inf/nan at a point, by their backward node's name (a forward origin's op: its guard)
+POINT_OPS = frozenset({"Sqrt", "Log", "Div", "Pow", "Rsqrt", "Acos", "Asin", "Atan2", "Log2", "Log10", "Reciprocal"})
 
 
 def read_origin(
@@ -207,7 +229,8 @@ def read_origin(
     if loss is None:  # the loss finite: born in backward, whatever a module gave (phases as the docs define them)
         return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
     to_loss = loss == "inf"  # a NaN loss (an all-masked softmax in the step's code) names no -inf maker
-    found = first_born(events, minus, to_loss, loss_graph(losses) if SEQUENCED else None)
+    graph = LossGraph(losses) if SEQUENCED else None
+    found = first_born(events, minus, to_loss, graph)
     if found is not None:
         index, kind, position, fed_by, _ = found
         if index is None:  # the batch's only where they can be its own (a batch tensor, or its samples carried on)
@@ -217,9 +240,12 @@ def read_origin(
         name, by = names[index], names[fed_by] if fed_by is not None else None
         if name in loss_modules:  # a loss computed by a module (`self.criterion`): the loss, never an island
             return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
+        # the op in it that makes them at a point (a sqrt of a negative): its input is what a guard fixes
+        bad = events[position][4] if len(events[position]) > 4 else ()
+        op = graph.op_in(bad[0], POINT_OPS) if graph is not None and bad else None
         if island_of(name, islands) and (by is None or island_of(by, islands)):  # float32 made them: the run says
-            return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND)
-        return Origin(Phase.FORWARD, name, kind, fed_by=by)
+            return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND, op=op)
+        return Origin(Phase.FORWARD, name, kind, fed_by=by, op=op)
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
         return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
     return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
