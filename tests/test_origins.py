@@ -5,6 +5,7 @@ printed from either, pasted as printed, is measured to help, and a chain of fixe
 """
 
 import functools
+import math
 import random
 
 import pytest
@@ -1085,3 +1086,48 @@ def test_an_unused_sentinel_is_not_named_before_the_module_whose_inf_reached_the
     make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=3).fit(_Routed(use_sentinel), loader)
     assert plugin.history.num_skipped == 3
     assert [r["origin"].get("module") for r in reporter.skips] == [named] * 3
+
+
+class _CriterionFed(LightningModule):
+    """A head whose float16 output overflows to -inf in one class, straight into a loss module (`self.criterion`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head, self.criterion = nn.Linear(16, 16), nn.Linear(16, 4), nn.CrossEntropyLoss()
+        with torch.no_grad():
+            self.head.weight[0].fill_(-1e3)
+            self.head.bias[0] = -6e4
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        logits = self.head(self.a(x).abs() + 10)
+        loss = self.criterion(logits, torch.zeros(len(x), dtype=torch.long))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    losses: list
+
+
+def test_a_head_overflowing_to_minus_inf_into_a_loss_module_is_named_and_its_island_helps():
+    """Break pass on issue 52: with `self.criterion = nn.CrossEntropyLoss()` the -inf straight into the loss was told
+    "loss" (with F.cross_entropy: the head). The loss module is never the island; the head is, and its island makes
+    the loss finite (measured)."""
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, max_warnings=0)
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = AmpPlusPrecision("16-mixed")
+    loader = DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=4)
+    model = _CriterionFed()
+    model.losses = []
+    make_trainer(plugins=[plugin], callbacks=[reporter, advisor], max_steps=8).fit(model, loader)
+    assert plugin.history.num_skipped > 0
+    assert all(loss == float("inf") for loss in model.losses)
+    assert {r["origin"].get("module") for r in reporter.skips} == {"head"}
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.fix.endswith('fp32_modules=["head"])')
+    fixed = _CriterionFed()
+    fixed.losses = []
+    make_trainer(plugins=[eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})], max_steps=8).fit(fixed, loader)
+    assert all(math.isfinite(loss) for loss in fixed.losses)

@@ -238,6 +238,12 @@ def read_origin(
                 return Origin(Phase.INPUT)
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
         name, by = names[index], names[fed_by] if fed_by is not None else None
+        if name in loss_modules and by is not None and by not in loss_modules:
+            # a loss module fed a module's float16 -inf (a head that overflows to -inf): born in that module, as with
+            # a functional loss (the loss module is never an island)
+            if island_of(by, islands):
+                return Origin(Phase.FORWARD, by, "inf", float32=Verdict.NONFINITE, reason=IN_ISLAND)
+            return Origin(Phase.FORWARD, by, "inf")
         if name in loss_modules:  # a loss computed by a module (`self.criterion`): the loss, never an island
             return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
         # the op in it that makes them at a point (a sqrt of a negative): its input is what a guard fixes
