@@ -1063,3 +1063,26 @@ def test_skip_rate_says_bf16_has_no_scale_to_settle_and_no_rest_where_nothing_ap
     none = run([(0, 1.0)], list(range(5)), 4, origins=None)
     (advice,) = [a for a in advise(none) if a.code == "skip_rate"]
     assert advice.message.endswith("No rule here explains why: no update was applied.")
+
+
+def test_a_scale_a_skip_backed_off_onto_its_floor_is_never_healthy():
+    """Break pass on issue 52: three backward skips took the scale down to min_scale=2**13, where it stayed; no skip
+    came *at* the floor, and the run was called healthy. A backoff that ends at the floor is the scale held there."""
+    knobs = {**KNOBS, "min_scale": 2.0**13}
+    curve = [(0, 2.0**16), (2, 2.0**15), (3, 2.0**14), (4, 2.0**13)]
+    figures = RunFigures(
+        precision="16-mixed", num_updates=30, last_step=29, curve=curve, skipped=[1, 2, 3], knobs=knobs, origins=[]
+    )
+    (advice,) = advise(figures)
+    assert advice.code == "skip_rate"
+    assert "the scale sat at its floor min_scale=2.0**13" in advice.message
+    grown = RunFigures(
+        precision="16-mixed",
+        num_updates=30,
+        last_step=29,
+        curve=[*curve, (20, 2.0**14)],
+        skipped=[1, 2, 3],
+        knobs=knobs,
+        origins=[],
+    )
+    assert "skip_rate" not in codes(grown)  # it grew off the floor again: a settling scale

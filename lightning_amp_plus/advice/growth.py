@@ -269,12 +269,21 @@ def _settling(figures: RunFigures) -> tuple[int, int]:
 
 
 def _held_at_floor(figures: RunFigures) -> bool:
-    """Whether skips held the scale at its floor: its last value is ``min_scale`` and a skip came there."""
+    """Whether skips held the scale at its floor: it ends at ``min_scale``, and a skip came there or took it there.
+
+    A skip's backoff that ended at the floor: the scaler wanted lower, and the next overflow is a collapse.
+    """
     min_scale = (figures.knobs or {}).get("min_scale")
     if min_scale is None or not figures.curve or not figures.skipped or min_scale <= 0:
         return False
     floor = scale_floor(min_scale)
-    return figures.curve[-1][1] <= floor and any(value_at(figures.curve, s) <= floor for s in figures.skipped)
+    if figures.curve[-1][1] > floor:
+        return False
+    backed_off = len(figures.curve) > 1 and figures.curve[-1][1] < figures.curve[-2][1]
+    # the curve's point at a step is the backoff of the skip just before it
+    return (backed_off and figures.curve[-1][0] - 1 in set(figures.skipped)) or any(
+        value_at(figures.curve, s) <= floor for s in figures.skipped
+    )
 
 
 def trailing_streak(figures: RunFigures) -> int:
