@@ -1086,3 +1086,24 @@ def test_a_scale_a_skip_backed_off_onto_its_floor_is_never_healthy():
         origins=[],
     )
     assert "skip_rate" not in codes(grown)  # it grew off the floor again: a settling scale
+
+
+def test_a_saw_tooth_that_skips_a_quarter_of_the_updates_is_never_healthy():
+    """Break pass on issue 52.3: growth_interval=3 makes a saw-tooth that skips one update in four (30% of 20), each
+    a growth attempt, and it was called healthy. 25% or more after the leading skips is never healthy."""
+    knobs = {**KNOBS, "growth_interval": 3}
+    skipped = [0, 4, 8, 12, 16, 19]
+    curve = [(0, 2.0**17), (1, 2.0**16)]
+    for s in (4, 8, 12, 16):  # three clean updates, a growth, its overflow
+        curve += [(s, 2.0**17), (s + 1, 2.0**16)]
+    curve += [(19, 2.0**17), (20, 2.0**16)]
+    figures = RunFigures(
+        precision="16-mixed", num_updates=21, last_step=20, curve=curve, skipped=skipped, knobs=knobs, origins=[]
+    )
+    (advice,) = advise(figures)
+    assert advice.code == "skip_rate"
+    assert "a quarter or more after the leading skips" in advice.message
+    sparse = RunFigures(
+        precision="16-mixed", num_updates=21, last_step=20, curve=curve[:4], skipped=[0, 4], knobs=knobs, origins=[]
+    )
+    assert "skip_rate" not in codes(sparse)  # one growth's skip after the settling one: healthy

@@ -31,6 +31,8 @@ GROWTH_UNDERFLOW = 0.05
 
 #: skip rate from which a run that no other code explains is reported (skip_rate)
 HIGH_SKIP_RATE = 0.5
+#: skip rate after the leading skips from which a run is never healthy (a saw-tooth that short wastes them)
+SETTLED_SKIP_RATE = 0.25
 
 
 #: skipped updates in a row at the end of a run from which it is reported (skip_rate): it ended training on nothing
@@ -171,8 +173,9 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
 @rule(
     "skip_rate",
     evidence="More skips than a settling loss scale makes (its leading skips, then about one per growth, and one "
-    "more), half the updates or more skipped, 3+ skips in a row where the run ended, a skip born before backward "
-    "(no loss scale causes it), or the scale held at its floor by skips; and no code above explains it.",
+    "more), half the updates or more skipped or a quarter after the leading skips, 3+ skips in a row where the run "
+    "ended, a skip born before backward (no loss scale causes it), or the scale held at its floor by skips; and no "
+    "code above explains it.",
     fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders). Offline, where"
     " the run had one: `AmpAdvisor()`, which reads its origins live.",
     look_alike="A healthy saw-tooth: leading skips while the scale settles, then one skip per growth attempt.",
@@ -198,7 +201,9 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     if skipped < 2 and not early and not early_logged and not floor:
         return None  # one skip alone: a scale's first meeting with the gradients
     calm = skipped <= expected and not early and not early_logged and not floor
-    if rate < HIGH_SKIP_RATE and trailing < TRAILING_STREAK and calm:
+    # the rate after the scale settled: its leading skips are calibration, whatever the run's length
+    settled = (skipped - leading) / (figures.num_updates - leading) if figures.num_updates > leading else 0.0
+    if rate < HIGH_SKIP_RATE and settled < SETTLED_SKIP_RATE and trailing < TRAILING_STREAK and calm:
         return None
     saw = []
     if skipped > expected and not figures.curve:
@@ -225,8 +230,12 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
         saw.append(f"the scale sat at its floor min_scale={_scale((figures.knobs or {})['min_scale'])}")
     if trailing >= TRAILING_STREAK:
         saw.append(f"the last {trailing} in a row, where the run ended")
-    if not saw:
+    if not saw and rate >= HIGH_SKIP_RATE:
         saw.append("half the updates or more")
+    elif not saw:
+        saw.append(
+            "a quarter or more after the leading skips (a growth interval that short wastes them: each growth skips)"
+        )
     return Advice(
         "skip_rate",
         f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
