@@ -31,6 +31,7 @@ from lightning_amp_plus.advice.growth import (
     HIGH_SKIP_RATE,
     MIN_ISOLATED_BACKOFFS,
     MIN_UPDATES_AFTER_BACKOFF,
+    SETTLED_SKIP_RATE,
     TRAILING_STREAK,
     trailing_streak,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "MIN_UPDATES_AFTER_BACKOFF",
     "PLUGIN_HPARAM",
     "RULES",
+    "SETTLED_SKIP_RATE",
     "TRAILING_STREAK",
     "Advice",
     "Rule",
