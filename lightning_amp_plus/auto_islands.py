@@ -43,9 +43,9 @@ def island_change(origin: Optional[Origin], islands: list[str], added: list[str]
     """The one rule: what a skip's ``origin`` changes, given the ``islands`` running (``added``: ours among them).
 
     A forward origin in a named module outside every island adds that module (and the module whose half-precision
-    ``-inf`` it took, ``fed_by``). One inside an island we added (float32 made them too) takes that island out; a
-    module taken out (in ``own``) is never added again. Anything else (the batch, the loss, backward, the step's own
-    code, a forward not yet named) changes nothing.
+    ``-inf`` it took, ``fed_by``; those born on their own in the same step, ``also``). One inside an island we added
+    (float32 made them too) takes that island out; a module taken out (in ``own``) is never added again. Anything
+    else (the batch, the loss, backward, the step's own code, a forward not yet named) changes nothing.
 
     Example:
         >>> born = Origin(Phase.FORWARD, "pool", "inf")
@@ -60,7 +60,8 @@ def island_change(origin: Optional[Origin], islands: list[str], added: list[str]
     if origin.float32 is Verdict.NONFINITE:
         island = island_of(origin.name, islands)
         return Change(taken_out=island) if island in added else Change()
-    names = [n for n in (origin.fed_by, origin.name) if n and n not in own and island_of(n, islands) is None]
+    born = (origin.fed_by, origin.name, *origin.also)  # `also`: born on their own in the same step
+    names = [n for n in born if n and n not in own and island_of(n, islands) is None]
     return Change(added=tuple(dict.fromkeys(names)))
 
 

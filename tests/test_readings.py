@@ -586,6 +586,37 @@ def test_three_towers_each_overflowing_on_some_batches_get_every_towers_island()
     assert "fp32_module" not in _codes(healthy)
 
 
+def _towers_together(large):
+    """Every batch but every fourth carries all three towers' features large: the towers overflow in the same steps."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 8, generator=g)
+    for b in range(12):
+        if large and b % 4 != 3:
+            x[4 * b : 4 * b + 4, :3] = 100.0
+    return DataLoader(TensorDataset(x, torch.zeros(48, 1)), batch_size=4)
+
+
+def test_towers_overflowing_in_the_same_step_are_all_named_in_one_run_and_the_fix_trains():
+    """Three modules born on their own in each skipped step: the first is named, the others are ``also`` (issue 52.2);
+    one run prints all three islands (before: one a run, three runs to a fix), pasted it trains; auto_islands adds
+    all three at the first watched skip."""
+    advisor, plugin = _fit(Towers(), _towers_together(large=True))
+    assert plugin.history.num_skipped == 9
+    origins = [r["origin"] for r in advisor._reporter.skips]
+    assert origins[1]["module"] == "towers.0"
+    assert origins[1]["also"] == ["towers.1", "towers.2"]
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["modules"] == {"towers.0": 8, "towers.1": 8, "towers.2": 8}
+    assert advice.evidence["islands"] == ["towers.0", "towers.1", "towers.2"]
+    _, fixed = _fit(Towers(), _towers_together(large=True), plugin=_applied(advice.fix))
+    assert fixed.history.num_skipped == 0  # measured: the three islands, as printed, in one run
+    auto = AmpPlusPrecision("16-mixed", init_scale=1024.0, auto_islands=True)
+    _fit(Towers(), _towers_together(large=True), plugin=auto)
+    assert auto.history.skipped_steps == [0, 1]  # the first unnamed, the second names all three: none after
+    _, quiet = _fit(Towers(), _towers_together(large=False))  # the look-alike: no large feature, no skip
+    assert quiet.history.num_skipped == 0
+
+
 # ------------------------------------------------------------------------------------- a scale too low, no reference
 class Faint(TinyModel):
     """A loss x 1e-7: every gradient 1e-7 of its size, most below float16's normal range at a scale of 2**11."""

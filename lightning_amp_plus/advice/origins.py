@@ -210,8 +210,9 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
 @rule(
     "fp32_module",
     evidence="One module's forward made the inf/nan in over half the told skips (2 at least), or several "
-    'modules did together. The watch names the module; a replay (`find_origin="replay"`) also '
-    "measures its islands finite in float32. Fewer: told as a problem apart from what explains the others.",
+    "modules did together (in the same step too: `also`). The watch names the module; a replay "
+    '(`find_origin="replay"`) also measures its islands finite in float32. Fewer: told as a problem apart from '
+    "what explains the others.",
     fix='`fp32_modules=[..., "that.module"]`, your own islands kept. Born there again in float32: '
     "`model_nonfinite`. Born in the next module: it joins. Up to 4 new modules a run; with 4 islands given and "
     "values born in another module still: `bf16`.",
@@ -231,17 +232,21 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     apart = 2 * len(fixable) <= len(origins)  # half or fewer: a problem of its own beside the others, told too
     if not fixable:
         return None
-    modules = Counter(o.name for o in fixable)
+    # a skip counts for each module born in it: the one named and those born on their own beside it (`also`)
+    modules = Counter(name for o in fixable for name in dict.fromkeys((o.name, *o.also)))
     module, count = modules.most_common(1)[0]
-    if most(count, len(origins), least=2):  # one module makes most: its islands (a rare other one is left alone)
-        modules = Counter({module: count})
-        fixable = [o for o in fixable if o.name == module]
+    majors = Counter({m: n for m, n in modules.items() if most(n, len(origins), least=2)})
+    if majors:  # modules that each make most: theirs (a rare other one is left alone)
+        modules = majors
+        fixable = [o for o in fixable if majors.keys() & {o.name, *o.also}]
     given = list(_given_islands(figures))
     islands = list(given)
     for name, _ in modules.most_common():  # the most frequent module's islands first
-        for o in fixable:
-            if o.name == name:
-                islands += [i for i in o.islands or _watched_islands(o) if i not in islands]
+        named = [o for o in fixable if o.name == name]
+        for o in named:
+            islands += [i for i in o.islands or _watched_islands(o) if i not in islands]
+        if not named and name not in islands:  # only ever born beside another (`also`): its own island
+            islands.append(name)
     watched = any(o.observed for o in fixable)
     if watched and (len(given) >= MAX_ISLANDS or len(islands) - len(given) > MAX_ISLANDS):
         return None  # a chain of islands that long, or that many modules at once: bf16 (below)

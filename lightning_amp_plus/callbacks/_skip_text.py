@@ -116,7 +116,8 @@ def describe_origin(told: Optional[dict[str, Any]], loss: Any = None) -> str:
             return f"born in forward of {origin.within} (the module inside: unknown, {origin.reason})"
         where = f"{origin.where} (between its module calls)" if origin.own_code else origin.where
         fed = f"; it took a float16 -inf from {origin.fed_by}" if origin.fed_by else ""
-        return f"born in forward of {where} ({origin.kind}{fed})"
+        also = f"; born on their own in {', '.join(origin.also)} too" if origin.also else ""
+        return f"born in forward of {where} ({origin.kind}{fed}{also})"
     if origin.phase is Phase.LOSS and origin.op is not None:  # what the loss's graph shows it took the log of
         return f"born in the loss (every watched module output was finite; it takes the {origin.op} of float16 values)"
     if origin.phase is Phase.BACKWARD and origin.batch_too:

@@ -216,7 +216,12 @@ class OriginFinder(UpdateListener):
             return origin
         from lightning_amp_plus.forensics.opt_in.replay import measure  # find_origin="replay", by name
 
-        return measure(origin, record, found.start, self.watch, self._context, self._device, self._model)  # type: ignore
+        # the replay measures the islands every later overflow needs: the watched `also` is what it replaces
+        if self._model is None:  # detached: nothing to replay on
+            return origin
+        return measure(
+            origin.replace(also=()), record, found.start, self.watch, self._context, self._device, self._model
+        )
 
 
 def _compiled_frames() -> int:

@@ -62,6 +62,7 @@ class Origin:
         op: the backward node (``SqrtBackward0``).
         fed_by: the module whose half-precision ``-inf`` the module took before it made them (a mask there, or an
             overflow to ``-inf``: a watch cannot tell; a fix runs both in float32).
+        also: other modules where they were born on their own in the same step (finite inputs; a second tower).
         batch_too: the batch held that kind too (the step's own code may have spread the batch's).
         reason: why nothing more was told. rank: the rank that saw it born (DDP). step: the update's step.
 
@@ -86,6 +87,7 @@ class Origin:
     reason: Optional[str] = None
     rank: Optional[int] = None
     step: Optional[int] = None
+    also: tuple[str, ...] = ()  # last: a new field, the earlier fields keep their positions
 
     def replace(self, **change: Any) -> Origin:
         """This origin with ``change`` applied (``dataclasses.replace``)."""
@@ -136,6 +138,8 @@ class Origin:
                 told[key] = getattr(self, key).value
         if self.islands is not None:
             told["islands"] = list(self.islands) or None
+        if self.also:
+            told["also"] = list(self.also)
         if self.batch_too:
             told["batch"] = "nonfinite"
         for key in ("reason", "rank", "step"):
@@ -154,6 +158,7 @@ class Origin:
             OWN_CODE if told.get("module") == "" else told.get("module"),
             islands=None if islands is False else tuple(islands or ()),
             batch_too=told.get("batch") == "nonfinite",
+            also=tuple(told.get("also") or ()),
             **kept,
         )
 

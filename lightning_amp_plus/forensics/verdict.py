@@ -106,6 +106,47 @@ def first_born(
     return None
 
 
+def also_born(events: list[tuple[Any, ...]], after: int, in_loss: Optional[Callable[[int], bool]] = None) -> list[int]:
+    """The modules where ``+inf``/NaN were born on their own after the event ``after`` (the first birth's), in order.
+
+    A call whose inputs were finite and inside which nothing held them, its output holding them: a second tower
+    that overflowed in the same step. A call that took the first birth's values (or any) is fed, not born. The
+    rules of :func:`first_born` for an output a hook of yours cleaned or the loss never used hold here too.
+
+    Example (events as :func:`~.observe.read` gives them: a call's start, its end as ``~index``):
+
+        >>> finite, born = (0, None, [], False, ()), (~0, "inf", [], False, ())
+        >>> also_born([finite, born, (1, None, [], False, ()), (~1, "inf", [], False, ())], after=1)
+        [1]
+        >>> also_born([finite, born, (1, "inf", [], False, ()), (~1, "inf", [], False, ())], after=1)
+        []
+    """
+    found: list[int] = []
+    calls: list[int] = []  # the calls in progress
+    clean: list[bool] = []  # whether each is still a candidate: its inputs finite, nothing inside held inf/nan
+    for position, (index, kind, *rest) in enumerate(events):
+        bad = kind in ("inf", "nan")
+        if index >= 0:
+            calls.append(index)
+            clean.append(position > after and kind is None)
+            if bad:  # a call took them: every call around it gives what it took
+                clean[:] = [False] * len(clean)
+            continue
+        was_clean = clean.pop() if clean else False
+        if calls:
+            calls.pop()
+        if not bad:
+            continue
+        if was_clean and position > after:
+            hooked, nodes = (rest[1], rest[2]) if len(rest) > 2 else (False, ())
+            if not (hooked and not _reaches(events, position, calls)) and not (
+                not hooked and _unused(events, position, calls, nodes, in_loss)
+            ):
+                found.append(~index)
+        clean[:] = [False] * len(clean)  # the calls around it give what it made
+    return list(dict.fromkeys(found))
+
+
 def _reaches(events: list[tuple[Any, ...]], position: int, around: list[int]) -> bool:
     """Whether the ``+inf``/NaN the call ending at ``position`` gave reach a later call (:func:`first_born`).
 
@@ -251,7 +292,13 @@ def read_origin(
         op = graph.op_in(bad[0], POINT_OPS) if graph is not None and bad else None
         if island_of(name, islands) and (by is None or island_of(by, islands)):  # float32 made them: the run says
             return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND, op=op)
-        return Origin(Phase.FORWARD, name, kind, fed_by=by, op=op)
+        # a second module that overflowed on its own in the same step (three towers): one run names them all
+        also = tuple(
+            n
+            for n in (names[i] for i in also_born(events, position, graph))
+            if n != name and n != by and n not in loss_modules and not island_of(n, islands)
+        )
+        return Origin(Phase.FORWARD, name, kind, fed_by=by, op=op, also=also)
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
         return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
     return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
