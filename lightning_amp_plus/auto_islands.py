@@ -88,11 +88,15 @@ class AutoIslands(UpdateListener):
         self.own: list[str] = []  # taken out: float32 made inf/nan there too
         self.refused: dict[str, str] = {}  # could not be made an island, and why (told once)
         self.at_start: set[str] = set()  # the modules the model had when the fit started (a fix line can name them)
+        #: this step's changes (cleared as the next step starts): a skip of this step is judged against the islands
+        #: that ran in it (:meth:`as_run`), whatever order the listeners are called in
+        self.fresh: list[str] = []
+        self.out_now: list[str] = []
         self._islands, self._install, self._take_out, self._say, self._count = islands, install, take_out, say, count
 
     def reset(self) -> None:
         """A new run: nothing added yet."""
-        self.added, self.own, self.refused = [], [], {}
+        self.added, self.own, self.refused, self.fresh, self.out_now = [], [], {}, [], []
 
     def attach(self, model: torch.nn.Module, context: Callable[[], Any], accumulating: bool) -> None:
         """Observe ``model`` (the LightningModule) from the next batch; watched after the first forward skip."""
@@ -105,8 +109,13 @@ class AutoIslands(UpdateListener):
         """Take the watch off and forget the batch."""
         self.finder.detach()
 
+    def as_run(self, islands: list[str]) -> list[str]:
+        """``islands`` (running now) as they ran in this step: less those added at its skip, with those taken out."""
+        return [*(n for n in islands if n not in self.fresh), *(n for n in self.out_now if n not in islands)]
+
     def step_starting(self) -> None:
         """A training step starts: the last one's record is dropped, this one's begun (its losses come later)."""
+        self.fresh, self.out_now = [], []
         self.finder.take_batch()
         self.finder.start_batch(None)
 
@@ -129,6 +138,7 @@ class AutoIslands(UpdateListener):
             self._take_out(change.taken_out)
             self.added.remove(change.taken_out)
             self.own.append(change.taken_out)
+            self.out_now.append(change.taken_out)
             self._say(
                 f"{change.taken_out!r} made {origin.kind if origin else 'inf/nan'} again in float32 at step"
                 f" {event.step}: float32 makes them too (the model's own), so it runs in half precision again."
@@ -142,6 +152,7 @@ class AutoIslands(UpdateListener):
                 self._say(f"{name!r} overflowed at step {event.step} but cannot be made an island: {why}.")
                 continue
             self.added += [] if name in self.added else [name]  # a replaced module: the same name, wrapped again
+            self.fresh.append(name)
             assert origin is not None  # a change is made from a told origin
             if name == origin.fed_by:
                 line = f"{name!r} gave {origin.name!r} a half-precision -inf at step {event.step} (mask or overflow)"

@@ -173,6 +173,11 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
         """
         return self._islands.running(self._module)
 
+    def _islands_as_run(self) -> list[str]:
+        """The islands this step ran with: a skip is judged by them (``auto_islands`` may have changed them at it)."""
+        running = self._islands.running(self._module)
+        return self._auto.as_run(running) if self._auto is not None else running
+
     # ------------------------------------------------------------------ set-up
     @override
     def connect(self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:

@@ -383,3 +383,27 @@ def test_a_module_float32_makes_nan_in_too_is_the_models_own_and_its_guard_fixes
     guarded = AmpPlusPrecision("16-mixed", init_scale=2.0**4)
     make_trainer(plugins=[guarded], max_steps=8).fit(_Rooted(guarded=True))  # the guard, as printed, on its input
     assert guarded.history.skipped_steps == []
+
+
+def test_beside_auto_islands_each_skip_is_told_as_it_ran_and_the_advisor_prints_the_plugins_line(tmp_path):
+    """A skip is judged by the islands its step ran with: auto_islands, called first, makes the named module an
+    island at that skip, and the reporter read it after (before: "float32 made them too", a claim nothing measured,
+    and the advisor fell back to skip_rate with "no rule here explains why"). The advisor says what auto_islands
+    measured in the run and prints the plugin's own line for the next run, which trains."""
+    reporter = NaNSkipReporter(report_path=tmp_path / "skips.json")
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = fit(
+        Chain(), AmpPlusPrecision("16-mixed", init_scale=2.0**4, auto_islands=True), callbacks=[reporter, advisor]
+    )
+    told = {r["step"]: r["origin"] for r in reporter.skips}
+    assert told[1] == {"phase": "forward", "module": "pool", "kind": "inf"}
+    assert told[2] == {"phase": "forward", "module": "head", "kind": "inf"}
+    (advice,) = advisor.advice
+    assert advice.code == "fp32_module"
+    assert "no skipped update was born in forward after the last (measured in this run)" in advice.message
+    assert (
+        advice.fix
+        == plugin.auto_islands_fix()
+        == 'AmpPlusPrecision("16-mixed", init_scale=2.0**4, fp32_modules=["pool", "head"])'
+    )
+    assert fit(Chain(), eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})).history.skipped_steps == []

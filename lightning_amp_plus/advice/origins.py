@@ -215,7 +215,8 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     "what explains the others.",
     fix='`fp32_modules=[..., "that.module"]`, your own islands kept. Born there again in float32: '
     "`model_nonfinite`. Born in the next module: it joins. Up to 4 new modules a run; with 4 islands given and "
-    "values born in another module still: `bf16`.",
+    "values born in another module still: `bf16`. Added by `auto_islands=True` in the run: what followed them "
+    "(measured), and the plugin's own line for the next run.",
     look_alike="A NaN the model makes in float32 too. An overflow no island contains (`bf16`).",
     blind="only live: `advise` cannot see it",
     measured=_origins_measured,
@@ -266,7 +267,24 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     else:
         where = "the forwards of " + ", ".join(f"{m} ({n})" for m, n in modules.most_common()) + f", {len(fixable)}"
         whose = "each one's output"
-    if watched:
+    fix = plugin_fix(figures, fp32_modules=islands)
+    new = [i for i in islands if i not in given]
+    if watched and figures.auto_fix and new and all(i in figures.auto_islands for i in new):
+        # auto_islands ran them in float32 in this run: what followed is measured, and the plugin's line is the fix
+        last = max((o.step for o in fixable if o.step is not None), default=-1)
+        after = [o for o in _known_origins(figures, unnamed=True) if o.phase is Phase.FORWARD and (o.step or 0) > last]
+        said = (
+            f". `auto_islands=True` ran {'it' if len(modules) == 1 else 'them'} in float32 from the step after each"
+            " was named: "
+            + (
+                f"{len(after)} skipped updates were born in forward after the last."
+                if after
+                else "no skipped update was born in forward after the last (measured in this run)."
+            )
+            + " For the next run, from its first step:"
+        )
+        fix = figures.auto_fix
+    elif watched:
         said = (
             f" (watched: nothing measured whether float32 avoids them). Run {'it' if len(modules) == 1 else 'them'}"
             " in float32: a float16 overflow ends there; if they are born there again, float32 makes them too, and"
@@ -282,7 +300,7 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     return Advice(
         "fp32_module",
         f"Non-finite values were born in {where} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}){said}",
-        plugin_fix(figures, fp32_modules=islands),
+        fix,
         {
             "module": module,
             "skips": len(fixable),

@@ -66,6 +66,9 @@ class RunFigures:
         loss_nonfinite: offline, the skipped steps whose loss was already inf/nan (the reporter's
             ``skip_loss_nonfinite`` series): born in the batch, a forward or the loss, never the scale's. None: not
             logged (live, the origins tell it).
+        auto_islands: live, the islands ``auto_islands=True`` added in this run, in order (each from the step after
+            the skip that named it); ``auto_fix``: the plugin's line for the next run with them (one rule: the
+            plugin's). Empty and None: not asked, or none added.
     """
 
     precision: Optional[str] = None
@@ -84,6 +87,8 @@ class RunFigures:
     ended: Optional[str] = None
     reporter_logged: Optional[bool] = None
     loss_nonfinite: Optional[list[int]] = None
+    auto_islands: tuple[str, ...] = ()
+    auto_fix: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ def run_figures(plugin: Any, origins: list[dict[str, Any]], **measured: Any) -> 
     """
     history, scaler = plugin.history, plugin.scaler
     # `auto_islands` measured these: run in float32 they made inf/nan again (the model's own, never an island)
-    own = set(getattr(getattr(plugin, "_auto", None), "own", None) or ())
+    auto = getattr(plugin, "_auto", None)
+    own = set(getattr(auto, "own", None) or ())
     if own:
         origins = [
             {**o, "float32": "nonfinite"}
@@ -58,8 +59,17 @@ def run_figures(plugin: Any, origins: list[dict[str, Any]], **measured: Any) -> 
         bf16_available=bf16_available(plugin.device),
         plugin=type(plugin).__name__,
         plugin_args=plugin_arguments(plugin),
+        auto_islands=tuple(getattr(auto, "added", None) or ()),
+        auto_fix=_auto_fix(plugin),
         **measured,
     )
+
+
+def _auto_fix(plugin: Any) -> Optional[str]:
+    """The plugin's own next-run line for the islands ``auto_islands`` added (None: none, or not that plugin)."""
+    fix = getattr(plugin, "auto_islands_fix", None)
+    line = fix() if callable(fix) else None
+    return line if isinstance(line, str) else None
 
 
 def bf16_available(device: Optional[str]) -> bool:

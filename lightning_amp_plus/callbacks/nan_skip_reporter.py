@@ -614,7 +614,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
 
 
 def _island_names(plugin: Any) -> list[str]:
-    return list(getattr(plugin, "fp32_module_names", []))
+    """The islands the skipped step ran with (``auto_islands`` changes them at a skip, perhaps before we read it)."""
+    as_run = getattr(plugin, "_islands_as_run", None)
+    return list(as_run() if callable(as_run) else getattr(plugin, "fp32_module_names", []))
 
 
 def _ints(values: Any) -> list[int]:
