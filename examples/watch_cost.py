@@ -4,7 +4,9 @@ The watch (``NaNSkipReporter``'s, after the first forward-born skip) reads each 
 the device. This times the same float16 forward (where the watch runs) clean, with two global hooks that do nothing
 (what torch's dispatch of a hooked call costs, hooks of any kind), and watched, on models that call modules many
 times a step: an ``LSTMCell`` in a Python loop (``--calls`` steps) and a weight-tied block applied ``--calls`` times.
-It prints the fastest of each (noise only adds time) and the cost per watched call, ours and torch's. Then it walks
+A fourth kind, the bare reads, is the least any watch of this design does: two hooks that keep one ``aminmax`` per
+tensor in and out, and nothing else (no module filter, no trace, no read-once cache). It prints the fastest of each
+(noise only adds time) and the cost per watched call: ours, the bare reads' and torch's. Then it walks
 a tree of dataclass nodes with parent links, as the watch walks a call's arguments, against the same tree without
 the links.
 
@@ -76,6 +78,19 @@ def _noop(*args: Any) -> None:
     return None
 
 
+def _floor(kept: list[Any]) -> Any:
+    """A global hook that keeps one ``aminmax`` of each tensor its call takes (pre) or gives (post), under no_grad."""
+
+    def hook(module: nn.Module, args: Any, *output: Any) -> None:
+        with torch.no_grad():
+            for value in output or args:
+                for t in value if isinstance(value, tuple) else (value,):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        kept.append(torch.aminmax(t))
+
+    return hook
+
+
 def time_forward(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, float]:
     """The fastest seconds of a forward (its graph built, as in training), three ways, interleaved.
 
@@ -85,12 +100,16 @@ def time_forward(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, f
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     watch = Watch()
-    times: dict[str, list[float]] = {"clean": [], "hooked": [], "watched": []}
+    times: dict[str, list[float]] = {"clean": [], "hooked": [], "floor": [], "watched": []}
+    kept: list[Any] = []
     for round_ in range(repeats + 2):
         for kind in times:
             handles = []
             if kind == "hooked":
                 handles = [register_module_forward_pre_hook(_noop), register_module_forward_hook(_noop)]
+            if kind == "floor":  # the least a watch can do: one kept aminmax per tensor in and out, nothing else
+                kept.clear()
+                handles = [register_module_forward_pre_hook(_floor(kept)), register_module_forward_hook(_floor(kept))]
             if kind == "watched":
                 watch.install(model)
                 watch.begin(batch_rows(x))
@@ -136,11 +155,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         calls = int(t["calls"])
         ours = (t["watched"] - t["hooked"]) / calls * 1e6
         torchs = (t["hooked"] - t["clean"]) / calls * 1e6
-        figures[name] = {**t, "us_per_call_ours": ours, "us_per_call_torch_hooks": torchs}
+        floor = (t["floor"] - t["hooked"]) / calls * 1e6
+        figures[name] = {**t, "us_per_call_ours": ours, "us_per_call_torch_hooks": torchs, "us_per_call_floor": floor}
         print(
             f"{name} forward: clean {t['clean'] * 1e3:.2f} ms, torch's hooks alone {t['hooked'] * 1e3:.2f} ms, "
+            f"bare reads {t['floor'] * 1e3:.2f} ms ({t['floor'] / t['clean']:.2f}x), "
             f"watched {t['watched'] * 1e3:.2f} ms ({t['watched'] / t['clean']:.2f}x clean); {calls} watched calls: "
-            f"{ours:.1f} us a call ours, {torchs:.1f} us torch's hooked dispatch"
+            f"{ours:.1f} us a call ours, {floor:.1f} us the bare reads, {torchs:.1f} us torch's hooked dispatch"
         )
     for linked in (False, True):
         root = tree(args.depth, linked)

@@ -203,3 +203,5 @@ def test_the_watch_cost_example_prints_its_figures(capsys):
     assert figures["tied block"]["calls"] == 4  # every call of the block was watched
     assert figures["tree linked"]["tensors"] == figures["tree"]["tensors"] == 13
     assert "us a call ours" in out
+    assert "us the bare reads" in out  # the least this design can cost, timed beside it
+    assert figures["tied block"]["floor"] > 0

@@ -175,6 +175,8 @@ def _extremes(
     items = value if type(value) is tuple else (value,)  # a call's arguments, or the one value it returned
     if kwargs:
         items = (*items, *kwargs.values())
+    # the hot path (issue 51): each line here runs once a tensor a watched call; one dict lookup for the read-once
+    # cache, no version read for a tensor first seen as an inference tensor, the half test on the dtype object
     for item in items:
         kind = type(item)
         if kind is Tensor:
@@ -188,22 +190,17 @@ def _extremes(
         for t in leaves:
             if not t.is_floating_point():
                 continue
-            if (
-                type(t) is not Tensor
-                or t.is_nested
-                or t.is_meta
-                or t.layout is not torch.strided
-                or _functorch_wrapped(t)
-            ):
+            if type(t) is not Tensor or t.is_nested or t.is_meta or t.layout is not _STRIDED or _functorch_wrapped(t):
                 why = _unreadable(t)
                 if why is not None:
                     unread = unread or why
                     continue
-            key = id(t)
             sampled = top and rows and t.dim() > 0 and t.shape[0] in rows
-            if read is not None and key in read and not sampled:
-                ref, version, entry = read[key]
-                if ref() is t and (t.is_inference() or t._version == version):
+            if read is not None and not sampled:
+                hit = read.get(id(t))
+                # -1: an inference tensor (no version counter: it cannot change in place either)
+                if hit is not None and hit[0]() is t and (hit[1] < 0 or t._version == hit[1]):
+                    entry = hit[2]
                     if top:
                         found.append((*entry, t.untyped_storage().data_ptr()))
                     elif nodes:  # an output's: with its autograd node (inline: no call a tensor)
@@ -228,19 +225,21 @@ def _extremes(
                 found.append((t.dtype in _HALF, low_high, t.untyped_storage().data_ptr()))
                 continue
             entry = (t.dtype in _HALF, torch.aminmax(t))
+            if read is not None:
+                read[id(t)] = (weakref.ref(t), -1 if t.is_inference() else t._version, entry)
             if top:  # the step's own: its storage tells a batch tensor
-                entry = (*entry, t.untyped_storage().data_ptr())
-            if nodes:
+                found.append((*entry, t.untyped_storage().data_ptr()))
+            elif nodes:
                 node = t.grad_fn
                 found.append((*entry, None if node is None else node._sequence_nr()))
             else:
                 found.append(entry)
-            if read is not None:
-                read[key] = (weakref.ref(t), -1 if t.is_inference() else t._version, entry[:2])
     return found, unread
 
 
 _FLAT = (tuple, list)
+_STRIDED = torch.strided
+_grad_on, _set_grad = torch._C.is_grad_enabled, torch._C._set_grad_enabled
 
 #: whether this torch's autograd nodes tell their sequence number (an output's node: whether the loss used it)
 SEQUENCED = hasattr((torch.ones(1, requires_grad=True) * 2).grad_fn, "_sequence_nr")
@@ -460,12 +459,14 @@ class Watch:
         """:func:`_extremes` of a call's ``args``/``kwargs`` (no graph, torch's code only); never raises."""
         try:
             with torch_only():  # a mode the step runs under sees none of this
-                grad = torch.is_grad_enabled()
-                torch._C._set_grad_enabled(False)  # no graph: no detach a tensor
+                grad = _grad_on()
+                if grad:
+                    _set_grad(False)  # no graph: no detach a tensor
                 try:
                     found, why = _extremes(args, kwargs, top, rows, self._read if keep else None, nodes)
                 finally:
-                    torch._C._set_grad_enabled(grad)
+                    if grad:
+                        _set_grad(True)
         except Exception as error:  # noqa: BLE001 - a watch never raises into the step
             found, why = [], f"what a watch hook raised ({type(error).__name__})"
         if why is not None and self.unread is None:
