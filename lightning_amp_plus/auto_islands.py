@@ -57,12 +57,12 @@ def island_change(origin: Optional[Origin], islands: list[str], added: list[str]
     """
     if origin is None or origin.phase is not Phase.FORWARD or not origin.name:
         return Change()
-    if origin.float32 is Verdict.NONFINITE:
-        island = island_of(origin.name, islands)
-        return Change(taken_out=island) if island in added else Change()
-    born = (origin.fed_by, origin.name, *origin.also)  # `also`: born on their own in the same step
+    nonfinite = origin.float32 is Verdict.NONFINITE
+    island = island_of(origin.name, islands) if nonfinite else None
+    # `also`: born on their own in the same step (beside an island float32 made them in too)
+    born = origin.also if nonfinite else (origin.fed_by, origin.name, *origin.also)
     names = [n for n in born if n and n not in own and island_of(n, islands) is None]
-    return Change(added=tuple(dict.fromkeys(names)))
+    return Change(added=tuple(dict.fromkeys(names)), taken_out=island if island in added else None)
 
 
 class AutoIslands(UpdateListener):

@@ -617,6 +617,196 @@ def test_towers_overflowing_in_the_same_step_are_all_named_in_one_run_and_the_fi
     assert quiet.history.num_skipped == 0
 
 
+def _tower(k=0):
+    """A Linear whose float16 output overflows where feature ``k`` is 100 (1e3 x 100 = 1e5)."""
+    tower = nn.Linear(8, 1)
+    with torch.no_grad():
+        tower.weight.fill_(0.01)
+        tower.weight[0, k] = 1e3
+        tower.bias.zero_()
+    return tower
+
+
+class _SentinelRouter(nn.Module):
+    """A gate it routes with, and scores with an +inf sentinel where it masks: the step uses the gate only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        scores = self.lin(x)
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        mask[:, 1] = True
+        return torch.softmax(scores.float(), -1), scores.masked_fill(mask, float("inf"))
+
+
+class TowerThenRouter(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.tower0, self.router = _tower(), _SentinelRouter()
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        overflowed = self.tower0(x).float()
+        gate, _ = self.router(x)  # its +inf sentinel is never used
+        return (overflowed * gate[:, :1]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _MaskedScores(nn.Module):
+    """Scores x @ w that overflow float16 on their own (1e5), plus an additive mask (0 / -inf), softmaxed."""
+
+    def __init__(self):
+        super().__init__()
+        w = torch.full((2, 8), 0.01)
+        w[:, 1] = 1e3
+        self.w = nn.Parameter(w)
+
+    def forward(self, x, bias):
+        return (nn.functional.linear(x, self.w) + bias).softmax(-1)
+
+
+class TowerAndMasked(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.tower0, self.att = _tower(), _MaskedScores()
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        bias = torch.zeros(x.shape[0], 2)
+        bias[:, 1] = float("-inf")  # a float32 additive mask, by design
+        return (self.tower0(x).float().relu() + self.att(x, bias).float().sum(1, keepdim=True)).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _loud(columns):
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    x[:, columns] = 100.0
+    return DataLoader(TensorDataset(x, torch.zeros(32, 1)), batch_size=4)
+
+
+def test_an_unused_sentinel_after_the_first_overflow_is_not_also_born():
+    """Break pass on also: a router's +inf sentinel the loss never used, made after the tower overflowed, was listed
+    (the next-event rule of first_born does not hold after a birth: the loss's graph alone tells), and auto_islands
+    made the router an island for nothing."""
+    advisor, plugin = _fit(TowerThenRouter(), _loud([0]), steps=3)
+    assert [r["origin"] for r in advisor._reporter.skips][1:] == [
+        {"phase": "forward", "module": "tower0", "kind": "inf"}
+    ] * 2
+    assert [a.fix for a in advisor.advice] == [
+        'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["tower0"])'
+    ]
+    auto = AmpPlusPrecision("16-mixed", init_scale=1024.0, auto_islands=True)
+    _fit(TowerThenRouter(), _loud([0]), plugin=auto, steps=3)
+    assert auto._auto.added == ["tower0"]
+
+
+def test_a_module_that_takes_a_mask_and_overflows_on_its_own_is_also_born_and_the_fix_trains():
+    """Break pass on also: a call that took an additive -inf mask was never a candidate, so the printed fix named
+    the tower alone and, pasted, skipped every step."""
+    advisor, _ = _fit(TowerAndMasked(), _loud([0, 1]), steps=3)
+    assert advisor._reporter.skips[1]["origin"]["also"] == ["att"]
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["tower0", "att"]
+    _, fixed = _fit(TowerAndMasked(), _loud([0, 1]), plugin=_applied(advice.fix), steps=3)
+    assert fixed.history.num_skipped == 0
+
+
+class _Attend(nn.Module):
+    def forward(self, x, mask):
+        return (x @ x.transpose(1, 2)).masked_fill(mask, float("-inf")).softmax(-1) @ x
+
+
+class AllMaskedAndTower(LightningModule):
+    """An all-masked attention row (NaN in any precision) and a tower that overflows float16, in every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.attend, self.tower0 = nn.Linear(8, 8), _Attend(), _tower()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        mask = torch.zeros(x.shape[0], 4, 4, dtype=torch.bool)
+        mask[0, 1] = True
+        big = x[:, 0, :].clone()
+        big[:, 0] = 100.0
+        return self.attend(self.proj(x), mask).square().mean() + self.tower0(big).float().square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_beside_an_island_float32_makes_nan_in_a_module_born_on_its_own_is_named_with_its_island():
+    """Break pass on also: where the first birth was a given island that float32 makes NaN in, also was never read,
+    so the tower's own overflow in the same steps went untold (model_nonfinite alone; fixing the mask as advised
+    still skipped every step). auto_islands adds it too."""
+    loader = DataLoader(TensorDataset(torch.randn(32, 4, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["attend"])
+    advisor, _ = _fit(AllMaskedAndTower(), loader, plugin=plugin, steps=3)
+    assert advisor._reporter.skips[1]["origin"]["also"] == ["tower0"]
+    assert _codes(advisor) == ["model_nonfinite", "fp32_module"]
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["attend", "tower0"]
+    auto = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["attend"], auto_islands=True)
+    _fit(AllMaskedAndTower(), loader, plugin=auto, steps=3)
+    assert auto._auto.added == ["tower0"]
+
+
+class TwoTowers(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.tower0, self.tower1 = _tower(0), _tower(1)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return (self.tower0(x).float() + self.tower1(x).float()).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _first_micro_batch_loud():
+    """tower0 overflows in every batch; tower1 only in the even ones: the first micro-batch of each update of two."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = 100.0
+    for b in range(0, 16, 2):
+        x[4 * b : 4 * b + 4, 1] = 100.0
+    return DataLoader(TensorDataset(x, torch.zeros(64, 1)), batch_size=4)
+
+
+def test_skips_born_in_an_earlier_micro_batch_are_said_with_the_run_that_names_the_module():
+    """Break pass on also: under accumulation a module that overflows only in an earlier micro-batch is never read
+    (only the last is watched). With the last micro-batch's islands pasted, every update still skipped and skip_rate
+    said "no rule here explains why" with the reporter as its fix (the run had one). It now says where they were
+    born and prints the short run that names the module; that run, as printed, names it."""
+
+    def fit(plugin, accumulate):
+        advisor = AmpAdvisor(print_advice=False)
+        trainer = make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=4, accumulate_grad_batches=accumulate)
+        trainer.fit(TwoTowers(), _first_micro_batch_loud())
+        return advisor, plugin
+
+    advisor, _ = fit(AmpPlusPrecision("16-mixed", init_scale=1024.0), 2)
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["tower0"]  # the last micro-batch's: tower1 is not seen there
+    advisor, plugin = fit(_applied(advice.fix), 2)
+    assert plugin.history.skipped_steps == [0, 1, 2, 3]
+    (rate,) = advisor.advice
+    assert rate.code == "skip_rate"
+    assert "4 in an earlier micro-batch of their update, which the watch does not read" in rate.message
+    assert rate.fix.startswith("Trainer(accumulate_grad_batches=1)")
+    advisor, _ = fit(_applied(advice.fix), 1)  # the short run, as printed
+    forward = [r["origin"] for r in advisor._reporter.skips if r["origin"]["phase"] == "forward"]
+    assert {o.get("module") for o in forward[1:]} == {"tower1"}
+    (named,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert named.evidence["islands"] == ["tower0", "tower1"]
+
+
 # ------------------------------------------------------------------------------------- a scale too low, no reference
 class Faint(TinyModel):
     """A loss x 1e-7: every gradient 1e-7 of its size, most below float16's normal range at a scale of 2**11."""

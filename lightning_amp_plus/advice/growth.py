@@ -15,7 +15,7 @@ from lightning_amp_plus.advice.figures import (
 )
 from lightning_amp_plus.advice.fix import _scale, plugin_fix
 from lightning_amp_plus.advice.registry import Advice, RunFigures, rule
-from lightning_amp_plus.forensics.origin import Phase
+from lightning_amp_plus.forensics.origin import EARLIER_MICRO_BATCH, Phase
 
 #: clean updates after a backoff with no growth before the growth interval is worth advice
 MIN_UPDATES_AFTER_BACKOFF = 50
@@ -177,7 +177,8 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
     "ended, a skip born before backward (no loss scale causes it), or the scale held at its floor by skips; and no "
     "code above explains it.",
     fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders). Offline, where"
-    " the run had one: `AmpAdvisor()`, which reads its origins live.",
+    " the run had one: `AmpAdvisor()`, which reads its origins live. Skips born in an earlier micro-batch (not "
+    "watched): a short run with `Trainer(accumulate_grad_batches=1)` names the module.",
     look_alike="A healthy saw-tooth: leading skips while the scale settles, then one skip per growth attempt.",
     unless_explained=True,
 )
@@ -222,9 +223,18 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     if early:
         phases = sorted({o.phase.value for o in early})
         unnamed = sum(1 for o in early if o.unnamed)
+        unread = sum(1 for o in early if o.reason == EARLIER_MICRO_BATCH)
+        unnamed -= unread
         saw.append(
             f"{len(early)} {'was' if len(early) == 1 else 'were'} born before backward ({', '.join(phases)}), which"
-            f" no loss scale causes" + (f"; {unnamed} before the watch named a module" if unnamed else "")
+            f" no loss scale causes"
+            + (f"; {unnamed} before the watch named a module" if unnamed else "")
+            + (
+                f"; {unread} in an earlier micro-batch of {'its' if unread == 1 else 'their'} update, which the"
+                " watch does not read (it reads the last)"
+                if unread
+                else ""
+            )
         )
     if floor:
         saw.append(f"the scale sat at its floor min_scale={_scale((figures.knobs or {})['min_scale'])}")
@@ -241,7 +251,10 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
         f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
         " rule here explains why: "
         + ("no update was applied." if skipped >= figures.num_updates else "the weights moved on the rest only."),
-        "AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter this run already had"
+        "Trainer(accumulate_grad_batches=1)  # a short run: each micro-batch is an update the watch reads, so the"
+        " module is named"
+        if early and any(o.reason == EARLIER_MICRO_BATCH for o in early)
+        else "AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter this run already had"
         if figures.reporter_logged
         else 'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',
         {

@@ -229,17 +229,20 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     replay measured.
     """
     origins = _known_origins(figures)
-    fixable = [o for o in origins if o.observed or (o.overflow and o.islands)]
+    primary = [o for o in origins if o.observed or (o.overflow and o.islands)]
+    # modules born on their own beside a skip another rule tells (a NaN float32 makes too): theirs is an island
+    beside = [o for o in origins if o.also and o.phase is Phase.FORWARD and o not in primary]
+    fixable = primary + beside
     apart = 2 * len(fixable) <= len(origins)  # half or fewer: a problem of its own beside the others, told too
     if not fixable:
         return None
     # a skip counts for each module born in it: the one named and those born on their own beside it (`also`)
-    modules = Counter(name for o in fixable for name in dict.fromkeys((o.name, *o.also)))
+    modules = Counter(name for o in fixable for name in dict.fromkeys((o.name, *o.also) if o in primary else o.also))
     module, count = modules.most_common(1)[0]
     majors = Counter({m: n for m, n in modules.items() if most(n, len(origins), least=2)})
     if majors:  # modules that each make most: theirs (a rare other one is left alone)
         modules = majors
-        fixable = [o for o in fixable if majors.keys() & {o.name, *o.also}]
+        fixable = [o for o in fixable if majors.keys() & ({o.name, *o.also} if o in primary else set(o.also))]
     given = list(_given_islands(figures))
     islands = list(given)
     for name, _ in modules.most_common():  # the most frequent module's islands first
@@ -248,11 +251,12 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             islands += [i for i in o.islands or _watched_islands(o) if i not in islands]
         if not named and name not in islands:  # only ever born beside another (`also`): its own island
             islands.append(name)
-    watched = any(o.observed for o in fixable)
+    watched = any(o.observed for o in fixable) or bool(beside)  # `also` is always watched, never measured
     if watched and (len(given) >= MAX_ISLANDS or len(islands) - len(given) > MAX_ISLANDS):
         return None  # a chain of islands that long, or that many modules at once: bf16 (below)
     born = set(modules)
-    kinds = Counter(o.kind for o in fixable)
+    # the kinds the named modules made (a module born beside another: its kind is not kept)
+    kinds = Counter(o.kind for o in fixable if o in primary) or Counter({"inf/nan": len(fixable)})
     fed = sorted({o.fed_by for o in fixable if o.fed_by in islands and o.fed_by not in born and o.fed_by not in given})
     moved = [i for i in islands if i not in born and i not in given and i not in fed]
     also = f"; in float32 it overflows float16 again in {', '.join(moved)}, which join it" if moved else ""

@@ -109,9 +109,12 @@ def first_born(
 def also_born(events: list[tuple[Any, ...]], after: int, in_loss: Optional[Callable[[int], bool]] = None) -> list[int]:
     """The modules where ``+inf``/NaN were born on their own after the event ``after`` (the first birth's), in order.
 
-    A call whose inputs were finite and inside which nothing held them, its output holding them: a second tower
-    that overflowed in the same step. A call that took the first birth's values (or any) is fed, not born. The
-    rules of :func:`first_born` for an output a hook of yours cleaned or the loss never used hold here too.
+    A call whose inputs held no ``+inf``/NaN (a mask's ``-inf`` may be there: a masked attention that overflows on
+    its own) and inside which nothing held them, its output holding them: a second tower that overflowed in the same
+    step. Where it took a half-precision ``-inf`` a module made, that module is added too (as ``fed_by``: a mask, or
+    an overflow to ``-inf``). A call that took the first birth's values (or any) is fed, not born. An output a hook of
+    yours cleaned (:func:`_reaches`) does not count, nor one whose ``+inf``/NaN tensors all have a graph the loss
+    never used (a router's sentinel): the first birth already explains the loss, so only what reached it counts.
 
     Example (events as :func:`~.observe.read` gives them: a call's start, its end as ``~index``):
 
@@ -120,29 +123,36 @@ def also_born(events: list[tuple[Any, ...]], after: int, in_loss: Optional[Calla
         [1]
         >>> also_born([finite, born, (1, "inf", [], False, ()), (~1, "inf", [], False, ())], after=1)
         []
+        >>> also_born([finite, born, (1, "-inf", [], False, ()), (~1, "nan", [], False, ())], after=1)
+        [1]
     """
     found: list[int] = []
     calls: list[int] = []  # the calls in progress
-    clean: list[bool] = []  # whether each is still a candidate: its inputs finite, nothing inside held inf/nan
+    clean: list[bool] = []  # whether each is still a candidate: no +inf/NaN in, nothing inside held them
+    took: list[bool] = []  # whether each took a half-precision -inf in
+    maker: Optional[int] = None  # the latest module whose output held a half-precision -inf
     for position, (index, kind, *rest) in enumerate(events):
         bad = kind in ("inf", "nan")
         if index >= 0:
             calls.append(index)
-            clean.append(position > after and kind is None)
+            clean.append(position > after and not bad)
+            took.append(kind == "-inf16")
             if bad:  # a call took them: every call around it gives what it took
                 clean[:] = [False] * len(clean)
             continue
         was_clean = clean.pop() if clean else False
+        fed = took.pop() if took else False
         if calls:
             calls.pop()
+        if kind == "-inf16" and not bad:
+            maker = ~index
         if not bad:
             continue
         if was_clean and position > after:
             hooked, nodes = (rest[1], rest[2]) if len(rest) > 2 else (False, ())
-            if not (hooked and not _reaches(events, position, calls)) and not (
-                not hooked and _unused(events, position, calls, nodes, in_loss)
-            ):
-                found.append(~index)
+            unused = in_loss is not None and bool(nodes) and all(n is not None and not in_loss(n) for n in nodes)
+            if not (hooked and not _reaches(events, position, calls)) and not (not hooked and unused):
+                found += [maker, ~index] if fed and maker is not None else [~index]
         clean[:] = [False] * len(clean)  # the calls around it give what it made
     return list(dict.fromkeys(found))
 
@@ -290,14 +300,14 @@ def read_origin(
         # the op in it that makes them at a point (a sqrt of a negative): its input is what a guard fixes
         bad = events[position][4] if len(events[position]) > 4 else ()
         op = graph.op_in(bad[0], POINT_OPS) if graph is not None and bad else None
-        if island_of(name, islands) and (by is None or island_of(by, islands)):  # float32 made them: the run says
-            return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND, op=op)
         # a second module that overflowed on its own in the same step (three towers): one run names them all
         also = tuple(
             n
             for n in (names[i] for i in also_born(events, position, graph))
             if n != name and n != by and n not in loss_modules and not island_of(n, islands)
         )
+        if island_of(name, islands) and (by is None or island_of(by, islands)):  # float32 made them: the run says
+            return Origin(Phase.FORWARD, name, kind, float32=Verdict.NONFINITE, reason=IN_ISLAND, op=op, also=also)
         return Origin(Phase.FORWARD, name, kind, fed_by=by, op=op, also=also)
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
         return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
