@@ -779,32 +779,69 @@ def _first_micro_batch_loud():
     return DataLoader(TensorDataset(x, torch.zeros(64, 1)), batch_size=4)
 
 
-def test_skips_born_in_an_earlier_micro_batch_are_said_with_the_run_that_names_the_module():
-    """Break pass on also: under accumulation a module that overflows only in an earlier micro-batch is never read
-    (only the last is watched). With the last micro-batch's islands pasted, every update still skipped and skip_rate
-    said "no rule here explains why" with the reporter as its fix (the run had one). It now says where they were
-    born and prints the short run that names the module; that run, as printed, names it."""
+def _accumulated(model, plugin, loader):
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=4, accumulate_grad_batches=2).fit(model, loader)
+    return advisor, plugin
 
-    def fit(plugin, accumulate):
-        advisor = AmpAdvisor(print_advice=False)
-        trainer = make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=4, accumulate_grad_batches=accumulate)
-        trainer.fit(TwoTowers(), _first_micro_batch_loud())
-        return advisor, plugin
 
-    advisor, _ = fit(AmpPlusPrecision("16-mixed", init_scale=1024.0), 2)
+def test_a_module_born_in_an_earlier_micro_batch_joins_the_origin_and_one_run_prints_the_fix_that_trains():
+    """Break pass on also: under accumulation only the last micro-batch was read, so a module that overflows only in
+    an earlier one was never named; with the last one's island pasted every update still skipped, told "no rule here
+    explains why". The watch's trace of each micro-batch is kept (not its batch) until its update ends."""
+    advisor, _ = _accumulated(TwoTowers(), AmpPlusPrecision("16-mixed", init_scale=1024.0), _first_micro_batch_loud())
+    assert advisor._reporter.skips[1]["origin"] == {
+        "phase": "forward",
+        "module": "tower0",
+        "kind": "inf",
+        "also": ["tower1"],
+    }
     (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
-    assert advice.evidence["islands"] == ["tower0"]  # the last micro-batch's: tower1 is not seen there
-    advisor, plugin = fit(_applied(advice.fix), 2)
+    assert advice.evidence["islands"] == ["tower0", "tower1"]
+    _, fixed = _accumulated(TwoTowers(), _applied(advice.fix), _first_micro_batch_loud())
+    assert fixed.history.skipped_steps == []  # one run, the fix as printed
+
+
+def test_a_module_that_overflows_only_in_an_earlier_micro_batch_starts_the_watch_and_is_named():
+    """Its skips' last micro-batch is finite: told "an earlier micro-batch's loss held them", which never started
+    the watch, so no skip of the run was ever named. Now the first starts the watch and the next names the module."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    for b in range(0, 16, 2):
+        x[4 * b : 4 * b + 4, 1] = 100.0  # tower1's feature, in the first micro-batch of each update only
+    loader = DataLoader(TensorDataset(x, torch.zeros(64, 1)), batch_size=4)
+    advisor, _ = _accumulated(TwoTowers(), AmpPlusPrecision("16-mixed", init_scale=1024.0), loader)
+    assert [r["origin"].get("module") for r in advisor._reporter.skips] == [None, "tower1", "tower1", "tower1"]
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["tower1"]
+
+
+class LoudFirstMicroBatch(TinyModel):
+    """Your own code overflows float16 in the first micro-batch of each update of two (6e4 * 2 in half precision)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        if batch_idx % 2 == 0:
+            out = out + torch.full_like(out, 6e4, dtype=torch.float16) * 2
+        return nn.functional.mse_loss(out.float(), y)
+
+
+def test_skips_born_in_an_earlier_micro_batch_where_no_module_is_named_are_said_with_the_run_that_tells_where():
+    """No module to name there (your code): skip_rate said "before the watch named a module" and printed the
+    reporter the run had. It says where they were born and prints the short run that tells; that run, as printed,
+    tells it (after the last module call)."""
+    advisor, plugin = _accumulated(LoudFirstMicroBatch(), AmpPlusPrecision("16-mixed", init_scale=1024.0), None)
     assert plugin.history.skipped_steps == [0, 1, 2, 3]
-    (rate,) = advisor.advice
-    assert rate.code == "skip_rate"
-    assert "4 in an earlier micro-batch of their update, which the watch does not read" in rate.message
+    (rate,) = [a for a in advisor.advice if a.code == "skip_rate"]
+    assert "4 in an earlier micro-batch of their update, where no module was named" in rate.message
     assert rate.fix.startswith("Trainer(accumulate_grad_batches=1)")
-    advisor, _ = fit(_applied(advice.fix), 1)  # the short run, as printed
-    forward = [r["origin"] for r in advisor._reporter.skips if r["origin"]["phase"] == "forward"]
-    assert {o.get("module") for o in forward[1:]} == {"tower1"}
-    (named,) = [a for a in advisor.advice if a.code == "fp32_module"]
-    assert named.evidence["islands"] == ["tower0", "tower1"]
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=8).fit(
+        LoudFirstMicroBatch()
+    )
+    # told: after the last module call (your code there, or the loss function), with nonfinite_loss's fix
+    assert {r["origin"]["phase"] for r in advisor._reporter.skips[1:]} == {"loss"}
+    assert "nonfinite_loss" in _codes(advisor)
 
 
 # ------------------------------------------------------------------------------------- a scale too low, no reference

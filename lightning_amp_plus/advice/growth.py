@@ -177,8 +177,8 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
     "ended, a skip born before backward (no loss scale causes it), or the scale held at its floor by skips; and no "
     "code above explains it.",
     fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders). Offline, where"
-    " the run had one: `AmpAdvisor()`, which reads its origins live. Skips born in an earlier micro-batch (not "
-    "watched): a short run with `Trainer(accumulate_grad_batches=1)` names the module.",
+    " the run had one: `AmpAdvisor()`, which reads its origins live. Skips born in an earlier micro-batch where no "
+    "module was named: a short run with `Trainer(accumulate_grad_batches=1)` tells where.",
     look_alike="A healthy saw-tooth: leading skips while the scale settles, then one skip per growth attempt.",
     unless_explained=True,
 )
@@ -230,8 +230,9 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
             f" no loss scale causes"
             + (f"; {unnamed} before the watch named a module" if unnamed else "")
             + (
-                f"; {unread} in an earlier micro-batch of {'its' if unread == 1 else 'their'} update, which the"
-                " watch does not read (it reads the last)"
+                f"; {unread} in an earlier micro-batch of {'its' if unread == 1 else 'their'} update, where no"
+                " module was named (not watched yet, or the batch or your code: an earlier micro-batch's batch is"
+                " not kept to tell them apart)"
                 if unread
                 else ""
             )
@@ -251,8 +252,8 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
         f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
         " rule here explains why: "
         + ("no update was applied." if skipped >= figures.num_updates else "the weights moved on the rest only."),
-        "Trainer(accumulate_grad_batches=1)  # a short run: each micro-batch is an update the watch reads, so the"
-        " module is named"
+        "Trainer(accumulate_grad_batches=1)  # a short run: each micro-batch is an update of its own, so where"
+        " they were born is told"
         if early and any(o.reason == EARLIER_MICRO_BATCH for o in early)
         else "AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter this run already had"
         if figures.reporter_logged

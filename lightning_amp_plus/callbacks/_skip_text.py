@@ -105,7 +105,7 @@ def describe_origin(told: Optional[dict[str, Any]], loss: Any = None) -> str:
             was = loss if loss in ("inf", "-inf", "nan") else origin.kind or "inf/nan"
             return (
                 f"born before backward, in an earlier micro-batch (its loss was {was}: the batch, a forward or the"
-                " loss; only the last micro-batch is watched)"
+                " loss; no module was named there)"
             )
         if origin.module is None and origin.within is None:  # read from the loss: no module watched
             named = "no module named yet: " if origin.reason == WATCHING else ""

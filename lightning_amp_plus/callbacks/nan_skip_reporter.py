@@ -149,6 +149,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         # with gradient accumulation: the update's micro-batch losses (an earlier one's inf/nan is the update's too)
         self._accumulating = False
         self._losses: list[Tensor] = []
+        # beside each, what the watch kept of its micro-batch (no batch held): an earlier one's module is named too
+        self._micro: list[BatchRecord] = []
         self._losses_after: Optional[int] = None  # the history's last step when they were collected
         # the skips reported: a new fit resets them (`reset`), a resumed fit then loads its checkpoint
         tail = None if max_records is None else max_records - max_records // 2
@@ -255,7 +257,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._unhook()
         self._rerun = False
         self._accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
-        self._losses, self._losses_after = [], None
+        self._losses, self._micro, self._losses_after = [], [], None
         if self.find_origin:
             accumulating = self._accumulating
             # a rerun of the step: only where one batch's step makes the update and steps no optimizer itself
@@ -336,11 +338,22 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         if self._accumulating and self._plugin is not None:  # each micro-batch's, until the update is recorded
             last = self._plugin.history.last_step
             if last != self._losses_after:
-                self._losses, self._losses_after = [], last
+                self._losses, self._micro, self._losses_after = [], [], last
             self._losses.append(loss)
+            self._micro.append(self._kept_of(self.origins.current, loss))
         current = self.origins.current
         if current is not None:  # a GAN's batch backpropagates two
             current.losses.append(loss)
+
+    def _kept_of(self, record: Optional[BatchRecord], loss: Tensor) -> BatchRecord:
+        """A micro-batch as kept until its update ends: its loss and the watch's trace of it, not its batch.
+
+        A few numbers a module call, read only on a skip: memory does not grow with the batch's size.
+        """
+        kept = BatchRecord(None, record.index if record is not None else -1, losses=[loss])
+        if record is not None and record.trace is not None:
+            kept.trace, kept.unread = record.trace, self.origins.watch.unread
+        return kept
 
     # ------------------------------------------------------------------ host-known skips
     @override
@@ -380,16 +393,38 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         return bad[0] if bad else None
 
     def _told_earlier(self, told: dict[str, Any], earlier: Optional[Tensor]) -> None:
-        """An earlier micro-batch's loss held inf/nan, the last one's (the one watched) did not: born before backward.
+        """An earlier micro-batch's loss held inf/nan: the modules the watch saw them born in there join the origin.
 
-        Never "backward", which says the loss was finite.
+        The last micro-batch's named module keeps its place and the earlier ones join its ``also``; where it named
+        none (its loss finite), the first earlier one is the origin. Where no module was named there (not watched
+        yet, or the batch or your code, which a micro-batch kept without its batch cannot tell apart): born before
+        backward, in an earlier micro-batch. Never "backward", which says the loss was finite.
         """
         origin = told["origin"]
         if earlier is None or not self.find_origin:
             return
-        if origin is None or origin.phase in (Phase.BACKWARD, Phase.UNKNOWN):
-            kind = "nan" if told["loss"] == "nan" else "inf"
-            told["origin"] = Origin(Phase.FORWARD, kind=kind, reason=EARLIER_MICRO_BATCH)
+        named = [o for o in self._earlier_origins() if o.phase is Phase.FORWARD and o.name]
+        if origin is None or origin.phase in (Phase.BACKWARD, Phase.UNKNOWN):  # the last micro-batch's was finite
+            if not named:
+                kind = "nan" if told["loss"] == "nan" else "inf"
+                told["origin"] = Origin(Phase.FORWARD, kind=kind, reason=EARLIER_MICRO_BATCH)
+                return
+            origin, named = named[0], named[1:]
+        if named and origin.phase is Phase.FORWARD and origin.name:
+            also = [n for o in named for n in (o.name, *o.also) if n != origin.name]
+            origin = origin.replace(also=tuple(dict.fromkeys((*origin.also, *also))))
+        told["origin"] = origin
+
+    def _earlier_origins(self) -> list[Origin]:
+        """Where the earlier micro-batches of this update whose loss held inf/nan saw them born (read on a skip)."""
+        found = []
+        for kept in self._micro[:-1]:
+            with torch.no_grad():
+                bad = not all(bool(torch.isfinite(loss.detach()).all()) for loss in kept.losses)
+            origin = self.origins.origin(kept) if bad and kept.trace is not None else None
+            if origin is not None:
+                found.append(origin)
+        return found
 
     def _mean_loss(self) -> Optional[Tensor]:
         """The loss, averaged over ranks when several train (every rank skips the same steps, so all call this)."""

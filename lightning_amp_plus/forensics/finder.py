@@ -17,7 +17,7 @@ import torch
 from lightning_amp_plus.forensics._safe import attempt
 from lightning_amp_plus.forensics._tree import torch_only
 from lightning_amp_plus.forensics.observe import BatchRecord, Watch, batch_rows, nonfinite_kinds, read
-from lightning_amp_plus.forensics.origin import WATCHING, Origin, Phase, unknown
+from lightning_amp_plus.forensics.origin import EARLIER_MICRO_BATCH, WATCHING, Origin, Phase, unknown
 from lightning_amp_plus.forensics.verdict import first_born, read_origin
 from lightning_amp_plus.listener import UpdateListener
 
@@ -110,9 +110,14 @@ class OriginFinder(UpdateListener):
         self._told = bool(self.watch.unwatched)
         return f"every module is watched, but not inside: {', '.join(self.watch.unwatched)}." if self._told else None
 
+    @property
+    def _starts(self) -> tuple[Optional[str], ...]:
+        """The reasons of a skip that start the watch: its loss held inf/nan where nothing was watched."""
+        return (WATCHING, self._unwatchable, EARLIER_MICRO_BATCH)
+
     def watch_if_asked(self, origin: Optional[Origin]) -> Optional[str]:
         """Start the watch where ``origin`` asks for it; what :meth:`start_watching` says."""
-        if origin is not None and origin.reason is not None and origin.reason in (WATCHING, self._unwatchable):
+        if origin is not None and origin.reason is not None and origin.reason in self._starts:
             return self.start_watching()
         return None
 

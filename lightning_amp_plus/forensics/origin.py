@@ -42,7 +42,7 @@ class OwnCode(enum.Enum):
 #: ``reason``: read before the watch, which this skip starts; ``reason``: watched where it ran in float32 (an island)
 WATCHING = "every module is watched from the next step"
 #: an update whose last micro-batch (the one watched) had a finite loss, where an earlier one's held inf/nan
-EARLIER_MICRO_BATCH = "an earlier micro-batch's loss held them; only the last micro-batch is watched"
+EARLIER_MICRO_BATCH = "an earlier micro-batch's loss held them; no module was named there"
 IN_ISLAND = "watched in an fp32 island: float32 made them too, from the inputs it was given"
 #: where an origin was born when no module made it: the step's own code (``"module": ""`` in the JSON)
 OWN_CODE = OwnCode.CODE
