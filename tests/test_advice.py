@@ -401,7 +401,8 @@ def test_a_watched_overflow_gets_its_module_as_an_island_and_the_opt_in_that_mea
         "measured": False,
     }
     assert advice.message == (
-        "Non-finite values were born in the forward of enc.3.ff in 2 of 2 skipped updates (2 inf) (watched: nothing"
+        "Non-finite values were born in the forward of enc.3.ff in 2 of 2 skipped updates told (3 skipped in all)"
+        " (2 inf) (watched: nothing"
         " measured whether float32 avoids them). Run it in float32: a float16 overflow ends there; if they are born"
         ' there again, float32 makes them too, and the advisor says so. `NaNSkipReporter(find_origin="replay")`'
         " measures it in the run, by running the module again; `auto_islands=True` finds them in one run, by"

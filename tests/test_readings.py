@@ -642,15 +642,16 @@ class _SentinelRouter(nn.Module):
 
 
 class TowerThenRouter(LightningModule):
-    def __init__(self):
+    def __init__(self, graph=True):
         super().__init__()
-        self.tower0, self.router = _tower(), _SentinelRouter()
+        self.tower0, self.router, self.graph = _tower(), _SentinelRouter(), graph
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
         overflowed = self.tower0(x).float()
-        gate, _ = self.router(x)  # its +inf sentinel is never used
-        return (overflowed * gate[:, :1]).mean()
+        with torch.set_grad_enabled(self.graph):  # without a graph the loss's cannot tell: not counted either
+            gate, _ = self.router(x)  # its +inf sentinel is never used
+        return (overflowed.square() * gate[:, :1]).mean()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
@@ -690,11 +691,12 @@ def _loud(columns):
     return DataLoader(TensorDataset(x, torch.zeros(32, 1)), batch_size=4)
 
 
-def test_an_unused_sentinel_after_the_first_overflow_is_not_also_born():
+@pytest.mark.parametrize("graph", [True, False])
+def test_an_unused_sentinel_after_the_first_overflow_is_not_also_born(graph):
     """Break pass on also: a router's +inf sentinel the loss never used, made after the tower overflowed, was listed
     (the next-event rule of first_born does not hold after a birth: the loss's graph alone tells), and auto_islands
     made the router an island for nothing."""
-    advisor, plugin = _fit(TowerThenRouter(), _loud([0]), steps=3)
+    advisor, plugin = _fit(TowerThenRouter(graph), _loud([0]), steps=3)
     assert [r["origin"] for r in advisor._reporter.skips][1:] == [
         {"phase": "forward", "module": "tower0", "kind": "inf"}
     ] * 2
@@ -702,19 +704,85 @@ def test_an_unused_sentinel_after_the_first_overflow_is_not_also_born():
         'AmpPlusPrecision("16-mixed", init_scale=2.0**10, fp32_modules=["tower0"])'
     ]
     auto = AmpPlusPrecision("16-mixed", init_scale=1024.0, auto_islands=True)
-    _fit(TowerThenRouter(), _loud([0]), plugin=auto, steps=3)
+    _fit(TowerThenRouter(graph), _loud([0]), plugin=auto, steps=3)
     assert auto._auto.added == ["tower0"]
 
 
-def test_a_module_that_takes_a_mask_and_overflows_on_its_own_is_also_born_and_the_fix_trains():
-    """Break pass on also: a call that took an additive -inf mask was never a candidate, so the printed fix named
-    the tower alone and, pasted, skipped every step."""
+def test_a_module_that_takes_a_mask_is_not_also_born_and_the_next_run_names_it():
+    """Two break passes: a call that took an additive -inf mask and made NaN was listed in also where its scores
+    overflowed (a fix that trains), and where a row was all masked (NaN in any precision: a fix that did not). A
+    watch cannot tell them apart, so also takes finite inputs and +inf only: the first run names the tower, the
+    next the masked scores, and the fix printed then trains."""
     advisor, _ = _fit(TowerAndMasked(), _loud([0, 1]), steps=3)
-    assert advisor._reporter.skips[1]["origin"]["also"] == ["att"]
+    assert "also" not in advisor._reporter.skips[1]["origin"]
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["tower0"]
+    advisor, _ = _fit(TowerAndMasked(), _loud([0, 1]), plugin=_applied(advice.fix), steps=3)
     (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
     assert advice.evidence["islands"] == ["tower0", "att"]
     _, fixed = _fit(TowerAndMasked(), _loud([0, 1]), plugin=_applied(advice.fix), steps=3)
     assert fixed.history.num_skipped == 0
+
+
+class _AllMaskedRow(nn.Module):
+    """Finite scores plus an additive mask whose first row is all -inf: NaN there in any precision."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, mask):
+        return (self.lin(x) + mask).softmax(-1)
+
+
+class TowerAndAllMasked(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.tower0, self.att = _tower(), _AllMaskedRow()
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        mask = torch.zeros(x.shape[0], 4)
+        mask[0, :] = float("-inf")
+        return (self.tower0(x).float().relu() + self.att(x, mask).float().sum(1, keepdim=True)).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class TwoAttentions(LightningModule):
+    """Two branches share a padding mask with an all-masked row: the same NaN in both, in any precision."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.attend, self.attend2 = nn.Linear(8, 8), _Attend(), _Attend()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        mask = torch.zeros(x.shape[0], 4, 4, dtype=torch.bool)
+        mask[0, 1] = True
+        h = self.proj(x)
+        return self.attend(h, mask).square().mean() + self.attend2(h, mask).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_the_models_own_nan_beside_a_first_birth_is_never_also_born():
+    """Look-alikes from the second break pass: an all-masked row beside an overflowing tower was listed (its island
+    did not help); a second attention branch making the island's NaN got fp32_module and, with auto_islands, an
+    island that never left. NaN from finite inputs is not also."""
+    advisor, _ = _fit(TowerAndAllMasked(), _loud([0]), steps=3)
+    assert "also" not in advisor._reporter.skips[1]["origin"]
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["tower0"]
+    loader = DataLoader(TensorDataset(torch.randn(32, 4, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["attend"])
+    advisor, _ = _fit(TwoAttentions(), loader, plugin=plugin, steps=3)
+    assert _codes(advisor) == ["model_nonfinite"]
+    auto = AmpPlusPrecision("16-mixed", init_scale=1024.0, fp32_modules=["attend"], auto_islands=True)
+    _fit(TwoAttentions(), loader, plugin=auto, steps=3)
+    assert auto._auto.added == []
 
 
 class _Attend(nn.Module):
@@ -813,6 +881,31 @@ def test_a_module_that_overflows_only_in_an_earlier_micro_batch_starts_the_watch
     assert [r["origin"].get("module") for r in advisor._reporter.skips] == [None, "tower1", "tower1", "tower1"]
     (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
     assert advice.evidence["islands"] == ["tower1"]
+
+
+def test_a_nan_record_in_an_earlier_micro_batch_is_not_called_forward_and_the_short_run_tells_the_batch():
+    """Second break pass: skip_rate said "born before backward (forward)" for a NaN record in an earlier micro-batch
+    (its batch is not kept, so nothing there can tell the batch from a forward), and the short run it printed said
+    the batch."""
+
+    def data():
+        x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+        for b in (2, 6, 10, 14):
+            x[4 * b, 3] = float("nan")  # the earlier micro-batch of updates 1, 3, 5, 7
+        return DataLoader(TensorDataset(x, torch.zeros(64, 1)), batch_size=4)
+
+    advisor = AmpAdvisor(print_advice=False)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1024.0)
+    make_trainer(plugins=[plugin], callbacks=[advisor], max_steps=8, accumulate_grad_batches=2).fit(TinyModel(), data())
+    assert plugin.history.skipped_steps == [1, 3, 5, 7]
+    (rate,) = [a for a in advisor.advice if a.code == "skip_rate"]
+    assert "4 were born before backward, which no loss scale causes" in rate.message  # no phase claimed
+    assert "the batch, your code or the loss" in rate.message
+    advisor = AmpAdvisor(print_advice=False)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[advisor], max_steps=16).fit(
+        TinyModel(), data()
+    )  # the short run, as printed
+    assert {r["origin"]["phase"] for r in advisor._reporter.skips} == {"input"}
 
 
 class LoudFirstMicroBatch(TinyModel):

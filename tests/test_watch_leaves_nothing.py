@@ -589,3 +589,39 @@ def test_a_loss_held_as_a_module_is_the_loss_phase_never_an_island():
     told = [_origins(reporter)[step] for step in LOUD]
     assert [o["phase"] for o in told] == ["loss"] * 3
     assert "fp32_module" not in [a.code for a in advisor.advice]
+
+
+class _TeacherScaledInPlace(LightningModule):
+    """Your code scales a teacher module's float16 output in place (x 1e6: +inf) between two module calls, under
+    ``inference_mode``: an inference tensor has no version counter to tell the change."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.student = nn.Linear(8, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        with torch.inference_mode():
+            features = self.body(x)
+            features.mul_(1e6)
+            target = self.head(features)
+        return (self.student(x).float() - target.float()).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_an_inference_tensor_changed_in_place_between_calls_is_read_again_not_taken_from_the_cache():
+    """Break pass: the read-once cache took an inference tensor as unchanged; the head was named (its island did
+    not help, and the next run called it the model's own). Your code made them: told as such."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_amp_plus import AmpPlusPrecision, NaNSkipReporter
+    from tests.helpers.trainer import make_trainer
+
+    reporter = NaNSkipReporter(max_consecutive_skips=None, max_warnings=0, quiet=True)
+    loader = DataLoader(TensorDataset(torch.randn(16, 8), torch.zeros(16, 1)), batch_size=4)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=1024.0)], callbacks=[reporter], max_steps=3).fit(
+        _TeacherScaledInPlace(), loader
+    )
+    assert [r["origin"].get("module") for r in reporter.skips][1:] == ["", ""]  # the step's own code

@@ -18,6 +18,7 @@ from lightning_amp_plus.advice.figures import (
     _origins_measured,
     _referenced,
     most,
+    told_skips,
 )
 from lightning_amp_plus.advice.fix import _given_islands, _scale, plugin_fix
 from lightning_amp_plus.advice.origins import _own_code_origins
@@ -103,7 +104,7 @@ def _bf16_uncontained(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]
     )
     return (
         f"Non-finite values were born in the forward of {module} (and others) in {len(loose) + len(moved)} of"
-        f" {len(origins)} skipped updates: float16 overflows there{measured}, and {why}. bfloat16 holds float32's"
+        f" {told_skips(figures, len(origins))}: float16 overflows there{measured}, and {why}. bfloat16 holds float32's"
         " range.",
         {"uncontained": len(loose) + len(moved), "told": len(origins), "module": module},
     )
@@ -117,7 +118,7 @@ def _bf16_own_code(figures: RunFigures) -> Optional[tuple[str, dict[str, Any]]]:
         return None
     return (
         f"Non-finite values were born in the LightningModule's own code, between its module calls, in {len(own)} of"
-        f" {len(origins)} skipped updates, and the step rerun in float32 and under bfloat16 is finite: float16's"
+        f" {told_skips(figures, len(origins))}, and the step rerun in float32 and under bfloat16 is finite: float16's"
         " range fails there, where no fp32 island reaches (islands are modules). bfloat16 holds float32's range.",
         {"own_code": len(own), "told": len(origins)},
     )

@@ -33,6 +33,18 @@ def _known_origins(figures: RunFigures, unnamed: bool = False) -> list[Origin]:
     return typed if unnamed else [o for o in typed if not o.unnamed]
 
 
+def told_skips(figures: RunFigures, told: int) -> str:
+    """``told`` skipped updates in words, with the run's count where it skipped more than were told.
+
+    Example:
+        >>> told_skips(RunFigures(skipped=[0, 1, 2]), 3), told_skips(RunFigures(skipped=[0, 1, 2]), 1)
+        ('3 skipped updates', '1 skipped update told (3 skipped in all)')
+    """
+    total = len(figures.skipped) if figures.skipped is not None else told
+    said = f"{told} skipped update{'' if told == 1 else 's'}"
+    return f"{said} told ({total} skipped in all)" if total > told else said
+
+
 def _origins_measured(figures: RunFigures) -> bool:
     """Whether the run's origins were told (live); offline a log holds none."""
     return figures.origins is not None

@@ -221,18 +221,19 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
             " causes"
         )
     if early:
-        phases = sorted({o.phase.value for o in early})
-        unnamed = sum(1 for o in early if o.unnamed)
         unread = sum(1 for o in early if o.reason == EARLIER_MICRO_BATCH)
-        unnamed -= unread
+        # an earlier micro-batch's phase is not told (its batch is not kept): only the others' are said
+        phases = sorted({o.phase.value for o in early if o.reason != EARLIER_MICRO_BATCH})
+        unnamed = sum(1 for o in early if o.unnamed) - unread
         saw.append(
-            f"{len(early)} {'was' if len(early) == 1 else 'were'} born before backward ({', '.join(phases)}), which"
-            f" no loss scale causes"
+            f"{len(early)} {'was' if len(early) == 1 else 'were'} born before backward"
+            + (f" ({', '.join(phases)})" if phases else "")
+            + ", which no loss scale causes"
             + (f"; {unnamed} before the watch named a module" if unnamed else "")
             + (
                 f"; {unread} in an earlier micro-batch of {'its' if unread == 1 else 'their'} update, where no"
-                " module was named (not watched yet, or the batch or your code: an earlier micro-batch's batch is"
-                " not kept to tell them apart)"
+                " module was named (the batch, your code or the loss: an earlier micro-batch's batch is not kept"
+                " to tell them apart)"
                 if unread
                 else ""
             )

@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Optional
 
 from lightning_amp_plus._limits import MAX_ISLANDS
-from lightning_amp_plus.advice.figures import _known_origins, _origins_measured, most
+from lightning_amp_plus.advice.figures import _known_origins, _origins_measured, most, told_skips
 from lightning_amp_plus.advice.fix import _given_islands, plugin_fix
 from lightning_amp_plus.advice.registry import Advice, RunFigures, rule
 from lightning_amp_plus.forensics.origin import IN_ISLAND, Origin, Phase, Verdict
@@ -40,18 +40,20 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
     guard = _GUARD
     at_loss = [o for o in origins if o.phase is Phase.LOSS]
     if phases[Phase.INPUT] >= phases[Phase.LOSS]:
-        what = f"the batch's inf/nan reached the model in {phases[Phase.INPUT]} of {len(origins)} skipped updates"
+        what = f"the batch's inf/nan reached the model in {phases[Phase.INPUT]} of {told_skips(figures, len(origins))}"
         fix = guard
     elif most(sum(o.batch_too for o in at_loss), len(at_loss)):  # the targets: no float32 loss makes NaN finite
         what = (
-            f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of {len(origins)}"
-            " skipped updates, and the batch held inf/nan there (the targets or weights the loss reads, say)"
+            f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of"
+            f" {told_skips(figures, len(origins))}, and the batch held inf/nan there (the targets or weights the loss"
+            " reads, say)"
         )
         fix = guard
     else:
         what = (
-            f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of {len(origins)}"
-            " skipped updates (born after the last module call: in your code after it, or in the loss function)"
+            f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of"
+            f" {told_skips(figures, len(origins))} (born after the last module call: in your code after it, or in the"
+            " loss function)"
         )
         fix = (
             "loss = loss_fn(logits.float(), target)  # logits: the last module's output, in float32 before your code"
@@ -62,7 +64,7 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
             op = ops.most_common(1)[0][0]
             what = (
                 f"the loss was inf/nan with every watched module output finite in {phases[Phase.LOSS]} of"
-                f" {len(origins)} skipped updates: its code takes the {op} of float16 values"
+                f" {told_skips(figures, len(origins))}: its code takes the {op} of float16 values"
                 f" ({_LOSS_FROM_LOGITS[op][0]})"
             )
             fix = _LOSS_FROM_LOGITS[op][1]
@@ -110,7 +112,7 @@ def _nonfinite_batches(figures: RunFigures) -> Optional[Advice]:
     at = f" (step {', '.join(map(str, steps[:5]))}{', ...' if len(steps) > 5 else ''})" if steps else ""
     return Advice(
         "nonfinite_batches",
-        f"{len(batch)} of {len(origins)} skipped updates {'was' if len(batch) == 1 else 'were'} born in the batch"
+        f"{len(batch)} of {told_skips(figures, len(origins))} {'was' if len(batch) == 1 else 'were'} born in the batch"
         f"{at}: the data held inf/nan there, a problem apart from what explains the other skips.",
         _GUARD,
         {"batch": len(batch), "told": len(origins), "steps": steps},
@@ -199,7 +201,7 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
     )
     return Advice(
         "model_nonfinite",
-        f"Non-finite values were born {what} in {count} of {len(origins)} skipped updates, and run in"
+        f"Non-finite values were born {what} in {count} of {told_skips(figures, len(origins))}, and run in"
         f" float32 it makes them too: the model makes them in any precision ({kind}), so no loss scale, fp32"
         f" island or bf16 fixes it.{upstream}{_batch_too(made)}",
         fix,
@@ -298,9 +300,9 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
     else:
         said = f": {whose} overflows float16{also}.{took} A replay with these islands computed finite values."
     if apart:
-        where += f" of {len(origins)} skipped updates, a problem apart from what explains the others"
+        where += f" of {told_skips(figures, len(origins))}, a problem apart from what explains the others"
     else:
-        where += f" of {len(origins)} skipped updates"
+        where += f" of {told_skips(figures, len(origins))}"
     return Advice(
         "fp32_module",
         f"Non-finite values were born in {where} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}){said}",
@@ -374,7 +376,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
         )
         return Advice(
             "own_code",
-            f"{where} {len(precision)} of {len(origins)} skipped updates, and the step rerun in float32 is finite"
+            f"{where} {len(precision)} of {told_skips(figures, len(origins))}, and the step rerun in float32 is finite"
             " while under bfloat16 it is not (or that could not be run): float16 loses the precision there (a"
             " difference of close values, a division by it), not its range, so neither bf16 nor a loss scale"
             f" fixes it.{said}",
@@ -388,7 +390,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
     kinds = Counter(o.kind for o in unread)
     return Advice(
         "own_code",
-        f"{where} {len(unread)} of {len(origins)} skipped updates"
+        f"{where} {len(unread)} of {told_skips(figures, len(origins))}"
         f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}). No replay reads that code, so nothing this"
         " run measured tells a float16 overflow there (bf16 fixes that) from inf/nan the code makes in any"
         f" precision (a log, sqrt or division of 0: only a code fix does).{_batch_too(unread)}",

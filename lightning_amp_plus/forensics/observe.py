@@ -176,7 +176,7 @@ def _extremes(
     if kwargs:
         items = (*items, *kwargs.values())
     # the hot path (issue 51): each line here runs once a tensor a watched call; one dict lookup for the read-once
-    # cache, no version read for a tensor first seen as an inference tensor, the half test on the dtype object
+    # cache (never an inference tensor: no version counter tells a change in place)
     for item in items:
         kind = type(item)
         if kind is Tensor:
@@ -198,8 +198,7 @@ def _extremes(
             sampled = top and rows and t.dim() > 0 and t.shape[0] in rows
             if read is not None and not sampled:
                 hit = read.get(id(t))
-                # -1: an inference tensor (no version counter: it cannot change in place either)
-                if hit is not None and hit[0]() is t and (hit[1] < 0 or t._version == hit[1]):
+                if hit is not None and hit[0]() is t and t._version == hit[1]:
                     entry = hit[2]
                     if top:
                         found.append((*entry, t.untyped_storage().data_ptr()))
@@ -225,8 +224,9 @@ def _extremes(
                 found.append((t.dtype in _HALF, low_high, t.untyped_storage().data_ptr()))
                 continue
             entry = (t.dtype in _HALF, torch.aminmax(t))
-            if read is not None:
-                read[id(t)] = (weakref.ref(t), -1 if t.is_inference() else t._version, entry)
+            # an inference tensor has no version counter (`inference_mode` changes it in place unseen): read again
+            if read is not None and not t.is_inference():
+                read[id(t)] = (weakref.ref(t), t._version, entry)
             if top:  # the step's own: its storage tells a batch tensor
                 found.append((*entry, t.untyped_storage().data_ptr()))
             elif nodes:

@@ -62,7 +62,7 @@ class Origin:
         op: the backward node (``SqrtBackward0``).
         fed_by: the module whose half-precision ``-inf`` the module took before it made them (a mask there, or an
             overflow to ``-inf``: a watch cannot tell; a fix runs both in float32).
-        also: other modules where they were born on their own in the same step (finite inputs; a second tower).
+        also: other modules that made ``+inf`` on their own (finite inputs) in the same update: a second tower.
         batch_too: the batch held that kind too (the step's own code may have spread the batch's).
         reason: why nothing more was told. rank: the rank that saw it born (DDP). step: the update's step.
 

@@ -107,14 +107,13 @@ def first_born(
 
 
 def also_born(events: list[tuple[Any, ...]], after: int, in_loss: Optional[Callable[[int], bool]] = None) -> list[int]:
-    """The modules where ``+inf``/NaN were born on their own after the event ``after`` (the first birth's), in order.
+    """The modules where ``+inf`` was born on their own after the event ``after`` (the first birth's), in order.
 
-    A call whose inputs held no ``+inf``/NaN (a mask's ``-inf`` may be there: a masked attention that overflows on
-    its own) and inside which nothing held them, its output holding them: a second tower that overflowed in the same
-    step. Where it took a half-precision ``-inf`` a module made, that module is added too (as ``fed_by``: a mask, or
-    an overflow to ``-inf``). A call that took the first birth's values (or any) is fed, not born. An output a hook of
-    yours cleaned (:func:`_reaches`) does not count, nor one whose ``+inf``/NaN tensors all have a graph the loss
-    never used (a router's sentinel): the first birth already explains the loss, so only what reached it counts.
+    Stricter than the first birth, which already explains the skip: a call whose inputs were all finite (no mask's
+    ``-inf`` either), inside which nothing held inf/nan, whose output holds ``+inf`` (a float16 overflow; a NaN from
+    finite inputs is as often the model's own, in any precision), and which the loss used (one of those tensors is
+    in the loss's graph, where this torch tells; an output with no graph, a teacher's, is not counted). A second
+    tower that overflowed in the same step. A call that took the first birth's values (or any) is fed, not born.
 
     Example (events as :func:`~.observe.read` gives them: a call's start, its end as ``~index``):
 
@@ -123,36 +122,32 @@ def also_born(events: list[tuple[Any, ...]], after: int, in_loss: Optional[Calla
         [1]
         >>> also_born([finite, born, (1, "inf", [], False, ()), (~1, "inf", [], False, ())], after=1)
         []
-        >>> also_born([finite, born, (1, "-inf", [], False, ()), (~1, "nan", [], False, ())], after=1)
-        [1]
+        >>> also_born([finite, born, (1, "-inf", [], False, ()), (~1, "inf", [], False, ())], after=1)
+        []
+        >>> also_born([finite, born, (1, None, [], False, ()), (~1, "nan", [], False, ())], after=1)
+        []
     """
     found: list[int] = []
     calls: list[int] = []  # the calls in progress
-    clean: list[bool] = []  # whether each is still a candidate: no +inf/NaN in, nothing inside held them
-    took: list[bool] = []  # whether each took a half-precision -inf in
-    maker: Optional[int] = None  # the latest module whose output held a half-precision -inf
+    clean: list[bool] = []  # whether each is still a candidate: its inputs finite, nothing inside held inf/nan
     for position, (index, kind, *rest) in enumerate(events):
         bad = kind in ("inf", "nan")
         if index >= 0:
             calls.append(index)
-            clean.append(position > after and not bad)
-            took.append(kind == "-inf16")
+            clean.append(position > after and kind is None)
             if bad:  # a call took them: every call around it gives what it took
                 clean[:] = [False] * len(clean)
             continue
         was_clean = clean.pop() if clean else False
-        fed = took.pop() if took else False
         if calls:
             calls.pop()
-        if kind == "-inf16" and not bad:
-            maker = ~index
         if not bad:
             continue
-        if was_clean and position > after:
+        if was_clean and kind == "inf" and position > after:
             hooked, nodes = (rest[1], rest[2]) if len(rest) > 2 else (False, ())
-            unused = in_loss is not None and bool(nodes) and all(n is not None and not in_loss(n) for n in nodes)
-            if not (hooked and not _reaches(events, position, calls)) and not (not hooked and unused):
-                found += [maker, ~index] if fed and maker is not None else [~index]
+            used = in_loss is None or any(n is not None and in_loss(n) for n in nodes)
+            if used and not (hooked and not _reaches(events, position, calls)):
+                found.append(~index)
         clean[:] = [False] * len(clean)  # the calls around it give what it made
     return list(dict.fromkeys(found))
 

@@ -1445,7 +1445,9 @@ def test_a_nan_record_among_forward_overflows_gets_a_line_of_its_own_and_its_gua
         return
     assert codes(advisor)[:2] == ["fp32_module", "nonfinite_batches"]  # each problem its line, the larger first
     advice = only(advisor, "nonfinite_batches")
-    assert advice.message.startswith("1 of 11 skipped updates was born in the batch (step 4): the data held inf/nan")
+    assert advice.message.startswith(
+        "1 of 11 skipped updates told (12 skipped in all) was born in the batch (step 4): the data held inf/nan"
+    )
     guard = AmpPlusPrecision("16-mixed", init_scale=1024.0, min_scale=0.0)
     with pytest.raises(AssertionError, match="inf/nan in the batch"):  # the guard, pasted, stops at that batch
         make_trainer(plugins=[guard], max_steps=12).fit(Guarded(), _one_nan_record(nan))

@@ -65,7 +65,8 @@ def test_collapse_stops_within_six_steps_and_writes_no_checkpoint(tmp_path):
         LossScaleCollapseError,
         # the loss is inf: the error says what AmpAdvisor says, not a scaling hint
         match=r"5 consecutive optimizer steps were skipped \(max_consecutive_skips=5\).*The loss was inf/nan with"
-        r" every watched module output finite in 4 of 4 skipped updates \(born after the last module call: in your"
+        r" every watched module output finite in 4 of 4 skipped updates told \(5 skipped in all\) \(born after the"
+        r" last module call: in your"
         r" code after it, or in the loss function\): not a scaling problem"
         r".*HINT: loss = loss_fn\(",
     ):
