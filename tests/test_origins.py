@@ -20,7 +20,7 @@ from lightning_amp_plus.forensics.finder import OriginFinder
 from lightning_amp_plus.forensics.observe import BatchRecord
 from lightning_amp_plus.forensics.opt_in.sandbox import sandboxed
 from lightning_amp_plus.forensics.origin import IN_ISLAND, WATCHING, Origin, Phase, Verdict
-from tests.helpers.models import TinyModel
+from tests.helpers.models import SentinelRouter, TinyModel
 from tests.helpers.trainer import make_trainer
 
 
@@ -1039,27 +1039,12 @@ def test_three_towers_each_a_minority_get_the_union_and_the_second_run_prints_th
     assert plain.history.skipped_steps == [0, 1, 5, 9, 13, 17, 21]  # without: every loud batch skips
 
 
-class _Router(nn.Module):
-    """Returns the gate it routes with and its scores with +inf where it masks (its own sentinel): the step uses the
-    gate only."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 2)
-
-    def forward(self, x):
-        scores = self.lin(x)
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-        mask[:, 1] = True
-        return torch.softmax(scores.float(), -1), scores.masked_fill(mask, float("inf"))
-
-
 class _Routed(LightningModule):
     """A router whose +inf sentinel the step never uses, then an expert that overflows float16 on its own."""
 
     def __init__(self, use_sentinel=False):
         super().__init__()
-        self.router, self.expert = _Router(), nn.Linear(8, 1)
+        self.router, self.expert = SentinelRouter(), nn.Linear(8, 1)
         self.use_sentinel = use_sentinel
         with torch.no_grad():
             self.expert.weight.fill_(1e4)

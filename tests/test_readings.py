@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, GradUnderflowMonitor, NaNSkipReporter
-from tests.helpers.models import TinyModel
+from tests.helpers.models import SentinelRouter, TinyModel
 from tests.helpers.trainer import make_trainer
 
 
@@ -627,24 +627,10 @@ def _tower(k=0):
     return tower
 
 
-class _SentinelRouter(nn.Module):
-    """A gate it routes with, and scores with an +inf sentinel where it masks: the step uses the gate only."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 2)
-
-    def forward(self, x):
-        scores = self.lin(x)
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-        mask[:, 1] = True
-        return torch.softmax(scores.float(), -1), scores.masked_fill(mask, float("inf"))
-
-
 class TowerThenRouter(LightningModule):
     def __init__(self, graph=True):
         super().__init__()
-        self.tower0, self.router, self.graph = _tower(), _SentinelRouter(), graph
+        self.tower0, self.router, self.graph = _tower(), SentinelRouter(), graph
 
     def training_step(self, batch, batch_idx):
         x, _ = batch

@@ -120,3 +120,18 @@ def loud_batches(steps: int, loud: tuple[int, ...], scale: float, features: int 
     for step in loud:
         x[step * 4 : step * 4 + 4] *= scale
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.01), batch_size=4)
+
+
+class SentinelRouter(nn.Module):
+    """Returns the gate it routes with and its scores with +inf where it masks (its own sentinel): a step that uses
+    the gate only never uses the sentinel."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        scores = self.lin(x)
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        mask[:, 1] = True
+        return torch.softmax(scores.float(), -1), scores.masked_fill(mask, float("inf"))
