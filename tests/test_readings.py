@@ -894,6 +894,106 @@ def test_a_nan_record_in_an_earlier_micro_batch_is_not_called_forward_and_the_sh
     assert {r["origin"]["phase"] for r in advisor._reporter.skips} == {"input"}
 
 
+class TwoTowersSometimesNone(TwoTowers):
+    def __init__(self, none_at):
+        super().__init__()
+        self.none_at = none_at
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.none_at else super().training_step(batch, batch_idx)
+
+
+def _towers_loud(batches, loud, optimizer=None):
+    x = torch.randn(4 * batches, 8, generator=torch.Generator().manual_seed(0))
+    for b, k in loud.items():
+        x[4 * b : 4 * b + 4, k] = 100.0
+    return DataLoader(TensorDataset(x, torch.zeros(4 * batches, 1)), batch_size=4)
+
+
+def test_a_window_that_stepped_no_optimizer_is_not_the_next_updates_and_what_is_kept_is_one_window():
+    """Third break pass: a window whose last micro-batch returned None (no step, no update recorded) stayed in the
+    reporter's micro-batches, so the next update named tower1, born only in the dropped window (its gradients never
+    reached it), and what was kept grew by a window each time. Windows now follow Lightning's (batch_idx % N)."""
+    loader = _towers_loud(8, {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 6: 0})  # batch 5 returns None: window 2 steps nothing
+    advisor, plugin = _accumulated(TwoTowersSometimesNone({5}), AmpPlusPrecision("16-mixed", init_scale=1024.0), loader)
+    assert plugin.history.skipped_steps == [0, 1, 3]
+    assert advisor._reporter.skips[-1]["origin"] == {"phase": "forward", "module": "tower0", "kind": "inf"}
+    reporter = NaNSkipReporter(find_origin="watch", quiet=True)
+    nones = _towers_loud(16, {})
+    trainer = make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed")], callbacks=[reporter], max_steps=16, accumulate_grad_batches=2
+    )
+    trainer.fit(TwoTowersSometimesNone(set(range(1, 16, 2))), nones)  # every window's last micro-batch: None
+    assert len(reporter._window) + len(reporter._last_window) <= 2  # one micro-batch a window here, two windows
+
+
+class _AttendOrTower(LightningModule):
+    """First micro-batch: an all-masked attention row (NaN in any precision); last: the tower overflows float16."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.attend, self.tower0 = nn.Linear(8, 8), _Attend(), _tower()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        mask = torch.zeros(x.shape[0], 4, 4, dtype=torch.bool)
+        big = x[:, 0, :].clone()
+        if batch_idx % 2 == 0:
+            mask[0, 1] = True
+        else:
+            big[:, 0] = 100.0
+        return self.attend(self.proj(x), mask).square().mean() + self.tower0(big).float().square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_an_earlier_micro_batchs_own_nan_does_not_join_also():
+    """Third break pass: an earlier micro-batch's module joined also whatever it made; the all-masked row's NaN got
+    an island that did not help. Joining follows also's rule (+inf only)."""
+    loader = DataLoader(TensorDataset(torch.randn(64, 4, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
+    advisor, _ = _accumulated(_AttendOrTower(), AmpPlusPrecision("16-mixed", init_scale=1024.0), loader)
+    assert all("also" not in r["origin"] for r in advisor._reporter.skips if r["origin"])
+    (advice,) = [a for a in advisor.advice if a.code == "fp32_module"]
+    assert advice.evidence["islands"] == ["tower0"]
+
+
+def test_a_fused_skip_read_after_the_next_window_began_is_told_from_its_own_window(monkeypatch):
+    """Third break pass: a fused optimizer's flag read late (a busy GPU: simulated) took the next window's
+    micro-batches as its own: update 1's tower1 was put on update 0, and update 1 lost its origin."""
+    from lightning_amp_plus import syncs
+
+    value = syncs.FlagPeek.value
+
+    def late(self, wait=False):  # the first polls say "not yet", as a busy device's event does
+        self._polls = getattr(self, "_polls", 0) + 1
+        return None if not wait and self._polls <= 4 else value(self, wait=True)
+
+    monkeypatch.setattr(syncs.FlagPeek, "value", late)
+
+    class Fused(TwoTowers):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0, fused=True)
+
+    reporter = NaNSkipReporter(find_origin="watch", quiet=True)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0)
+    trainer = make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=4, accumulate_grad_batches=4)
+    trainer.fit(Fused(), _towers_loud(16, {3: 0, 4: 1}))
+    assert [(r["step"], r["origin"]) for r in reporter.skips] == [
+        (0, {"phase": "forward", "module": "tower0", "kind": "inf"}),
+        (1, {"phase": "forward", "module": "tower1", "kind": "inf"}),
+    ]
+
+
+def test_an_accumulated_skip_whose_every_loss_was_finite_is_born_in_backward():
+    """Every micro-batch's loss is kept now: all finite, the gradients overflowed in backward (was: no origin)."""
+    reporter = NaNSkipReporter(quiet=True)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**24)  # a scale that overflows the gradients
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=2, accumulate_grad_batches=2).fit(TinyModel())
+    assert plugin.history.skipped_steps
+    assert {r["origin"]["phase"] for r in reporter.skips} == {"backward"}
+
+
 class LoudFirstMicroBatch(TinyModel):
     """Your own code overflows float16 in the first micro-batch of each update of two (6e4 * 2 in half precision)."""
 

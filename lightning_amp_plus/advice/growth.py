@@ -253,8 +253,8 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
         f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
         " rule here explains why: "
         + ("no update was applied." if skipped >= figures.num_updates else "the weights moved on the rest only."),
-        "Trainer(accumulate_grad_batches=1)  # a short run: each micro-batch is an update of its own, so where"
-        " they were born is told"
+        "Trainer(accumulate_grad_batches=1)  # your other Trainer arguments and plugin kept, a short run: each"
+        " micro-batch is an update of its own, so where they were born is told"
         if early and any(o.reason == EARLIER_MICRO_BATCH for o in early)
         else "AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter this run already had"
         if figures.reporter_logged

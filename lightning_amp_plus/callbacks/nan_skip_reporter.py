@@ -148,10 +148,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._loss: Optional[Tensor] = None
         # with gradient accumulation: the update's micro-batch losses (an earlier one's inf/nan is the update's too)
         self._accumulating = False
-        self._losses: list[Tensor] = []
-        # beside each, what the watch kept of its micro-batch (no batch held): an earlier one's module is named too
-        self._micro: list[BatchRecord] = []
-        self._losses_after: Optional[int] = None  # the history's last step when they were collected
+        # the accumulation window's micro-batches, in order: (the id of the live record, what is kept of it: its
+        # loss and the watch's trace, not its batch), and the window before (a fused skip's flag read late)
+        self._window: list[tuple[int, BatchRecord]] = []
+        self._last_window: list[tuple[int, BatchRecord]] = []
+        self._accumulate = 1
         # the skips reported: a new fit resets them (`reset`), a resumed fit then loads its checkpoint
         tail = None if max_records is None else max_records - max_records // 2
         self._head: list[dict[str, Any]] = self.add_state("head", list, load=list)
@@ -257,7 +258,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._unhook()
         self._rerun = False
         self._accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
-        self._losses, self._micro, self._losses_after = [], [], None
+        self._window, self._last_window = [], []
+        self._accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         if self.find_origin:
             accumulating = self._accumulating
             # a rerun of the step: only where one batch's step makes the update and steps no optimizer itself
@@ -299,6 +301,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             self._look()
         if self.find_origin:  # begun as its step starts (the plugin tells the finder)
             self.origins.current = BatchRecord(batch, batch_idx)
+        if self._accumulating and batch_idx % self._accumulate == 0:  # Lightning's window starts (an epoch's too)
+            self._last_window, self._window = self._window, []
 
     def _say(self, line: Optional[str]) -> None:
         if line is not None and not self.quiet:
@@ -335,13 +339,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._loss = loss  # the true loss (the plugin scales after this hook); read (detached) only on skips
-        if self._accumulating and self._plugin is not None:  # each micro-batch's, until the update is recorded
-            last = self._plugin.history.last_step
-            if last != self._losses_after:
-                self._losses, self._micro, self._losses_after = [], [], last
-            self._losses.append(loss)
-            self._micro.append(self._kept_of(self.origins.current, loss))
         current = self.origins.current
+        if self._accumulating:  # each micro-batch's, until its window ends
+            self._window.append((id(current), self._kept_of(current, loss)))
         if current is not None:  # a GAN's batch backpropagates two
             current.losses.append(loss)
 
@@ -361,10 +361,11 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         assert self._plugin is not None
         # skips a fused optimizer decided before this one come first (the history is on the host already)
         self._collect_device_skips(upto=event.step - 1)
-        earlier = self._earlier_nonfinite_loss()
+        window = self._earlier(self.origins.current)
+        earlier = self._earlier_nonfinite_loss(window)
         loss = earlier if earlier is not None else self._mean_loss()
         told = self._skip_facts(None, event.optimizers, loss, scale=event.scale)
-        self._told_earlier(told, earlier)
+        self._told_earlier(told, earlier, window)
         told["origin"] = self._job_origin(told["origin"])
         self._watch_if_asked(told["origin"])
         self.offenders.clear()
@@ -383,42 +384,61 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
     def skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.offenders.at_skipped_step(optimizer)
 
-    def _earlier_nonfinite_loss(self) -> Optional[Tensor]:
-        """With accumulation, an earlier micro-batch's loss of this update that held inf/nan (read on a skip only)."""
-        losses = self._losses[:-1] if self._accumulating else []
-        if not losses or distributed():  # under DDP each rank's differs: the last micro-batch's, as documented
+    def _earlier(self, record: Optional[BatchRecord]) -> Optional[list[BatchRecord]]:
+        """The micro-batches of ``record``'s window before it (``record``: the one that stepped); None: not told.
+
+        Its window is this one or, for a fused skip's flag read after the next window began, the one before. Under
+        DDP each rank's differ: only the last micro-batch is told (documented).
+        """
+        if not self._accumulating or record is None or distributed():
             return None
+        for window in (self._window, self._last_window):
+            at = [i for i, (key, _) in enumerate(window) if key == id(record)]
+            if at:
+                return [kept for _, kept in window[: at[0]]]
+        return None
+
+    @staticmethod
+    def _earlier_nonfinite_loss(earlier: Optional[list[BatchRecord]]) -> Optional[Tensor]:
+        """An earlier micro-batch's loss of this update that held inf/nan (read on a skip only)."""
         with torch.no_grad():
-            bad = [loss for loss in losses if not bool(torch.isfinite(loss.detach()).all())]
+            bad = [loss for kept in earlier or [] for loss in kept.losses if not bool(torch.isfinite(loss).all())]
         return bad[0] if bad else None
 
-    def _told_earlier(self, told: dict[str, Any], earlier: Optional[Tensor]) -> None:
+    def _told_earlier(
+        self, told: dict[str, Any], earlier: Optional[Tensor], window: Optional[list[BatchRecord]]
+    ) -> None:
         """An earlier micro-batch's loss held inf/nan: the modules the watch saw them born in there join the origin.
 
         The last micro-batch's named module keeps its place and the earlier ones join its ``also``; where it named
         none (its loss finite), the first earlier one is the origin. Where no module was named there (not watched
         yet, or the batch or your code, which a micro-batch kept without its batch cannot tell apart): born before
-        backward, in an earlier micro-batch. Never "backward", which says the loss was finite.
+        backward, in an earlier micro-batch. Never "backward", which says the loss was finite; every micro-batch's
+        loss finite: backward. A module joins ``also`` by its rule (``+inf``; a NaN there may be the model's own).
         """
         origin = told["origin"]
-        if earlier is None or not self.find_origin:
+        if window is None or not self.find_origin:
             return
-        named = [o for o in self._earlier_origins() if o.phase is Phase.FORWARD and o.name]
+        if earlier is None:  # every micro-batch's loss was finite: born in backward, as without accumulation
+            told["origin"] = origin if origin is not None else Origin(Phase.BACKWARD)
+            return
+        named = [o for o in self._earlier_origins(window) if o.phase is Phase.FORWARD and o.name]
         if origin is None or origin.phase in (Phase.BACKWARD, Phase.UNKNOWN):  # the last micro-batch's was finite
             if not named:
                 kind = "nan" if told["loss"] == "nan" else "inf"
                 told["origin"] = Origin(Phase.FORWARD, kind=kind, reason=EARLIER_MICRO_BATCH)
                 return
             origin, named = named[0], named[1:]
-        if named and origin.phase is Phase.FORWARD and origin.name:
-            also = [n for o in named for n in (o.name, *o.also) if n != origin.name]
+        joins = [o for o in named if o.kind == "inf" and o.float32 is None]  # also_born's rule
+        if joins and origin.phase is Phase.FORWARD and origin.name:
+            also = [n for o in joins for n in (o.name, *o.also) if n != origin.name]
             origin = origin.replace(also=tuple(dict.fromkeys((*origin.also, *also))))
         told["origin"] = origin
 
-    def _earlier_origins(self) -> list[Origin]:
+    def _earlier_origins(self, window: list[BatchRecord]) -> list[Origin]:
         """Where the earlier micro-batches of this update whose loss held inf/nan saw them born (read on a skip)."""
         found = []
-        for kept in self._micro[:-1]:
+        for kept in window:
             with torch.no_grad():
                 bad = not all(bool(torch.isfinite(loss.detach()).all()) for loss in kept.losses)
             origin = self.origins.origin(kept) if bad and kept.trace is not None else None
@@ -468,11 +488,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         """
         optimizers = [resolve_optimizer(o) for o in self._trainer.optimizers] if self._trainer is not None else []
         loss = self._loss if calls is None or not calls.losses else calls.losses[-1]  # this rank's
-        # the micro-batch losses kept are the last update's: read before the next batch's backward
-        latest = self._plugin is not None and step == self._plugin.history.last_step
-        earlier = self._earlier_nonfinite_loss() if latest else None
+        window = self._earlier(calls)  # its own window's, even where the flag is read after the next one began
+        earlier = self._earlier_nonfinite_loss(window)
         told = self._skip_facts(calls, optimizers, earlier if earlier is not None else loss, step=step)
-        self._told_earlier(told, earlier)
+        self._told_earlier(told, earlier, window)
         told["offenders"] = told["offenders"] or None
         self._watch_if_asked(told["origin"])
         return told
