@@ -745,9 +745,7 @@ class TwoAttentions(LightningModule):
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
-        mask = torch.zeros(x.shape[0], 4, 4, dtype=torch.bool)
-        mask[0, 1] = True
-        h = self.proj(x)
+        h, mask = self.proj(x), _one_row_all_masked(x)
         return self.attend(h, mask).square().mean() + self.attend2(h, mask).square().mean()
 
     def configure_optimizers(self):
@@ -776,6 +774,13 @@ class _Attend(nn.Module):
         return (x @ x.transpose(1, 2)).masked_fill(mask, float("-inf")).softmax(-1) @ x
 
 
+def _one_row_all_masked(x):
+    """A padding mask over (batch, 4, 4) scores whose first sample's row 1 is all masked: NaN there in any precision."""
+    mask = torch.zeros(x.shape[0], 4, 4, dtype=torch.bool)
+    mask[0, 1] = True
+    return mask
+
+
 class AllMaskedAndTower(LightningModule):
     """An all-masked attention row (NaN in any precision) and a tower that overflows float16, in every step."""
 
@@ -785,11 +790,11 @@ class AllMaskedAndTower(LightningModule):
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
-        mask = torch.zeros(x.shape[0], 4, 4, dtype=torch.bool)
-        mask[0, 1] = True
         big = x[:, 0, :].clone()
         big[:, 0] = 100.0
-        return self.attend(self.proj(x), mask).square().mean() + self.tower0(big).float().square().mean()
+        return (
+            self.attend(self.proj(x), _one_row_all_masked(x)).square().mean() + self.tower0(big).float().square().mean()
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
