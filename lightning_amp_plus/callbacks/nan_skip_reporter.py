@@ -146,13 +146,12 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.offenders = OffenderCounter()  # the parameters whose gradients held inf/nan, per skipped update
         self._sharded = False
         self._loss: Optional[Tensor] = None
-        # with gradient accumulation: the update's micro-batch losses (an earlier one's inf/nan is the update's too)
-        self._accumulating = False
-        # the accumulation window's micro-batches, in order: (the id of the live record, what is kept of it: its
+        # with gradient accumulation (`Trainer(accumulate_grad_batches)`: an earlier micro-batch's inf/nan are the
+        # update's too), the window's micro-batches, in order: (the id of the live record, what is kept of it: its
         # loss and the watch's trace, not its batch), and the window before (a fused skip's flag read late)
+        self._accumulate = 1
         self._window: list[tuple[int, BatchRecord]] = []
         self._last_window: list[tuple[int, BatchRecord]] = []
-        self._accumulate = 1
         # the skips reported: a new fit resets them (`reset`), a resumed fit then loads its checkpoint
         tail = None if max_records is None else max_records - max_records // 2
         self._head: list[dict[str, Any]] = self.add_state("head", list, load=list)
@@ -257,9 +256,8 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self.offenders.track(pl_module, self._sharded)
         self._unhook()
         self._rerun = False
-        self._accumulating = getattr(trainer, "accumulate_grad_batches", 1) > 1
-        self._window, self._last_window = [], []
         self._accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        self._window, self._last_window = [], []
         if self.find_origin:
             accumulating = self._accumulating
             # a rerun of the step: only where one batch's step makes the update and steps no optimizer itself
@@ -303,6 +301,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             self.origins.current = BatchRecord(batch, batch_idx)
         if self._accumulating and batch_idx % self._accumulate == 0:  # Lightning's window starts (an epoch's too)
             self._last_window, self._window = self._window, []
+
+    @property
+    def _accumulating(self) -> bool:
+        return self._accumulate > 1
 
     def _say(self, line: Optional[str]) -> None:
         if line is not None and not self.quiet:
@@ -362,10 +364,10 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         # skips a fused optimizer decided before this one come first (the history is on the host already)
         self._collect_device_skips(upto=event.step - 1)
         window = self._earlier(self.origins.current)
-        earlier = self._earlier_nonfinite_loss(window)
-        loss = earlier if earlier is not None else self._mean_loss()
+        bad = self._nonfinite(window)
+        loss = bad[0].losses[0] if bad else self._mean_loss()
         told = self._skip_facts(None, event.optimizers, loss, scale=event.scale)
-        self._told_earlier(told, earlier, window)
+        self._told_earlier(told, window, bad)
         told["origin"] = self._job_origin(told["origin"])
         self._watch_if_asked(told["origin"])
         self.offenders.clear()
@@ -399,15 +401,12 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         return None
 
     @staticmethod
-    def _earlier_nonfinite_loss(earlier: Optional[list[BatchRecord]]) -> Optional[Tensor]:
-        """An earlier micro-batch's loss of this update that held inf/nan (read on a skip only)."""
+    def _nonfinite(earlier: Optional[list[BatchRecord]]) -> list[BatchRecord]:
+        """The earlier micro-batches whose loss held inf/nan (one host read each, on a skip only)."""
         with torch.no_grad():
-            bad = [loss for kept in earlier or [] for loss in kept.losses if not bool(torch.isfinite(loss).all())]
-        return bad[0] if bad else None
+            return [kept for kept in earlier or [] if not bool(torch.isfinite(kept.losses[0]).all())]
 
-    def _told_earlier(
-        self, told: dict[str, Any], earlier: Optional[Tensor], window: Optional[list[BatchRecord]]
-    ) -> None:
+    def _told_earlier(self, told: dict[str, Any], window: Optional[list[BatchRecord]], bad: list[BatchRecord]) -> None:
         """An earlier micro-batch's loss held inf/nan: the modules the watch saw them born in there join the origin.
 
         The last micro-batch's named module keeps its place and the earlier ones join its ``also``; where it named
@@ -419,10 +418,12 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         origin = told["origin"]
         if window is None or not self.find_origin:
             return
-        if earlier is None:  # every micro-batch's loss was finite: born in backward, as without accumulation
+        if not bad:  # every micro-batch's loss was finite: born in backward, as without accumulation
             told["origin"] = origin if origin is not None else Origin(Phase.BACKWARD)
             return
-        named = [o for o in self._earlier_origins(window) if o.phase is Phase.FORWARD and o.name]
+        # where the watch saw them born in those micro-batches (each read without its batch)
+        told_there = (self.origins.origin(kept) for kept in bad if kept.trace is not None)
+        named = [o for o in told_there if o is not None and o.phase is Phase.FORWARD and o.name]
         if origin is None or origin.phase in (Phase.BACKWARD, Phase.UNKNOWN):  # the last micro-batch's was finite
             if not named:
                 kind = "nan" if told["loss"] == "nan" else "inf"
@@ -434,17 +435,6 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             also = [n for o in joins for n in (o.name, *o.also) if n != origin.name]
             origin = origin.replace(also=tuple(dict.fromkeys((*origin.also, *also))))
         told["origin"] = origin
-
-    def _earlier_origins(self, window: list[BatchRecord]) -> list[Origin]:
-        """Where the earlier micro-batches of this update whose loss held inf/nan saw them born (read on a skip)."""
-        found = []
-        for kept in window:
-            with torch.no_grad():
-                bad = not all(bool(torch.isfinite(loss.detach()).all()) for loss in kept.losses)
-            origin = self.origins.origin(kept) if bad and kept.trace is not None else None
-            if origin is not None:
-                found.append(origin)
-        return found
 
     def _mean_loss(self) -> Optional[Tensor]:
         """The loss, averaged over ranks when several train (every rank skips the same steps, so all call this)."""
@@ -489,9 +479,9 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         optimizers = [resolve_optimizer(o) for o in self._trainer.optimizers] if self._trainer is not None else []
         loss = self._loss if calls is None or not calls.losses else calls.losses[-1]  # this rank's
         window = self._earlier(calls)  # its own window's, even where the flag is read after the next one began
-        earlier = self._earlier_nonfinite_loss(window)
-        told = self._skip_facts(calls, optimizers, earlier if earlier is not None else loss, step=step)
-        self._told_earlier(told, earlier, window)
+        bad = self._nonfinite(window)
+        told = self._skip_facts(calls, optimizers, bad[0].losses[0] if bad else loss, step=step)
+        self._told_earlier(told, window, bad)
         told["offenders"] = told["offenders"] or None
         self._watch_if_asked(told["origin"])
         return told

@@ -196,21 +196,12 @@ def _extremes(
                     unread = unread or why
                     continue
             sampled = top and rows and t.dim() > 0 and t.shape[0] in rows
-            if read is not None and not sampled:
-                hit = read.get(id(t))
-                if hit is not None and hit[0]() is t and t._version == hit[1]:
-                    entry = hit[2]
-                    if top:
-                        found.append((*entry, t.untyped_storage().data_ptr()))
-                    elif nodes:  # an output's: with its autograd node (inline: no call a tensor)
-                        node = t.grad_fn
-                        found.append((*entry, None if node is None else node._sequence_nr()))
-                    else:
-                        found.append(entry)
-                    continue
-            if not t.numel():
+            hit = read.get(id(t)) if read is not None and not sampled else None
+            if hit is not None and hit[0]() is t and t._version == hit[1]:
+                entry = hit[2]  # read before in this batch, unchanged since: no op
+            elif not t.numel():
                 continue
-            if sampled:
+            elif sampled:
                 # per sample, to tell the batch's (:func:`~.verdict._from_batch`); reduced where it lies
                 # (a broadcast mask is not copied)
                 n = t.shape[0]
@@ -223,13 +214,14 @@ def _extremes(
                 )
                 found.append((t.dtype in _HALF, low_high, t.untyped_storage().data_ptr()))
                 continue
-            entry = (t.dtype in _HALF, torch.aminmax(t))
-            # an inference tensor has no version counter (`inference_mode` changes it in place unseen): read again
-            if read is not None and not t.is_inference():
-                read[id(t)] = (weakref.ref(t), t._version, entry)
+            else:
+                entry = (t.dtype in _HALF, torch.aminmax(t))
+                # an inference tensor has no version counter (`inference_mode` changes it in place unseen): read again
+                if read is not None and not t.is_inference():
+                    read[id(t)] = (weakref.ref(t), t._version, entry)
             if top:  # the step's own: its storage tells a batch tensor
                 found.append((*entry, t.untyped_storage().data_ptr()))
-            elif nodes:
+            elif nodes:  # an output's: with its autograd node (inline: no call a tensor)
                 node = t.grad_fn
                 found.append((*entry, None if node is None else node._sequence_nr()))
             else:
