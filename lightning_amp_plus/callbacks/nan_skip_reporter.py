@@ -149,7 +149,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         # with gradient accumulation (`Trainer(accumulate_grad_batches)`: an earlier micro-batch's inf/nan are the
         # update's too), the window's micro-batches, in order: (the id of the live record, what is kept of it: its
         # loss and the watch's trace, not its batch), and the window before (a fused skip's flag read late)
-        self._accumulate = 1
+        self._accumulate, self._accumulating = 1, False  # an attribute, not a property: read every step
         self._window: list[tuple[int, BatchRecord]] = []
         self._last_window: list[tuple[int, BatchRecord]] = []
         # the skips reported: a new fit resets them (`reset`), a resumed fit then loads its checkpoint
@@ -257,6 +257,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
         self._unhook()
         self._rerun = False
         self._accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        self._accumulating = self._accumulate > 1
         self._window, self._last_window = [], []
         if self.find_origin:
             accumulating = self._accumulating
@@ -301,10 +302,6 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
             self.origins.current = BatchRecord(batch, batch_idx)
         if self._accumulating and batch_idx % self._accumulate == 0:  # Lightning's window starts (an epoch's too)
             self._last_window, self._window = self._window, []
-
-    @property
-    def _accumulating(self) -> bool:
-        return self._accumulate > 1
 
     def _say(self, line: Optional[str]) -> None:
         if line is not None and not self.quiet:
