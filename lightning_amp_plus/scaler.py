@@ -115,8 +115,11 @@ class UpdateRecord:
         step was skipped, by :func:`any_skipped` over the steps it holds (None: a flag unread).
         """
         skipped = any_skipped(self.outcomes.values(), sync=False)
-        if not states or any(state["stage"] is not OptState.STEPPED for state in states.values()):
+        if not states:
             return None, skipped
+        for state in states.values():  # a loop, not a generator: no Python call a step
+            if state["stage"] is not OptState.STEPPED:
+                return None, skipped
         return skipped, skipped
 
     def skipped_by(self, optimizer: torch.optim.Optimizer, sync: bool) -> bool | None:
