@@ -43,7 +43,7 @@ from lightning_amp_plus.engine import EngineView, SkipEvent, UpdateListener
 from lightning_amp_plus.forensics.finder import OriginFinder
 from lightning_amp_plus.forensics.observe import BatchRecord
 from lightning_amp_plus.forensics.origin import EARLIER_MICRO_BATCH, Origin, Phase
-from lightning_amp_plus.forensics.verdict import job_origin
+from lightning_amp_plus.forensics.verdict import job_origin, joins_also
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -427,7 +427,7 @@ class NaNSkipReporter(KnobsRepr, DeclaredState, UpdateListener, Callback):
                 told["origin"] = Origin(Phase.FORWARD, kind=kind, reason=EARLIER_MICRO_BATCH)
                 return
             origin, named = named[0], named[1:]
-        joins = [o for o in named if o.kind == "inf" and o.float32 is None]  # also_born's rule
+        joins = [o for o in named if joins_also(o)]
         if joins and origin.phase is Phase.FORWARD and origin.name:
             also = [n for o in joins for n in (o.name, *o.also) if n != origin.name]
             origin = origin.replace(also=tuple(dict.fromkeys((*origin.also, *also))))

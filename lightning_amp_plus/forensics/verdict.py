@@ -106,6 +106,19 @@ def first_born(
     return None
 
 
+#: the kind a module's output must hold to be born beside another (``also``): an overflow; a NaN from finite inputs
+#: is as often the model's own, in any precision
+ALSO_KIND = "inf"
+
+
+def joins_also(origin: Origin) -> bool:
+    """Whether ``origin``, told apart (an earlier micro-batch of the update), joins another's ``also``.
+
+    :func:`also_born`'s rule: an overflow (:data:`ALSO_KIND`) in a named module that no island measured NaN in.
+    """
+    return origin.phase is Phase.FORWARD and bool(origin.name) and origin.kind == ALSO_KIND and origin.float32 is None
+
+
 def also_born(events: list[tuple[Any, ...]], after: int, in_loss: Optional[Callable[[int], bool]] = None) -> list[int]:
     """The modules where ``+inf`` was born on their own after the event ``after`` (the first birth's), in order.
 
@@ -143,7 +156,7 @@ def also_born(events: list[tuple[Any, ...]], after: int, in_loss: Optional[Calla
             calls.pop()
         if not bad:
             continue
-        if was_clean and kind == "inf" and position > after:
+        if was_clean and kind == ALSO_KIND and position > after:
             hooked, nodes = (rest[1], rest[2]) if len(rest) > 2 else (False, ())
             used = in_loss is None or any(n is not None and in_loss(n) for n in nodes)
             if used and not (hooked and not _reaches(events, position, calls)):
