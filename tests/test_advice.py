@@ -1108,3 +1108,22 @@ def test_a_saw_tooth_that_skips_a_quarter_of_the_updates_is_never_healthy():
         precision="16-mixed", num_updates=21, last_step=20, curve=curve[:4], skipped=[0, 4], knobs=knobs, origins=[]
     )
     assert "skip_rate" not in codes(sparse)  # one growth's skip after the settling one: healthy
+
+
+@pytest.mark.parametrize(("backward", "fires"), [(27, True), (1, False)])
+def test_skip_rate_speaks_for_the_skips_no_rule_above_explains(backward, fires):
+    """Issue 52: a module born in a few skips (``fp32_module``, a problem apart) no longer silences ``skip_rate`` for
+    the rest: 27 backward-born skips of 100 nothing explains are said, beside the 3 explained; one more backward
+    skip (a settling scale's) is not."""
+    steps = list(range(10, 100, 3))[: 3 + backward]
+    origins = [fwd("tower.a", step=s) for s in steps[:3]] + [{"phase": "backward", "step": s} for s in steps[3:]]
+    found = {a.code: a for a in advise(run([(0, 1024.0)], steps, 99, origins=origins))}
+    assert "fp32_module" in found
+    assert ("skip_rate" in found) is fires
+    if fires:
+        said = found["skip_rate"]
+        assert said.message.startswith(f"{backward} more of 100 updates were skipped beside the 3 explained above")
+        assert said.evidence["skipped"] == backward
+        assert said.evidence["explained"] == 3
+        assert "explains" not in said.to_dict()
+        assert "explains" not in found["fp32_module"].to_dict()

@@ -174,8 +174,8 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
     "skip_rate",
     evidence="More skips than a settling loss scale makes (its leading skips, then about one per growth, and one "
     "more), half the updates or more skipped or a quarter after the leading skips, 3+ skips in a row where the run "
-    "ended, a skip born before backward (no loss scale causes it), or the scale held at its floor by skips; and no "
-    "code above explains it.",
+    "ended, a skip born before backward (no loss scale causes it), or the scale held at its floor by skips; counted "
+    "over the skips no code above explains (an origin code explains the skips it counts, a scale code all).",
     fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders). Offline, where"
     " the run had one: `AmpAdvisor()`, which reads its origins live. Skips born in an earlier micro-batch where no "
     "module was named: a short run with `Trainer(accumulate_grad_batches=1)` tells where.",
@@ -250,8 +250,14 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
         )
     return Advice(
         "skip_rate",
-        f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): " + "; ".join(saw) + ". No"
-        " rule here explains why: "
+        (
+            f"{skipped} more of {figures.num_updates} updates were skipped beside the {figures.explained} explained"
+            f" above ({100 * rate:.1f}%): "
+            if figures.explained
+            else f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): "
+        )
+        + "; ".join(saw)
+        + ". No rule here explains why: "
         + ("no update was applied." if skipped >= figures.num_updates else "the weights moved on the rest only."),
         "Trainer(accumulate_grad_batches=1)  # your other Trainer arguments and plugin kept, a short run: each"
         " micro-batch is an update of its own, so where they were born is told"
@@ -267,6 +273,7 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
             "expected": expected,
             "born_before_backward": len(early) or len(early_logged),
             "at_floor": floor,
+            **({"explained": figures.explained} if figures.explained else {}),
         },
     )
 

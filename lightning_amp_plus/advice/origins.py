@@ -12,7 +12,7 @@ from lightning_amp_plus._limits import MAX_ISLANDS
 from lightning_amp_plus.advice.figures import _known_origins, _origins_measured, most, told_skips
 from lightning_amp_plus.advice.fix import _given_islands, plugin_fix
 from lightning_amp_plus.advice.registry import Advice, RunFigures, rule
-from lightning_amp_plus.forensics.origin import IN_ISLAND, Origin, Phase, Verdict
+from lightning_amp_plus.forensics.origin import IN_ISLAND, WATCHING, Origin, Phase, Verdict
 
 
 def _model_made(figures: RunFigures) -> list[Origin]:
@@ -73,7 +73,20 @@ def _nonfinite_loss(figures: RunFigures) -> Optional[Advice]:
         f"{what[0].upper()}{what[1:]}: not a scaling problem (no loss scale or fp32 island fixes it).",
         fix,
         {"input": phases[Phase.INPUT], "loss": phases[Phase.LOSS], "told": len(origins)},
+        _explains(figures, [o for o in origins if o.phase in (Phase.INPUT, Phase.LOSS)]),
     )
+
+
+def _explains(figures: RunFigures, origins: list[Origin]) -> Optional[frozenset[int]]:
+    """The skipped steps an origin rule speaks of (:attr:`Advice.explains`); None: every skip.
+
+    None where one's step is not known. The skips read before the watch started come with them (the watch starts at
+    the first, from the loss alone, and the next tell where).
+    """
+    steps = [o.step for o in origins]
+    if origins:
+        steps += [o.step for o in _known_origins(figures, unnamed=True) if o.reason == WATCHING]
+    return None if None in steps else frozenset(s for s in steps if s is not None)
 
 
 def _loss_tells_the_batch(origins: list[Origin]) -> bool:
@@ -206,6 +219,7 @@ def _model_nonfinite(figures: RunFigures) -> Optional[Advice]:
         f" island or bf16 fixes it.{upstream}{_batch_too(made)}",
         fix,
         {"phase": phase.value, "module": module, "op": op, "skips": count, "told": len(origins)},
+        _explains(figures, made),
     )
 
 
@@ -316,6 +330,7 @@ def _fp32_module(figures: RunFigures) -> Optional[Advice]:
             "measured": not watched,
             **({"modules": dict(modules)} if len(modules) > 1 else {}),
         },
+        _explains(figures, fixable),
     )
 
 
@@ -384,6 +399,7 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
             if islands
             else "# compute that code, and the module outputs it takes in, in float32 (`fp32_modules=[...]`)",
             {"own_code": len(precision), "told": len(origins), "islands": islands or None},
+            _explains(figures, precision),
         )
     if not most(len(unread), len(origins), least=2):
         return None
@@ -396,4 +412,5 @@ def _own_code(figures: RunFigures) -> Optional[Advice]:
         f" precision (a log, sqrt or division of 0: only a code fix does).{_batch_too(unread)}",
         "NaNSkipReporter(backward_origin=True)  # runs your step again on skips, in float32: which of the two",
         {"own_code": len(unread), "told": len(origins), "kinds": dict(kinds)},
+        _explains(figures, unread),
     )

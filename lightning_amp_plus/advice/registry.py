@@ -9,7 +9,7 @@ family files beside this one; ``lightning_amp_plus.advice`` imports them in the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_amp_plus.advice.fix import _scale
@@ -26,10 +26,15 @@ class Advice:
     message: str
     fix: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    #: the skipped steps it explains where it speaks of some skips only (an origin rule: the skips it counted);
+    #: None: every skip (a scale rule). Read by :func:`advise` for ``skip_rate``; not in the JSON.
+    explains: Optional[frozenset[int]] = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The advice as a JSON-ready dict."""
-        return asdict(self)
+        found = asdict(self)
+        del found["explains"]
+        return found
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}\n    fix: {self.fix}"
@@ -69,6 +74,8 @@ class RunFigures:
         auto_islands: live, the islands ``auto_islands=True`` added in this run, in order (each from the step after
             the skip that named it); ``auto_fix``: the plugin's line for the next run with them (one rule: the
             plugin's). Empty and None: not asked, or none added.
+        explained: the skips the advice above explained, where ``skipped`` holds the rest only (set by
+            :func:`advise` for ``skip_rate``); 0: ``skipped`` is every skip.
     """
 
     precision: Optional[str] = None
@@ -89,6 +96,7 @@ class RunFigures:
     loss_nonfinite: Optional[list[int]] = None
     auto_islands: tuple[str, ...] = ()
     auto_fix: Optional[str] = None
+    explained: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,10 +195,29 @@ def hint_line(hint: Advice) -> str:
 def advise(figures: RunFigures) -> list[Advice]:
     """The advice the figures support, most important first (the order of :data:`CODES`): findings, then hints."""
     found = [a for r in RULES.values() if not r.unless_explained for a in [r.check(figures)] if a is not None]
-    if not any(RULES[a.code].explains_skips for a in found):  # a speed hint explains no skip
-        found += [a for r in RULES.values() if r.unless_explained for a in [r.check(figures)] if a is not None]
+    rest = unexplained(figures, [a for a in found if RULES[a.code].explains_skips])  # a speed hint explains none
+    if rest is not None:
+        found += [a for r in RULES.values() if r.unless_explained for a in [r.check(rest)] if a is not None]
     found.sort(key=lambda a: CODES.index(a.code))
     return found
+
+
+def unexplained(figures: RunFigures, explaining: list[Advice]) -> Optional[RunFigures]:
+    """The figures of the skips no advice in ``explaining`` explains (``explained``: how many it did); None: all.
+
+    An advice explains every skip unless it names the steps it speaks of (:attr:`Advice.explains`: an origin rule's
+    few skips). What is left is read as a run of its own by ``skip_rate``: the same updates and curve, those skips.
+    """
+    if any(a.explains is None for a in explaining):
+        return None
+    if not explaining or figures.skipped is None:
+        return figures
+    steps = frozenset().union(*(a.explains or () for a in explaining))
+    rest = [s for s in figures.skipped if s not in steps]
+    if not rest:
+        return None
+    origins = [o for o in figures.origins if o.get("step") not in steps] if figures.origins is not None else None
+    return replace(figures, skipped=rest, origins=origins, explained=len(figures.skipped) - len(rest))
 
 
 def needs_live(figures: RunFigures) -> list[str]:
