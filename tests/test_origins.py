@@ -1116,3 +1116,106 @@ def test_a_head_overflowing_to_minus_inf_into_a_loss_module_is_named_and_its_isl
     fixed.losses = []
     make_trainer(plugins=[eval(advice.fix, {"AmpPlusPrecision": AmpPlusPrecision})], max_steps=8).fit(fixed, loader)
     assert all(math.isfinite(loss) for loss in fixed.losses)
+
+
+class _LogEnergy(nn.Module):
+    """Log-energy features: float32 ``log(0)`` is ``-inf`` where a row of the batch is all zero (no bias)."""
+
+    def __init__(self, guarded=False):
+        super().__init__()
+        self.proj, self.guarded = nn.Linear(8, 8, bias=False), guarded
+
+    def forward(self, x):
+        energy = self.proj(x).float().square()
+        # the guard model_nonfinite prints for a log, pasted: torch.log(x.clamp_min(1e-12))
+        return torch.log(energy.clamp_min(1e-12)) if self.guarded else torch.log(energy)
+
+
+class _MaskedScores(nn.Module):
+    """Look-alike: a module that makes a float32 ``-inf`` mask by ``masked_fill`` (a ``Div`` below it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x).float() / 2
+        return h.masked_fill(torch.arange(8) == 0, float("-inf"))
+
+
+class _Attends(nn.Module):
+    """Takes the float32 masked scores and its own float16 scores, which overflow on loud batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) * 1e3)
+
+    def forward(self, x, mask):
+        return torch.softmax(x.half() @ self.weight.half() + mask, dim=-1)
+
+
+class _FeaturesHead(LightningModule):
+    def __init__(self, kind="log", guarded=False):
+        super().__init__()
+        self.kind, self.head = kind, nn.Linear(8, 1)
+        self.feats = _LogEnergy(guarded) if kind == "log" else _MaskedScores()
+        self.attend = _Attends()
+        with torch.no_grad():
+            self.head.weight.mul_(0.01)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        features = self.feats(x) if self.kind == "log" else self.attend(x, self.feats(x))
+        return (self.head(features).float() - y).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_modules_float32_log_of_zero_turned_into_nan_is_the_models_own_at_the_log():
+    """Issue 52 (the limits page's float32 `-inf` maker): a module's float32 `log(0)` made NaN in the Linear after
+    it, which was named, and its island did not help. Told at the log, as the model's own; the guard printed for the
+    log, pasted, ends the skips."""
+    from tests.helpers.models import loud_batches
+
+    loud = (2, 5, 8)
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, quiet=True)
+    advisor = AmpAdvisor(print_advice=False)
+    torch.manual_seed(0)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**8)], callbacks=[reporter, advisor], max_steps=10
+    ).fit(_FeaturesHead(), loud_batches(10, loud, 0.0))
+    told = {r["step"]: r["origin"] for r in reporter.skips}
+    assert sorted(told) == list(loud)
+    for step in loud[1:]:  # the first is read before the watch
+        assert told[step]["module"] == "feats"
+        assert told[step]["op"] == "LogBackward0"
+        assert told[step]["float32"] == "nonfinite"
+        assert "became nan in head" in told[step]["reason"]
+    assert "fp32_module" not in [a.code for a in advisor.advice]
+    (said,) = [a for a in advisor.advice if a.code == "model_nonfinite"]
+    assert said.fix.startswith("torch.log(x.clamp_min(1e-12))")
+    guarded = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, quiet=True)
+    torch.manual_seed(0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**8)], callbacks=[guarded], max_steps=10).fit(
+        _FeaturesHead(guarded=True), loud_batches(10, loud, 0.0)
+    )
+    assert guarded.skips == []
+
+
+def test_a_float32_mask_a_module_made_does_not_make_an_overflow_the_models_own():
+    """The look-alike: a module's float32 `-inf` mask (masked_fill, not a point op) into a module that overflows
+    float16 on its own: that module is named, an island (float32 there ends it)."""
+    from tests.helpers.models import loud_batches
+
+    loud = (2, 5, 8)
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, quiet=True)
+    torch.manual_seed(0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**8)], callbacks=[reporter], max_steps=10).fit(
+        _FeaturesHead("mask"), loud_batches(10, loud, 100.0)
+    )
+    told = {r["step"]: r["origin"] for r in reporter.skips}
+    assert sorted(told) == list(loud)
+    for step in loud[1:]:
+        assert told[step]["module"] == "attend"
+        assert "float32" not in told[step]

@@ -563,32 +563,90 @@ class _SquaredError(nn.modules.loss._Loss):
         return ((prediction - target.to(prediction.dtype)) ** 2).mean()
 
 
+class _OwnSquaredError(nn.Module):
+    """The same loss as a plain ``nn.Module`` of your own (no torch loss class to tell it by)."""
+
+    def forward(self, prediction, target):
+        return ((prediction - target.to(prediction.dtype)) ** 2).mean()
+
+
 class WithCriterion(LightningModule):
-    def __init__(self):
+    def __init__(self, criterion=None, aux=False, fixed=False):
         super().__init__()
-        self.pre, self.head, self.criterion = nn.Linear(8, 8), nn.Linear(8, 1), _SquaredError()
+        self.pre, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.criterion = criterion if criterion is not None else _SquaredError()
+        self.aux, self.fixed = aux, fixed
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return self.criterion(self.head(self.pre(x)) * 30, y).float()
+        logits = self.head(self.pre(x))
+        logits = logits.float() if self.fixed else logits  # nonfinite_loss's fix, as printed
+        loss = self.criterion(logits * 30, y).float()
+        return loss + 0.1 * self.pre.weight.float().square().mean() if self.aux else loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
-def test_a_loss_held_as_a_module_is_the_loss_phase_never_an_island():
-    """Issue 52: `self.criterion` is the loss, not a module to run in float32."""
+@pytest.mark.parametrize(
+    ("criterion", "aux"),
+    [(_SquaredError, False), (_OwnSquaredError, False), (_OwnSquaredError, True)],
+    ids=["torch-loss-class", "own-loss-class", "own-loss-class-plus-aux"],
+)
+def test_a_loss_held_as_a_module_is_the_loss_phase_never_an_island(criterion, aux):
+    """Issue 52: `self.criterion` is the loss, not a module to run in float32. Your own loss class too (a plain
+    `nn.Module`): the loss's graph tells its output is the loss (`ce.float()`, `ce + 0.1 * aux`)."""
     from lightning_amp_plus import AmpAdvisor
 
     reporter, advisor = _reporter(), AmpAdvisor(print_advice=False)
     torch.manual_seed(0)
     plugin = AmpPlusPrecision("16-mixed", init_scale=2.0**10)
     make_trainer(plugins=[plugin], callbacks=[reporter, advisor], max_steps=10).fit(
-        WithCriterion(), loud_batches(10, LOUD, 100.0)
+        WithCriterion(criterion(), aux), loud_batches(10, LOUD, 100.0)
     )
     told = [_origins(reporter)[step] for step in LOUD]
     assert [o["phase"] for o in told] == ["loss"] * 3
     assert "fp32_module" not in [a.code for a in advisor.advice]
+    (said,) = [a for a in advisor.advice if a.code == "nonfinite_loss"]
+    assert "logits.float()" in said.fix
+    fixed = _reporter()  # the fix as printed: the logits in float32 before the loss
+    torch.manual_seed(0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**10)], callbacks=[fixed], max_steps=10).fit(
+        WithCriterion(criterion(), aux, fixed=True), loud_batches(10, LOUD, 100.0)
+    )
+    # the loss is finite now: what skips is the scale's calibration against this loss's size (backward), told so
+    assert [o["phase"] for o in _origins(fixed).values()] == ["backward"] * len(fixed.skips)
+
+
+class _HeadReducedByTheLoss(LightningModule):
+    """The look-alike: a head whose float16 output overflows, reduced by the loss (``.mean()``): a module's output
+    the loss is computed from, not a loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+        with torch.no_grad():
+            self.head.weight.mul_(1e4)  # its float16 output overflows on the loud batches
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.head(self.pre(x)).mean().float()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_modules_output_the_loss_reduces_is_not_a_loss():
+    """The look-alike of the own loss class: the head that overflowed on its own is named (an island helps)."""
+    reporter = _reporter()
+    torch.manual_seed(0)
+    plugin = AmpPlusPrecision("16-mixed", init_scale=1.0)
+    make_trainer(plugins=[plugin], callbacks=[reporter], max_steps=10).fit(
+        _HeadReducedByTheLoss(), loud_batches(10, LOUD, 100.0)
+    )
+    told = _origins(reporter)
+    assert sorted(told) == list(LOUD)
+    assert [(told[step]["phase"], told[step].get("module")) for step in LOUD] == [("forward", "head")] * 3
 
 
 class _TeacherScaledInPlace(LightningModule):

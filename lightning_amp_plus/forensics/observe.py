@@ -554,10 +554,11 @@ _ORDER = ("inf", "nan", "-inf16", "-inf")
 
 
 def read(trace: list[Event]) -> list[tuple[Any, ...]]:
-    """Each event's module index, kind (``"inf"`` first), storages and samples, hooked, and +inf/NaN nodes.
+    """Each event's module index, kind (``"inf"`` first), storages and samples, hooked, and its bad nodes.
 
-    Storages and samples: the step's own inputs'. Hooked: an output read before your forward hooks acted. Nodes: the
-    autograd nodes of an output's tensors that hold +inf/NaN. One transfer to the host.
+    Storages and samples: the step's own inputs'. Hooked: an output read before your forward hooks acted. Bad nodes:
+    the autograd nodes of an output's tensors that hold +inf/NaN (where its kind is ``"-inf"``, a float32 one: those
+    that hold it). One transfer to the host.
     """
     with torch_only():  # a mode the step runs under is not called
         flat = [torch.stack([m.float().flatten() for m in entry[1]]) for _, entries, *_ in trace for entry in entries]
@@ -569,6 +570,7 @@ def read(trace: list[Event]) -> list[tuple[Any, ...]]:
         kinds: list[Optional[str]] = []
         tops: list[tuple[Any, list[Optional[str]]]] = []
         bad: list[Optional[int]] = []  # an output's tensors holding +inf/NaN: their autograd nodes (None: no graph)
+        minus: list[Optional[int]] = []  # those holding a float32 -inf
         for half, extremes, *more in entries:  # more: a step input's storage, or an output's node
             n = extremes[0].numel()
             samples = [_kind(a, b, half) for a, b in zip(low[at : at + n], high[at : at + n], strict=True)]
@@ -578,7 +580,11 @@ def read(trace: list[Event]) -> list[tuple[Any, ...]]:
             if index < 0:
                 if kind in ("inf", "nan"):
                     bad.append(more[0] if more else None)
+                elif kind == "-inf":
+                    minus.append(more[0] if more else None)
             elif more:
                 tops.append((more[0], samples))
-        events.append((index, next((k for k in _ORDER if k in kinds), None), tops, bool(hooked), tuple(bad)))
+        kind = next((k for k in _ORDER if k in kinds), None)
+        # an output holding a float32 -inf alone: its nodes (where it was made: a log of 0)
+        events.append((index, kind, tops, bool(hooked), tuple(minus if kind == "-inf" else bad)))
     return events

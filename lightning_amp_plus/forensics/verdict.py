@@ -31,6 +31,8 @@ class Born(NamedTuple):
     position: int
     fed_by: Optional[int] = None
     fed_at: Optional[int] = None
+    #: the module whose float32 ``-inf`` the call took (a ``log(0)``), and its event: float32 makes them too
+    minus32: Optional[tuple[int, int]] = None
 
     @property
     def start(self) -> int:
@@ -70,7 +72,10 @@ def first_born(
     took: list[bool] = []  # whether each took a half-precision -inf in
     maker: Optional[tuple[bool, Optional[int], int]] = None  # where one appeared: made by a module?, which, the event
     taken = False  # a later call took the -inf its maker made
+    took32: list[bool] = []  # whether each took a float32 -inf in (not the batch's)
+    maker32: Optional[tuple[int, int]] = None  # the latest module that made one from inputs without: which, the event
     for position, (index, kind, *rest) in enumerate(events):
+        minus32 = kind == "-inf"
         if kind == "-inf":
             kind = "inf" if minus and index >= 0 and not calls else None
         if index >= 0:
@@ -83,14 +88,18 @@ def first_born(
             calls.append(index)
             opened.append(position)
             took.append(kind == "-inf16")
+            took32.append(minus32 and kind is None)
         else:
             fed = (took.pop() if took else False) and maker is not None
+            in32 = took32.pop() if took32 else False
             start = opened.pop() if opened else -1
             if calls:
                 calls.pop()
             inside = maker is not None and maker[0] and maker[2] > start  # made by a module inside this call
             if kind == "-inf16" and not fed and not inside:
                 maker, taken = (True, ~index, position), False
+            elif minus32 and not in32:
+                maker32 = ~index, position
             elif kind is not None and kind != "-inf16":
                 if not fed:
                     hooked, bad = rest[1], rest[2]
@@ -98,7 +107,9 @@ def first_born(
                         continue  # read before your hook acted, and it reached nothing: the hook cleaned it
                     if not hooked and _unused(events, position, calls, bad, in_loss):
                         continue
-                    return Born(~index, kind, position)
+                    # the module whose float32 -inf this call took in, if one made it (read_origin: at a point op,
+                    # a log of 0, the model's own; a mask, no: this call is named, as its overflow may be)
+                    return Born(~index, kind, position, minus32=maker32 if in32 else None)
                 by_module, by, at = maker  # type: ignore[misc]
                 return Born(~index, kind, position, by, at) if by_module else Born(by, "inf", at)
     if to_loss and maker is not None and maker[0] and not taken:
@@ -214,6 +225,7 @@ class LossGraph:
         self._losses, self._limit = losses, limit
         self._nodes: Optional[dict[int, Any]] = None
         self._complete = True
+        self._at_loss: Optional[set[int]] = None
 
     def _read(self) -> dict[int, Any]:
         if self._nodes is None:
@@ -234,6 +246,36 @@ class LossGraph:
         """Whether the node is in the graphs (the loss used what it made)."""
         return node in self._read() or not self._complete
 
+    def is_loss(self, nodes: tuple[Optional[int], ...]) -> bool:
+        """Whether a module's output tensors (their nodes) are losses.
+
+        Each is a 0-dim value the loss is (``ce``) or is arithmetic of (``ce + 0.1 * aux``, ``ce.float()``): reached
+        from a loss's root through :data:`_SCALAR_WAY` nodes alone. A 0-dim result takes 0-dim operands
+        (broadcasting never reduces), so a module's logits the loss reduces (``.sum()``, ``.mean()``) are not one.
+        """
+        if self._at_loss is None:
+            self._at_loss = set()
+            stack: list[Any] = [loss.grad_fn for loss in self._losses if loss.grad_fn is not None and loss.dim() == 0]
+            while stack and len(self._at_loss) < _NODES:
+                step = stack.pop()
+                if step is None or step._sequence_nr() in self._at_loss:
+                    continue
+                self._at_loss.add(step._sequence_nr())
+                if type(step).__name__ in _SCALAR_WAY:
+                    stack.extend(f for f, _ in step.next_functions)
+        return bool(nodes) and all(n is not None and n in self._at_loss for n in nodes)
+
+    def op_at(self, node: int, ops: frozenset[str]) -> Optional[str]:
+        """The op among ``ops`` that made ``node``'s values; None where another op made them (a ``masked_fill``).
+
+        The node itself, or the one below it through casts and views (:data:`_PASSING`).
+        """
+        step = self._read().get(node)
+        while step is not None and type(step).__name__ in _PASSING and step.next_functions:
+            step = step.next_functions[0][0]
+        name = type(step).__name__ if step is not None else ""
+        return name if name.split("Backward")[0] in ops else None
+
     def op_in(self, node: Optional[int], ops: frozenset[str], within: int = 32) -> Optional[str]:
         """The nearest op among ``ops`` (``"Sqrt"``) at or below ``node`` (a module's output), ``within`` nodes."""
         start = self._read().get(node) if node is not None else None
@@ -249,6 +291,19 @@ class LossGraph:
             queue.extend(f for f, _ in step.next_functions)
         return None
 
+
+#: the nodes a loss passes through as arithmetic of 0-dim values (:meth:`LossGraph.is_loss`)
+_SCALAR_WAY = frozenset(
+    {"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "MulBackward0", "MulBackward1"}
+    | {"DivBackward0", "DivBackward1", "NegBackward0", "ToCopyBackward0"}
+)
+
+#: the nodes a value passes through unchanged in kind (a cast, a view): :meth:`LossGraph.op_at` looks below them
+_PASSING = frozenset(
+    {"ToCopyBackward0", "NegBackward0", "CloneBackward0", "ViewBackward0", "UnsafeViewBackward0"}
+    | {"ReshapeAliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
+    | {"TransposeBackward0", "PermuteBackward0"}
+)
 
 #: the ops that make inf/nan at a point, by their backward node's name (a forward origin's op: its guard)
 POINT_OPS = frozenset({"Sqrt", "Log", "Div", "Pow", "Rsqrt", "Acos", "Asin", "Atan2", "Log2", "Log10", "Reciprocal"})
@@ -291,12 +346,14 @@ def read_origin(
     graph = LossGraph(losses) if SEQUENCED else None
     found = first_born(events, minus, to_loss, graph)
     if found is not None:
-        index, kind, position, fed_by, _ = found
+        index, kind, position, fed_by, _, minus32 = found
         if index is None:  # the batch's only where they can be its own (a batch tensor, or its samples carried on)
             if kind in in_batch and _from_batch(batch, events[position][2], minus):
                 return Origin(Phase.INPUT)
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
         name, by = names[index], names[fed_by] if fed_by is not None else None
+        # a loss computed by a module: torch's loss classes, or your own whose output the loss is (by the graph)
+        loss_modules = loss_modules | _own_losses(events, graph, names)
         if name in loss_modules and by is not None and by not in loss_modules:
             # a loss module fed a module's float16 -inf (a head that overflows to -inf): born in that module, as with
             # a functional loss (the loss module is never an island)
@@ -305,6 +362,14 @@ def read_origin(
             return Origin(Phase.FORWARD, by, "inf")
         if name in loss_modules:  # a loss computed by a module (`self.criterion`): the loss, never an island
             return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
+        # a module made -inf in float32 at a point op (a log of 0) and this call turned it into +inf/NaN: the model's
+        # own, at that op (a mask made -inf by masked_fill is no point op: the call is named, as its overflow may be)
+        made, at = minus32 if minus32 is not None else (None, position)
+        node = events[at][4][0] if made is not None and len(events[at]) > 4 and events[at][4] else None
+        op = graph.op_at(node, POINT_OPS) if graph is not None and node is not None else None
+        if made is not None and op is not None:
+            said = f"its float32 -inf became {kind} in {name}: float32 makes them too"
+            return Origin(Phase.FORWARD, names[made], "-inf", float32=Verdict.NONFINITE, reason=said[:200], op=op)
         # the op in it that makes them at a point (a sqrt of a negative): its input is what a guard fixes
         bad = events[position][4] if len(events[position]) > 4 else ()
         op = graph.op_in(bad[0], POINT_OPS) if graph is not None and bad else None
@@ -320,6 +385,20 @@ def read_origin(
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
         return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
     return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
+
+
+def _own_losses(events: list[tuple[Any, ...]], graph: Optional[LossGraph], names: list[str]) -> frozenset[str]:
+    """The modules whose inf/nan output is a loss (:meth:`LossGraph.is_loss`).
+
+    A loss class of your own (an ``nn.Module`` held as ``self.criterion``) is the loss phase, as torch's are.
+    """
+    if graph is None:
+        return frozenset()
+    return frozenset(
+        names[~index]
+        for index, kind, *rest in events
+        if index < 0 and kind in ("inf", "nan") and len(rest) > 2 and graph.is_loss(rest[2])
+    )
 
 
 #: the ops that saturate in half precision, by the autograd node they leave: a log of their output is log(0)

@@ -227,6 +227,6 @@ def _replay(
     found, failed = attempt(first_born, read(trace))
     if found is None:
         return None, outputs, failed
-    where, kind, _, by, _ = found
+    where, kind, _, by, *_ = found
     by_name = watch.names[by] if by is not None else None
     return (watch.names[where] if where is not None else "", kind, by_name), outputs, None
