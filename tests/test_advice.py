@@ -1127,3 +1127,18 @@ def test_skip_rate_speaks_for_the_skips_no_rule_above_explains(backward, fires):
         assert said.evidence["explained"] == 3
         assert "explains" not in said.to_dict()
         assert "explains" not in found["fp32_module"].to_dict()
+
+
+def test_skip_rate_reads_the_scales_settling_from_every_skip_not_the_rest():
+    """Break pass: one forward-born skip at step 0 (fp32_module) beside the settling scale's backward skips (1-7, then
+    one growth probe): the rest is the same calibration a clean run has; `skip_rate` stays silent. Before, removing
+    step 0 took the leading skips' count to 0 and `skip_rate` said "8 more of 30 ... a settling loss scale skips about
+    3 here"."""
+    steps = [*range(8), 10]
+    curve = [(0, 2.0**24)] + [(s + 1, 2.0 ** (23 - s)) for s in range(8)] + [(11, 2.0**15)]
+    origins = [fwd("net.0", step=0)] + [{"phase": "backward", "step": s} for s in steps[1:]]
+    figures = run(curve, steps, 29, origins=origins)
+    figures.knobs["init_scale"] = 2.0**24
+    found = codes(figures)
+    assert "fp32_module" in found
+    assert "skip_rate" not in found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from lightning_amp_plus._limits import scale_floor
@@ -188,17 +189,24 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     Healthy: a few leading skips while the scale settles, then about one skip per growth attempt (each growth probes
     the range once), all born in backward, the scale above its floor. Anything more is never called healthy.
     """
-    skipped = len(figures.skipped or [])
+    # the skips no code above explains (all, where none spoke); the scale's settling is read from every skip
+    rest = (
+        replace(figures, skipped=[s for s in figures.skipped if s not in figures.explained])
+        if figures.explained and figures.skipped is not None
+        else figures
+    )
+    skipped = len(rest.skipped or [])
+    explained = len(figures.skipped or []) - skipped
     if not figures.num_updates or not skipped:
         return None
     rate = skipped / figures.num_updates
-    trailing = trailing_streak(figures)
+    trailing = trailing_streak(rest)
     leading, growths = _settling(figures)
     expected = leading + growths + 1
     early = [o for o in _known_origins(figures, unnamed=True) if o.phase not in (Phase.BACKWARD, Phase.UNKNOWN)]
     # offline: the skips whose loss the reporter logged inf/nan (where, the log does not say)
     early_logged = sorted(figures.loss_nonfinite or []) if figures.origins is None else []
-    floor = _held_at_floor(figures)
+    floor = _held_at_floor(rest)
     if skipped < 2 and not early and not early_logged and not floor:
         return None  # one skip alone: a scale's first meeting with the gradients
     calm = skipped <= expected and not early and not early_logged and not floor
@@ -251,9 +259,9 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     return Advice(
         "skip_rate",
         (
-            f"{skipped} more of {figures.num_updates} updates were skipped beside the {figures.explained} explained"
-            f" above ({100 * rate:.1f}%): "
-            if figures.explained
+            f"{skipped} more of {figures.num_updates} updates were skipped beside the {explained} explained above"
+            f" ({100 * rate:.1f}%): "
+            if explained
             else f"{skipped} of {figures.num_updates} updates were skipped ({100 * rate:.1f}%): "
         )
         + "; ".join(saw)
@@ -273,7 +281,7 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
             "expected": expected,
             "born_before_backward": len(early) or len(early_logged),
             "at_floor": floor,
-            **({"explained": figures.explained} if figures.explained else {}),
+            **({"explained": explained} if explained else {}),
         },
     )
 

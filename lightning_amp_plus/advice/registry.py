@@ -74,8 +74,8 @@ class RunFigures:
         auto_islands: live, the islands ``auto_islands=True`` added in this run, in order (each from the step after
             the skip that named it); ``auto_fix``: the plugin's line for the next run with them (one rule: the
             plugin's). Empty and None: not asked, or none added.
-        explained: the skips the advice above explained, where ``skipped`` holds the rest only (set by
-            :func:`advise` for ``skip_rate``); 0: ``skipped`` is every skip.
+        explained: the skipped steps the advice above explained (set by :func:`advise` for ``skip_rate``, which
+            judges the rest); empty: none.
     """
 
     precision: Optional[str] = None
@@ -96,7 +96,7 @@ class RunFigures:
     loss_nonfinite: Optional[list[int]] = None
     auto_islands: tuple[str, ...] = ()
     auto_fix: Optional[str] = None
-    explained: int = 0
+    explained: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -203,21 +203,20 @@ def advise(figures: RunFigures) -> list[Advice]:
 
 
 def unexplained(figures: RunFigures, explaining: list[Advice]) -> Optional[RunFigures]:
-    """The figures of the skips no advice in ``explaining`` explains (``explained``: how many it did); None: all.
+    """The figures with the skips ``explaining`` explains marked (``explained``), their origins left out; None: all.
 
     An advice explains every skip unless it names the steps it speaks of (:attr:`Advice.explains`: an origin rule's
-    few skips). What is left is read as a run of its own by ``skip_rate``: the same updates and curve, those skips.
+    few skips). ``skip_rate`` judges the rest, with the scale's settling read from every skip.
     """
     if any(a.explains is None for a in explaining):
         return None
     if not explaining or figures.skipped is None:
         return figures
     steps = frozenset().union(*(a.explains or () for a in explaining))
-    rest = [s for s in figures.skipped if s not in steps]
-    if not rest:
+    if all(s in steps for s in figures.skipped):
         return None
     origins = [o for o in figures.origins if o.get("step") not in steps] if figures.origins is not None else None
-    return replace(figures, skipped=rest, origins=origins, explained=len(figures.skipped) - len(rest))
+    return replace(figures, origins=origins, explained=steps)
 
 
 def needs_live(figures: RunFigures) -> list[str]:
