@@ -1151,7 +1151,7 @@ class _Attends(nn.Module):
         self.weight = nn.Parameter(torch.randn(8, 8) * 1e3)
 
     def forward(self, x, mask):
-        return torch.softmax(x.half() @ self.weight.half() + mask, dim=-1)
+        return torch.softmax(x @ self.weight + mask, dim=-1)  # float16 under autocast
 
 
 class _FeaturesHead(LightningModule):
@@ -1219,3 +1219,137 @@ def test_a_float32_mask_a_module_made_does_not_make_an_overflow_the_models_own()
     for step in loud[1:]:
         assert told[step]["module"] == "attend"
         assert "float32" not in told[step]
+
+
+def _fit_told(model, loader, steps=10, **plugin):
+    """The origins a watched fit told, by step."""
+    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, quiet=True)
+    torch.manual_seed(0)
+    make_trainer(plugins=[AmpPlusPrecision("16-mixed", **plugin)], callbacks=[reporter], max_steps=steps).fit(
+        model, loader
+    )
+    return {r["step"]: r["origin"] for r in reporter.skips}
+
+
+class _ReturnsItsLoss(nn.Module):
+    """A model that computes and returns its loss (as transformers' do), overflowing float16 in its own code between
+    two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        h = self.l1(x)
+        h = h * h
+        return ((self.l2(h).float() - y) ** 2).mean()
+
+
+class _HoldsAModelThatReturnsItsLoss(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.hf = _ReturnsItsLoss()
+
+    def training_step(self, batch, batch_idx):
+        return self.hf(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_model_that_returns_its_loss_and_overflows_in_its_own_code_is_a_forward_origin():
+    """Break pass: the model whose output is the loss was read as a loss class of your own, so an overflow in its
+    code between its layers was told "loss" (no island helps). It is born there: that module, whose island ends it."""
+    from tests.helpers.models import loud_batches
+
+    loud = (2, 5, 8)
+    told = _fit_told(_HoldsAModelThatReturnsItsLoss(), loud_batches(10, loud, 1000.0), init_scale=2.0**8)
+    assert sorted(told) == list(loud)
+    assert [(told[s]["phase"], told[s].get("module")) for s in loud[1:]] == [("forward", "hf")] * 2
+    fixed = _fit_told(
+        _HoldsAModelThatReturnsItsLoss(), loud_batches(10, loud, 1000.0), init_scale=2.0**8, fp32_modules=["hf"]
+    )
+    assert fixed == {}
+
+
+class _LogThen(nn.Module):
+    """Log-energy features, then ``post`` (a normalisation, a transpose): float32 ``log(0)`` on all-zero rows."""
+
+    def __init__(self, post):
+        super().__init__()
+        self.proj, self.post = nn.Linear(8, 8, bias=False), post
+
+    def forward(self, x):
+        log = torch.log(self.proj(x).float().square())
+        return {"norm": lambda: (log - 1.0) / 2.0, "t": lambda: log.t().t(), "plain": lambda: log}[self.post]()
+
+
+class _TwoMakers(LightningModule):
+    """``feats``' -inf reaches the head (NaN); ``other``'s only an ``exp`` (0, harmless), and it ran after."""
+
+    def __init__(self, post="plain", second=False):
+        super().__init__()
+        self.feats, self.other, self.head = _LogThen(post), _LogThen("plain"), nn.Linear(8, 1)
+        self.second = second
+        with torch.no_grad():
+            self.head.weight.mul_(0.01)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        features = self.feats(x)
+        extra = 0 * self.other(x).exp().mean() if self.second else 0
+        return (self.head(features).float() - y).square().mean() + extra
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(("post", "second"), [("norm", False), ("t", False), ("plain", True)])
+def test_the_float32_minus_inf_maker_is_the_one_whose_value_reached_the_nan_at_the_op_that_made_it(post, second):
+    """Break pass: a normalisation after the log (`(log - 1) / 2`) was told as the division (its guard does nothing);
+    `.t()` fell back to the head's island; with two makers the latest (whose -inf reached only an exp) was named."""
+    from tests.helpers.models import loud_batches
+
+    loud = (2, 5, 8)
+    told = _fit_told(_TwoMakers(post, second), loud_batches(10, loud, 0.0), init_scale=2.0**8)
+    assert sorted(told) == list(loud)
+    for step in loud[1:]:
+        assert (told[step]["module"], told[step]["op"], told[step]["float32"]) == ("feats", "LogBackward0", "nonfinite")
+
+
+class _MaskThenScale(nn.Module):
+    """A float32 -inf mask by masked_fill, then a temperature division (a point op above the maker)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x).float().masked_fill(torch.arange(8) == 0, float("-inf")) / 2.0
+
+
+class _ScaledMaskAttends(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.mask, self.attend, self.head = _MaskThenScale(), _Attends(), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.head(self.attend(x, self.mask(x)).float()).float() - y).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_mask_divided_by_a_temperature_keeps_naming_the_module_that_overflowed():
+    """Break pass: `masked_fill(...) / 2.0` was read as a division making -inf (the model's own); the mask's maker is
+    masked_fill, so the module that took it and overflowed on its own is named, and its island ends the skips."""
+    from tests.helpers.models import loud_batches
+
+    loud = (2, 5, 8)
+    told = _fit_told(_ScaledMaskAttends(), loud_batches(10, loud, 100.0), init_scale=2.0**8)
+    assert sorted(told) == list(loud)
+    assert [(told[s].get("module"), told[s].get("float32")) for s in loud[1:]] == [("attend", None)] * 2
+    assert (
+        _fit_told(_ScaledMaskAttends(), loud_batches(10, loud, 100.0), init_scale=2.0**8, fp32_modules=["attend"]) == {}
+    )

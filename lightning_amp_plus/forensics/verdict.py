@@ -31,8 +31,8 @@ class Born(NamedTuple):
     position: int
     fed_by: Optional[int] = None
     fed_at: Optional[int] = None
-    #: the module whose float32 ``-inf`` the call took (a ``log(0)``), and its event: float32 makes them too
-    minus32: Optional[tuple[int, int]] = None
+    #: the modules that made a float32 ``-inf`` before the call took one (a ``log(0)``), and their events
+    minus32: tuple[tuple[int, int], ...] = ()
 
     @property
     def start(self) -> int:
@@ -73,7 +73,7 @@ def first_born(
     maker: Optional[tuple[bool, Optional[int], int]] = None  # where one appeared: made by a module?, which, the event
     taken = False  # a later call took the -inf its maker made
     took32: list[bool] = []  # whether each took a float32 -inf in (not the batch's)
-    maker32: Optional[tuple[int, int]] = None  # the latest module that made one from inputs without: which, the event
+    makers32: list[tuple[int, int]] = []  # the modules that made one from inputs without: which, the event
     for position, (index, kind, *rest) in enumerate(events):
         minus32 = kind == "-inf"
         if kind == "-inf":
@@ -99,7 +99,7 @@ def first_born(
             if kind == "-inf16" and not fed and not inside:
                 maker, taken = (True, ~index, position), False
             elif minus32 and not in32:
-                maker32 = ~index, position
+                makers32.append((~index, position))
             elif kind is not None and kind != "-inf16":
                 if not fed:
                     hooked, bad = rest[1], rest[2]
@@ -109,7 +109,7 @@ def first_born(
                         continue
                     # the module whose float32 -inf this call took in, if one made it (read_origin: at a point op,
                     # a log of 0, the model's own; a mask, no: this call is named, as its overflow may be)
-                    return Born(~index, kind, position, minus32=maker32 if in32 else None)
+                    return Born(~index, kind, position, minus32=tuple(makers32) if in32 else ())
                 by_module, by, at = maker  # type: ignore[misc]
                 return Born(~index, kind, position, by, at) if by_module else Born(by, "inf", at)
     if to_loss and maker is not None and maker[0] and not taken:
@@ -266,15 +266,37 @@ class LossGraph:
         return bool(nodes) and all(n is not None and n in self._at_loss for n in nodes)
 
     def op_at(self, node: int, ops: frozenset[str]) -> Optional[str]:
-        """The op among ``ops`` that made ``node``'s values; None where another op made them (a ``masked_fill``).
+        """The op among ``ops`` that made ``node``'s ``-inf``; None where another op made it (a ``masked_fill``).
 
-        The node itself, or the one below it through casts and views (:data:`_PASSING`).
+        Read down from the node through casts and views (:data:`_PASSING`) and arithmetic with a constant
+        (:data:`_WITH_CONSTANT`: ``(log(e) - 1) / 2``), which pass a ``-inf`` on; the first other op made it. A
+        division by a constant is the maker only where nothing below it made one (``x / 0``: then read as another op's).
         """
         step = self._read().get(node)
-        while step is not None and type(step).__name__ in _PASSING and step.next_functions:
-            step = step.next_functions[0][0]
-        name = type(step).__name__ if step is not None else ""
-        return name if name.split("Backward")[0] in ops else None
+        while step is not None:
+            name = type(step).__name__
+            inputs = [f for f, _ in step.next_functions if f is not None]
+            if name in _PASSING and inputs or name.split("Backward")[0] in _WITH_CONSTANT and len(inputs) == 1:
+                step = inputs[0]
+                continue
+            return name if name.split("Backward")[0] in ops else None
+        return None
+
+    def reaches(self, top: Optional[int], node: Optional[int]) -> bool:
+        """Whether ``node`` is below ``top`` in the graphs (``top``'s values were computed from it)."""
+        nodes = self._read()
+        if top is None or node is None or top not in nodes or node not in nodes:
+            return False
+        stack, seen = [nodes[top]], set[int]()
+        while stack and len(seen) < _NODES:
+            step = stack.pop()
+            if step is None or step._sequence_nr() in seen:
+                continue
+            if step._sequence_nr() == node:
+                return True
+            seen.add(step._sequence_nr())
+            stack.extend(f for f, _ in step.next_functions)
+        return False
 
     def op_in(self, node: Optional[int], ops: frozenset[str], within: int = 32) -> Optional[str]:
         """The nearest op among ``ops`` (``"Sqrt"``) at or below ``node`` (a module's output), ``within`` nodes."""
@@ -302,8 +324,10 @@ _SCALAR_WAY = frozenset(
 _PASSING = frozenset(
     {"ToCopyBackward0", "NegBackward0", "CloneBackward0", "ViewBackward0", "UnsafeViewBackward0"}
     | {"ReshapeAliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
-    | {"TransposeBackward0", "PermuteBackward0"}
+    | {"TransposeBackward0", "PermuteBackward0", "TBackward0"}
 )
+#: arithmetic that passes a ``-inf`` on where its other operand is a constant (one graph input)
+_WITH_CONSTANT = frozenset({"Add", "Sub", "Mul", "Div", "Rsub", "Neg"})
 
 #: the ops that make inf/nan at a point, by their backward node's name (a forward origin's op: its guard)
 POINT_OPS = frozenset({"Sqrt", "Log", "Div", "Pow", "Rsqrt", "Acos", "Asin", "Atan2", "Log2", "Log10", "Reciprocal"})
@@ -352,8 +376,10 @@ def read_origin(
                 return Origin(Phase.INPUT)
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
         name, by = names[index], names[fed_by] if fed_by is not None else None
-        # a loss computed by a module: torch's loss classes, or your own whose output the loss is (by the graph)
-        loss_modules = loss_modules | _own_losses(events, graph, names)
+        # a loss computed by a module: torch's loss classes, or your own whose output the loss is (by the graph), where
+        # its output made them (a model that returns its loss, born in its code between its module calls: not that)
+        own = _own_losses(events, graph, names)
+        loss_modules = loss_modules | (own if events[position][0] < 0 else own - {name})
         if name in loss_modules and by is not None and by not in loss_modules:
             # a loss module fed a module's float16 -inf (a head that overflows to -inf): born in that module, as with
             # a functional loss (the loss module is never an island)
@@ -364,12 +390,12 @@ def read_origin(
             return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
         # a module made -inf in float32 at a point op (a log of 0) and this call turned it into +inf/NaN: the model's
         # own, at that op (a mask made -inf by masked_fill is no point op: the call is named, as its overflow may be)
-        made, at = minus32 if minus32 is not None else (None, position)
-        node = events[at][4][0] if made is not None and len(events[at]) > 4 and events[at][4] else None
-        op = graph.op_at(node, POINT_OPS) if graph is not None and node is not None else None
-        if made is not None and op is not None:
+        made = _minus32_maker(events, graph, position, minus32)
+        if made is not None:
             said = f"its float32 -inf became {kind} in {name}: float32 makes them too"
-            return Origin(Phase.FORWARD, names[made], "-inf", float32=Verdict.NONFINITE, reason=said[:200], op=op)
+            return Origin(
+                Phase.FORWARD, names[made[0]], "-inf", float32=Verdict.NONFINITE, reason=said[:200], op=made[1]
+            )
         # the op in it that makes them at a point (a sqrt of a negative): its input is what a guard fixes
         bad = events[position][4] if len(events[position]) > 4 else ()
         op = graph.op_in(bad[0], POINT_OPS) if graph is not None and bad else None
@@ -385,6 +411,25 @@ def read_origin(
     if loss is not None:  # the batch holding inf/nan is said: it may have reached the loss (a target)
         return Origin(Phase.LOSS, op=log_of(losses), batch_too=bool(nonfinite_kinds(batch)))
     return None if accumulating else Origin(Phase.BACKWARD, batch_too=bool(in_batch))
+
+
+def _minus32_maker(
+    events: list[tuple[Any, ...]], graph: Optional[LossGraph], position: int, makers: tuple[tuple[int, int], ...]
+) -> Optional[tuple[int, str]]:
+    """The module (and its op) whose float32 ``-inf`` the call at ``position`` turned into +inf/NaN; None: not told.
+
+    Told where a point op made it (:meth:`LossGraph.op_at`): a mask's, or a maker the graph cannot tell, is not. The
+    latest maker whose output the call's output was computed from (:meth:`LossGraph.reaches`).
+    """
+    if graph is None or not makers:
+        return None
+    bad = events[position][4] if len(events[position]) > 4 else ()
+    for made, at in reversed(makers):
+        node = events[at][4][0] if len(events[at]) > 4 and events[at][4] else None
+        if any(graph.reaches(top, node) for top in bad):
+            op = graph.op_at(node, POINT_OPS) if node is not None else None
+            return (made, op) if op is not None else None
+    return None
 
 
 def _own_losses(events: list[tuple[Any, ...]], graph: Optional[LossGraph], names: list[str]) -> frozenset[str]:
