@@ -1142,3 +1142,18 @@ def test_skip_rate_reads_the_scales_settling_from_every_skip_not_the_rest():
     found = codes(figures)
     assert "fp32_module" in found
     assert "skip_rate" not in found
+
+
+def test_explained_leading_skips_are_no_settling_for_the_rest():
+    """Break pass: 10 forward-born skips (fp32_module) at steps 0-9 counted as the scale's settling, which let 11
+    backward-born skips nothing explains pass; alone, those 11 are said, and so they are beside the 10."""
+    forward = list(range(10))
+    backward = [15, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94]
+    steps, scale, curve = forward + backward, 2.0**24, [(0, 2.0**24)]
+    for s in steps:
+        scale /= 2
+        curve.append((s + 1, scale))
+    origins = [fwd("tower.a", step=s) for s in forward] + [{"phase": "backward", "step": s} for s in backward]
+    found = {a.code: a for a in advise(run(curve, steps, 99, origins=origins))}
+    assert "fp32_module" in found
+    assert found["skip_rate"].message.startswith("11 more of 100 updates were skipped beside the 10 explained above")

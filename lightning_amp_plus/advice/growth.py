@@ -189,7 +189,7 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     Healthy: a few leading skips while the scale settles, then about one skip per growth attempt (each growth probes
     the range once), all born in backward, the scale above its floor. Anything more is never called healthy.
     """
-    # the skips no code above explains (all, where none spoke); the scale's settling is read from every skip
+    # the skips no code above explains (all, where none spoke); the scale's settling is read from the rest, in place
     rest = (
         replace(figures, skipped=[s for s in figures.skipped if s not in figures.explained])
         if figures.explained and figures.skipped is not None
@@ -290,15 +290,18 @@ def _settling(figures: RunFigures) -> tuple[int, int]:
     """A run's settling skips and how often its scale grew.
 
     Settling: the skips in a row from its first update, or those before the scale first grew within the run's first
-    tenth (a settle-down that starts at step 1).
+    tenth (a settle-down that starts at step 1). A skip an advice above explained (``explained``: born before
+    backward, say) is no settling: the row goes on past it, uncounted.
     """
     skipped = set(figures.skipped or [])
     if not figures.curve:
         return 0, 0  # no loss scale (bf16): nothing settles, nothing grows
     first = figures.curve[0][0]
-    leading = 0
-    while first + leading in skipped:
-        leading += 1
+    leading, step = 0, first
+    while step in skipped:
+        leading += step not in figures.explained
+        step += 1
+    skipped -= figures.explained
     scales = [v for _, v in figures.curve]
     grew = [step for (step, b), a in zip(figures.curve[1:], scales, strict=False) if b > a]
     # settling: the skips before the scale first grew, in the run's first tenth (the scale meets the gradients early)
