@@ -1281,7 +1281,12 @@ class _LogThen(nn.Module):
 
     def forward(self, x):
         log = torch.log(self.proj(x).float().square())
-        return {"norm": lambda: (log - 1.0) / 2.0, "t": lambda: log.t().t(), "plain": lambda: log}[self.post]()
+        return {
+            "norm": lambda: (log - 1.0) / 2.0,
+            "t": lambda: log.t().t(),
+            "views": lambda: log.unsqueeze(0)[0][[0, 1, 2, 3]].chunk(1, -1)[0][:, :8].narrow(1, 0, 8),
+            "plain": lambda: log,
+        }[self.post]()
 
 
 class _TwoMakers(LightningModule):
@@ -1304,7 +1309,7 @@ class _TwoMakers(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-@pytest.mark.parametrize(("post", "second"), [("norm", False), ("t", False), ("plain", True)])
+@pytest.mark.parametrize(("post", "second"), [("norm", False), ("t", False), ("views", False), ("plain", True)])
 def test_the_float32_minus_inf_maker_is_the_one_whose_value_reached_the_nan_at_the_op_that_made_it(post, second):
     """Break pass: a normalisation after the log (`(log - 1) / 2`) was told as the division (its guard does nothing);
     `.t()` fell back to the head's island; with two makers the latest (whose -inf reached only an exp) was named."""
@@ -1353,3 +1358,45 @@ def test_a_mask_divided_by_a_temperature_keeps_naming_the_module_that_overflowed
     assert (
         _fit_told(_ScaledMaskAttends(), loud_batches(10, loud, 100.0), init_scale=2.0**8, fp32_modules=["attend"]) == {}
     )
+
+
+class _LogIntoLongRecurrence(LightningModule):
+    """Log-energy frames (one silent frame: float32 log(0)) into a hand-written recurrence over 500 frames: the
+    NaN's graph holds thousands of nodes between the recurrence's output and the log."""
+
+    def __init__(self):
+        super().__init__()
+        self.feats = _LogThen("plain")
+        self.rnn = _Recurrence()
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.head(self.rnn(self.feats(x))).float() - y).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _Recurrence(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wx, self.wh = nn.Parameter(torch.randn(8, 8) * 0.3), nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, frames):
+        h = frames.new_zeros(frames.shape[0], 8)
+        for t in range(frames.shape[1]):
+            h = torch.tanh(frames[:, t] @ self.wx + h @ self.wh)
+        return h
+
+
+def test_the_float32_minus_inf_maker_is_found_below_a_long_recurrence():
+    """Break pass: the search from the NaN down to the log gave up after 2,000 nodes, so a 500-frame recurrence was
+    named (its island cannot help); the search now reads the loss's graph it already holds."""
+    x = torch.randn(12, 500, 8, generator=torch.Generator().manual_seed(0))
+    x[4, 3] = x[8, 3] = 0  # a silent frame in the batches of steps 2 and 4
+    told = _fit_told(
+        _LogIntoLongRecurrence(), DataLoader(TensorDataset(x, torch.zeros(12, 1)), batch_size=2), 6, init_scale=2.0**8
+    )
+    assert sorted(told) == [2, 4]
+    assert (told[4]["module"], told[4]["op"], told[4]["float32"]) == ("feats", "LogBackward0", "nonfinite")

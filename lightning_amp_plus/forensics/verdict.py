@@ -225,7 +225,6 @@ class LossGraph:
         self._losses, self._limit = losses, limit
         self._nodes: Optional[dict[int, Any]] = None
         self._complete = True
-        self._at_loss: Optional[set[int]] = None
 
     def _read(self) -> dict[int, Any]:
         if self._nodes is None:
@@ -245,25 +244,6 @@ class LossGraph:
     def __call__(self, node: int) -> bool:
         """Whether the node is in the graphs (the loss used what it made)."""
         return node in self._read() or not self._complete
-
-    def is_loss(self, nodes: tuple[Optional[int], ...]) -> bool:
-        """Whether a module's output tensors (their nodes) are losses.
-
-        Each is a 0-dim value the loss is (``ce``) or is arithmetic of (``ce + 0.1 * aux``, ``ce.float()``): reached
-        from a loss's root through :data:`_SCALAR_WAY` nodes alone. A 0-dim result takes 0-dim operands
-        (broadcasting never reduces), so a module's logits the loss reduces (``.sum()``, ``.mean()``) are not one.
-        """
-        if self._at_loss is None:
-            self._at_loss = set()
-            stack: list[Any] = [loss.grad_fn for loss in self._losses if loss.grad_fn is not None and loss.dim() == 0]
-            while stack and len(self._at_loss) < _NODES:
-                step = stack.pop()
-                if step is None or step._sequence_nr() in self._at_loss:
-                    continue
-                self._at_loss.add(step._sequence_nr())
-                if type(step).__name__ in _SCALAR_WAY:
-                    stack.extend(f for f, _ in step.next_functions)
-        return bool(nodes) and all(n is not None and n in self._at_loss for n in nodes)
 
     def op_at(self, node: int, ops: frozenset[str]) -> Optional[str]:
         """The op among ``ops`` that made ``node``'s ``-inf``; None where another op made it (a ``masked_fill``).
@@ -288,7 +268,7 @@ class LossGraph:
         if top is None or node is None or top not in nodes or node not in nodes:
             return False
         stack, seen = [nodes[top]], set[int]()
-        while stack and len(seen) < _NODES:
+        while stack:  # within the graphs read (at most ``limit`` nodes): a long sequence's steps included
             step = stack.pop()
             if step is None or step._sequence_nr() in seen:
                 continue
@@ -314,17 +294,13 @@ class LossGraph:
         return None
 
 
-#: the nodes a loss passes through as arithmetic of 0-dim values (:meth:`LossGraph.is_loss`)
-_SCALAR_WAY = frozenset(
-    {"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "MulBackward0", "MulBackward1"}
-    | {"DivBackward0", "DivBackward1", "NegBackward0", "ToCopyBackward0"}
-)
-
 #: the nodes a value passes through unchanged in kind (a cast, a view): :meth:`LossGraph.op_at` looks below them
 _PASSING = frozenset(
     {"ToCopyBackward0", "NegBackward0", "CloneBackward0", "ViewBackward0", "UnsafeViewBackward0"}
     | {"ReshapeAliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
-    | {"TransposeBackward0", "PermuteBackward0", "TBackward0"}
+    | {"TransposeBackward0", "PermuteBackward0", "TBackward0", "ExpandBackward0", "AsStridedBackward0"}
+    | {"SliceBackward0", "SelectBackward0", "IndexBackward0", "SplitBackward0", "SplitWithSizesBackward0"}
+    | {"UnbindBackward0", "NarrowBackward0", "AliasBackward0"}
 )
 #: arithmetic that passes a ``-inf`` on where its other operand is a constant (one graph input)
 _WITH_CONSTANT = frozenset({"Add", "Sub", "Mul", "Div", "Rsub", "Neg"})
@@ -376,10 +352,6 @@ def read_origin(
                 return Origin(Phase.INPUT)
             return Origin(Phase.FORWARD, OWN_CODE, kind, batch_too=kind in in_batch)
         name, by = names[index], names[fed_by] if fed_by is not None else None
-        # a loss computed by a module: torch's loss classes, or your own whose output the loss is (by the graph), where
-        # its output made them (a model that returns its loss, born in its code between its module calls: not that)
-        own = _own_losses(events, graph, names)
-        loss_modules = loss_modules | (own if events[position][0] < 0 else own - {name})
         if name in loss_modules and by is not None and by not in loss_modules:
             # a loss module fed a module's float16 -inf (a head that overflows to -inf): born in that module, as with
             # a functional loss (the loss module is never an island)
@@ -430,20 +402,6 @@ def _minus32_maker(
             op = graph.op_at(node, POINT_OPS) if node is not None else None
             return (made, op) if op is not None else None
     return None
-
-
-def _own_losses(events: list[tuple[Any, ...]], graph: Optional[LossGraph], names: list[str]) -> frozenset[str]:
-    """The modules whose inf/nan output is a loss (:meth:`LossGraph.is_loss`).
-
-    A loss class of your own (an ``nn.Module`` held as ``self.criterion``) is the loss phase, as torch's are.
-    """
-    if graph is None:
-        return frozenset()
-    return frozenset(
-        names[~index]
-        for index, kind, *rest in events
-        if index < 0 and kind in ("inf", "nan") and len(rest) > 2 and graph.is_loss(rest[2])
-    )
 
 
 #: the ops that saturate in half precision, by the autograd node they leave: a log of their output is log(0)
