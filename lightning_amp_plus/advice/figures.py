@@ -84,18 +84,25 @@ def _measured(figures: RunFigures) -> list[dict[str, Any]]:
     return [m for m in figures.underflow or [] if m.get("underflow_fraction") is not None]
 
 
-def _leading_skips(figures: RunFigures) -> int:
-    """Skipped updates in a row from the run's first recorded update, each one a loss scale could have avoided."""
+def _leading_row(figures: RunFigures) -> tuple[int, int]:
+    """The skips a loss scale could have avoided in a row from the run's first update, and the step after the row.
+
+    A skip in the row no loss scale causes (born in the batch, a forward or the loss) is stepped over, uncounted: the
+    scale still settles around it.
+    """
     if not figures.skipped or not figures.curve:
-        return 0
-    first = figures.curve[0][0]
-    scaling = set(_scaling_skips(figures))
+        return 0, figures.curve[0][0] if figures.curve else 0
+    step, skipped, scaling = figures.curve[0][0], set(figures.skipped), set(_scaling_skips(figures))
     count = 0
-    for expected, step in enumerate(figures.skipped, start=first):
-        if step not in scaling or step != expected:
-            break
-        count += 1
-    return count
+    while step in skipped:
+        count += step in scaling
+        step += 1
+    return count, step
+
+
+def _leading_skips(figures: RunFigures) -> int:
+    """Skipped updates a loss scale could have avoided, in a row from the run's first (:func:`_leading_row`)."""
+    return _leading_row(figures)[0]
 
 
 def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:

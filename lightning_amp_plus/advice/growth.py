@@ -10,7 +10,7 @@ from lightning_amp_plus._series import value_at
 from lightning_amp_plus.advice.figures import (
     _knobs_known,
     _known_origins,
-    _leading_skips,
+    _leading_row,
     _measured,
     _scaling_skips,
 )
@@ -55,8 +55,7 @@ def _changes(curve: list[tuple[int, float]]) -> list[tuple[int, float, float]]:
 def _growth_interval(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve or figures.last_step is None:
         return None
-    leading = _leading_skips(figures)
-    start = figures.curve[0][0] + leading + 1  # backoffs of the initial calibration are `init_scale`'s business
+    start = _leading_row(figures)[1] + 1  # backoffs of the initial calibration are `init_scale`'s business
     scaling = set(_scaling_skips(figures)) if figures.skipped is not None else None
     backoffs = [
         (s, a, b)
@@ -103,8 +102,9 @@ def _spikes(figures: RunFigures, interval: int, cap: float) -> list[int]:
     scaling = set(_scaling_skips(figures))
     return [
         s
-        for s in (figures.skipped or [])[_leading_skips(figures) :]
-        if s in scaling
+        for s in (figures.skipped or [])
+        if s >= _leading_row(figures)[1]
+        and s in scaling
         and s - 1 not in skipped
         and s + 1 not in skipped
         and s + 1 in halved  # one overflow, one halving
@@ -203,7 +203,11 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
     trailing = trailing_streak(rest)
     leading, growths = _settling(figures)
     expected = leading + growths + 1
-    early = [o for o in _known_origins(figures, unnamed=True) if o.phase not in (Phase.BACKWARD, Phase.UNKNOWN)]
+    early = [
+        o
+        for o in _known_origins(figures, unnamed=True)
+        if o.phase not in (Phase.BACKWARD, Phase.UNKNOWN) and o.step not in figures.explained
+    ]
     # offline: the skips whose loss the reporter logged inf/nan (where, the log does not say)
     early_logged = sorted(figures.loss_nonfinite or []) if figures.origins is None else []
     floor = _held_at_floor(rest)
@@ -289,19 +293,15 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
 def _settling(figures: RunFigures) -> tuple[int, int]:
     """A run's settling skips and how often its scale grew.
 
-    Settling: the skips in a row from its first update, or those before the scale first grew within the run's first
-    tenth (a settle-down that starts at step 1). A skip an advice above explained (``explained``: born before
-    backward, say) is no settling: the row goes on past it, uncounted.
+    Settling: the skips a loss scale could have avoided in a row from its first update (:func:`_leading_row`: one
+    born before backward is stepped over, uncounted), or those before the scale first grew within the run's first
+    tenth (a settle-down that starts at step 1).
     """
-    skipped = set(figures.skipped or [])
     if not figures.curve:
         return 0, 0  # no loss scale (bf16): nothing settles, nothing grows
     first = figures.curve[0][0]
-    leading, step = 0, first
-    while step in skipped:
-        leading += step not in figures.explained
-        step += 1
-    skipped -= figures.explained
+    leading = _leading_row(figures)[0]
+    skipped = set(_scaling_skips(figures))
     scales = [v for _, v in figures.curve]
     grew = [step for (step, b), a in zip(figures.curve[1:], scales, strict=False) if b > a]
     # settling: the skips before the scale first grew, in the run's first tenth (the scale meets the gradients early)

@@ -203,7 +203,7 @@ def advise(figures: RunFigures) -> list[Advice]:
 
 
 def unexplained(figures: RunFigures, explaining: list[Advice]) -> Optional[RunFigures]:
-    """The figures with the skips ``explaining`` explains marked (``explained``), their origins left out; None: all.
+    """The figures with the skips ``explaining`` explains marked (``explained``); None: it explains them all.
 
     An advice explains every skip unless it names the steps it speaks of (:attr:`Advice.explains`: an origin rule's
     few skips). ``skip_rate`` judges the rest, with the scale's settling read from every skip.
@@ -215,8 +215,7 @@ def unexplained(figures: RunFigures, explaining: list[Advice]) -> Optional[RunFi
     steps = frozenset().union(*(a.explains or () for a in explaining))
     if all(s in steps for s in figures.skipped):
         return None
-    origins = [o for o in figures.origins if o.get("step") not in steps] if figures.origins is not None else None
-    return replace(figures, origins=origins, explained=steps)
+    return replace(figures, explained=steps)
 
 
 def needs_live(figures: RunFigures) -> list[str]:

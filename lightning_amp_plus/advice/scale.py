@@ -10,7 +10,7 @@ from lightning_amp_plus._series import value_at
 from lightning_amp_plus.advice.figures import (
     HIGH_UNDERFLOW,
     _high_underflow,
-    _leading_skips,
+    _leading_row,
     _measured,
     _referenced,
     _scaling_skips,
@@ -88,12 +88,10 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
     if figures.precision == "bf16-mixed" or not figures.curve:
         return None
     too_low = _scale_too_low(figures)  # measured, and never above where the run overflowed: told first
-    leading = _leading_skips(figures)
+    leading, after = _leading_row(figures)
     if too_low is not None or leading < 2 or leading >= figures.num_updates:
         return too_low  # one skip is calibration; all skipped: the scale never settled (others say)
     init = figures.curve[0][1]
-    assert figures.skipped is not None
-    after = figures.skipped[leading - 1] + 1
     settled = _settled(figures.curve, after, set(_scaling_skips(figures)))
     if settled >= init:
         return None
@@ -107,7 +105,9 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
     )
     return Advice(
         "init_scale",
-        f"The first {leading} updates were skipped while the loss scale came down from {_scale(init)} to"
+        f"{'The first' if after - figures.curve[0][0] == leading else f'{leading} of the first'}"
+        f" {after - figures.curve[0][0] if after - figures.curve[0][0] != leading else leading} updates were skipped"
+        f" while the loss scale came down from {_scale(init)} to"
         f" {_scale(down)}{later}: those batches trained nothing.{unknown}",
         plugin_fix(figures, init_scale=settled),
         {"leading_skips": leading, "init_scale": init, "settled_scale": settled},

@@ -1452,3 +1452,37 @@ def test_a_nan_record_among_forward_overflows_gets_a_line_of_its_own_and_its_gua
     with pytest.raises(AssertionError, match="inf/nan in the batch"):  # the guard, pasted, stops at that batch
         make_trainer(plugins=[guard], max_steps=12).fit(Guarded(), _one_nan_record(nan))
     assert guard.history.num_steps == 4  # steps 0 to 3 ran: the record is in batch 4
+
+
+class _Cubed(torch.nn.Module):
+    def forward(self, h):
+        return h * h * h  # float16 overflow on a loud batch
+
+
+class _CubedModel(TinyModel):
+    def __init__(self):
+        super().__init__(lr=1e-3)
+        self.l1, self.cube, self.l2 = nn.Linear(8, 16), _Cubed(), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.l2(self.cube(self.l1(x))).float() - y).square().mean()
+
+
+@pytest.mark.parametrize("loud", [(), (0,), (1,), (20,)])
+def test_a_forward_skip_inside_the_settling_row_leaves_init_scale_said_and_skip_rate_silent(loud):
+    """Third break pass: one forward-born skip at step 0 or 1 broke the scale's leading row, so `init_scale` went
+    silent and the settling skips after it were called "10 more ... No rule here explains why". The row steps over a
+    skip no loss scale causes: the same `init_scale` as the clean run, and `fp32_module` beside it."""
+    from lightning_amp_plus import NaNSkipReporter
+    from tests.helpers.models import loud_batches
+
+    reporter = NaNSkipReporter(find_origin="watch", quiet=True, max_consecutive_skips=None)
+    advisor = AmpAdvisor(print_advice=False)
+    torch.manual_seed(0)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**24)], callbacks=[reporter, advisor], max_steps=60
+    ).fit(_CubedModel(), loud_batches(60, loud, 300.0))
+    assert codes(advisor) == (["fp32_module", "init_scale"] if loud else ["init_scale"])
+    (said,) = [a for a in advisor.advice if a.code == "init_scale"]
+    assert said.evidence["settled_scale"] == 2.0**13  # the clean run's (loud=())
