@@ -1323,20 +1323,22 @@ def test_the_float32_minus_inf_maker_is_the_one_whose_value_reached_the_nan_at_t
 
 
 class _MaskThenScale(nn.Module):
-    """A float32 -inf mask by masked_fill, then a temperature division (a point op above the maker)."""
+    """A float32 -inf mask by masked_fill, then a temperature division (a point op above the maker): a constant, or
+    a learned one (a second operand with a graph)."""
 
-    def __init__(self):
+    def __init__(self, learned=False):
         super().__init__()
         self.proj = nn.Linear(8, 8)
+        self.tau = nn.Parameter(torch.tensor(2.0)) if learned else 2.0
 
     def forward(self, x):
-        return self.proj(x).float().masked_fill(torch.arange(8) == 0, float("-inf")) / 2.0
+        return self.proj(x).float().masked_fill(torch.arange(8) == 0, float("-inf")) / self.tau
 
 
 class _ScaledMaskAttends(LightningModule):
-    def __init__(self):
+    def __init__(self, learned=False):
         super().__init__()
-        self.mask, self.attend, self.head = _MaskThenScale(), _Attends(), nn.Linear(8, 1)
+        self.mask, self.attend, self.head = _MaskThenScale(learned), _Attends(), nn.Linear(8, 1)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -1346,18 +1348,24 @@ class _ScaledMaskAttends(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def test_a_mask_divided_by_a_temperature_keeps_naming_the_module_that_overflowed():
-    """Break pass: `masked_fill(...) / 2.0` was read as a division making -inf (the model's own); the mask's maker is
-    masked_fill, so the module that took it and overflowed on its own is named, and its island ends the skips."""
+@pytest.mark.parametrize("learned", [False, True], ids=["constant", "learned"])
+def test_a_mask_divided_by_a_temperature_keeps_naming_the_module_that_overflowed(learned):
+    """Break passes: `masked_fill(...) / 2.0` was read as a division making -inf (the model's own), and so was a
+    learned temperature (a second operand with a graph); the mask's maker is masked_fill, so the module that took it
+    and overflowed on its own is named, and its island ends the forward-born skips. (A learned temperature over a
+    -inf makes NaN gradients at every step: those skips are born in backward.)"""
     from tests.helpers.models import loud_batches
 
     loud = (2, 5, 8)
-    told = _fit_told(_ScaledMaskAttends(), loud_batches(10, loud, 100.0), init_scale=2.0**8)
-    assert sorted(told) == list(loud)
+    told = _fit_told(_ScaledMaskAttends(learned), loud_batches(10, loud, 100.0), init_scale=2.0**8)
+    forward = {s: o for s, o in told.items() if o["phase"] != "backward"}
+    assert sorted(forward) == list(loud)
     assert [(told[s].get("module"), told[s].get("float32")) for s in loud[1:]] == [("attend", None)] * 2
-    assert (
-        _fit_told(_ScaledMaskAttends(), loud_batches(10, loud, 100.0), init_scale=2.0**8, fp32_modules=["attend"]) == {}
+    island = _fit_told(
+        _ScaledMaskAttends(learned), loud_batches(10, loud, 100.0), init_scale=2.0**8, fp32_modules=["attend"]
     )
+    assert [o["phase"] for o in island.values()] == ["backward"] * len(island)  # no forward-born skip left
+    assert island == {} or learned
 
 
 class _LogIntoLongRecurrence(LightningModule):
@@ -1400,3 +1408,18 @@ def test_the_float32_minus_inf_maker_is_found_below_a_long_recurrence():
     )
     assert sorted(told) == [2, 4]
     assert (told[4]["module"], told[4]["op"], told[4]["float32"]) == ("feats", "LogBackward0", "nonfinite")
+
+
+def test_the_makers_are_matched_in_one_walk_of_the_graph_a_skip(monkeypatch):
+    """Third break pass: each maker walked the graph below the NaN again (a skip took ~10 s with 400 makers over a
+    6,000-step recurrence); the graph below it is walked once a skip, whatever the number of makers."""
+    from lightning_amp_plus.forensics import verdict
+    from tests.helpers.models import loud_batches
+
+    walks = []
+    under = verdict.LossGraph.under
+    monkeypatch.setattr(verdict.LossGraph, "under", lambda self, tops: walks.append(tops) or under(self, tops))
+    loud = (2, 5, 8)
+    told = _fit_told(_TwoMakers("plain", second=True), loud_batches(10, loud, 0.0), init_scale=2.0**8)
+    assert told[5]["module"] == "feats"  # the earlier maker: the later one's output is not below the NaN
+    assert len(walks) == len(told) == len(loud)  # one walk a skip, two makers each time

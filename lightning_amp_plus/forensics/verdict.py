@@ -248,35 +248,36 @@ class LossGraph:
     def op_at(self, node: int, ops: frozenset[str]) -> Optional[str]:
         """The op among ``ops`` that made ``node``'s ``-inf``; None where another op made it (a ``masked_fill``).
 
-        Read down from the node through casts and views (:data:`_PASSING`) and arithmetic with a constant
-        (:data:`_WITH_CONSTANT`: ``(log(e) - 1) / 2``), which pass a ``-inf`` on; the first other op made it. A
-        division by a constant is the maker only where nothing below it made one (``x / 0``: then read as another op's).
+        Read down from the node through casts and views (:data:`_PASSING`), and through arithmetic
+        (:data:`_WITH_CONSTANT`: ``(log(e) - 1) / 2``, ``log(e) * w``) by its first operand, which passes a ``-inf``
+        on; the first other op made it. A division whose numerator made none is read as that numerator's (``x / 0``
+        falls back to the call that took it: an island, never a wrong "the model's own").
         """
         step = self._read().get(node)
         while step is not None:
             name = type(step).__name__
-            inputs = [f for f, _ in step.next_functions if f is not None]
-            if name in _PASSING and inputs or name.split("Backward")[0] in _WITH_CONSTANT and len(inputs) == 1:
-                step = inputs[0]
+            operands = [f for f, _ in step.next_functions]
+            inputs = [f for f in operands if f is not None]
+            if name in _PASSING and inputs or name.split("Backward")[0] in _WITH_CONSTANT and inputs:
+                step = operands[0] if operands[0] is not None else inputs[0]
                 continue
             return name if name.split("Backward")[0] in ops else None
         return None
 
-    def reaches(self, top: Optional[int], node: Optional[int]) -> bool:
-        """Whether ``node`` is below ``top`` in the graphs (``top``'s values were computed from it)."""
+    def under(self, tops: tuple[Optional[int], ...]) -> set[int]:
+        """The nodes ``tops``' values were computed from, themselves included.
+
+        One walk of the graphs read (at most ``limit`` nodes: a long sequence's steps included).
+        """
         nodes = self._read()
-        if top is None or node is None or top not in nodes or node not in nodes:
-            return False
-        stack, seen = [nodes[top]], set[int]()
-        while stack:  # within the graphs read (at most ``limit`` nodes): a long sequence's steps included
+        stack, seen = [nodes[top] for top in tops if top is not None and top in nodes], set[int]()
+        while stack:
             step = stack.pop()
             if step is None or step._sequence_nr() in seen:
                 continue
-            if step._sequence_nr() == node:
-                return True
             seen.add(step._sequence_nr())
             stack.extend(f for f, _ in step.next_functions)
-        return False
+        return seen
 
     def op_in(self, node: Optional[int], ops: frozenset[str], within: int = 32) -> Optional[str]:
         """The nearest op among ``ops`` (``"Sqrt"``) at or below ``node`` (a module's output), ``within`` nodes."""
@@ -391,14 +392,14 @@ def _minus32_maker(
     """The module (and its op) whose float32 ``-inf`` the call at ``position`` turned into +inf/NaN; None: not told.
 
     Told where a point op made it (:meth:`LossGraph.op_at`): a mask's, or a maker the graph cannot tell, is not. The
-    latest maker whose output the call's output was computed from (:meth:`LossGraph.reaches`).
+    latest maker whose output the call's output was computed from (:meth:`LossGraph.under`, one walk).
     """
     if graph is None or not makers:
         return None
-    bad = events[position][4] if len(events[position]) > 4 else ()
+    under = graph.under(events[position][4] if len(events[position]) > 4 else ())
     for made, at in reversed(makers):
         node = events[at][4][0] if len(events[at]) > 4 and events[at][4] else None
-        if any(graph.reaches(top, node) for top in bad):
+        if node in under:
             op = graph.op_at(node, POINT_OPS) if node is not None else None
             return (made, op) if op is not None else None
     return None
