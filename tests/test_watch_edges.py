@@ -502,3 +502,55 @@ def test_a_float16_minus_inf_straight_into_the_loss_is_named_at_its_module_and_a
     fixed = AmpPlusPrecision("16-mixed", init_scale=8.0, fp32_modules=["head"])  # the island the origin names
     make_trainer(plugins=[fixed], max_steps=3).fit(_MinusHead(), data)
     assert fixed.history.skipped_steps == []
+
+
+_DEEP_GRAPH = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch import LightningModule, Trainer
+from lightning_amp_plus import AmpAdvisor, AmpPlusPrecision, GradUnderflowMonitor, NaNSkipReporter
+
+class Recurrence(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        h = x[:, 0]
+        for t in range(20000):  # a graph of ~60,000 nodes in a chain
+            h = torch.tanh(x[:, t % x.shape[1]] + h @ self.w)
+        return h
+
+class Model(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = Recurrence(), nn.Linear(8, 1)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return (self.head(self.enc(x) * (1e5 if i == 2 else 1.0)).float() - y).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+reporter = NaNSkipReporter(find_origin="watch", quiet=True, max_consecutive_skips=None)
+callbacks = [reporter, AmpAdvisor(print_advice=False), GradUnderflowMonitor(every_n_steps=1)]
+x = torch.randn(8, 16, 8, generator=torch.Generator().manual_seed(0))
+Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**8)],
+        callbacks=callbacks).fit(Model(), DataLoader(TensorDataset(x, torch.zeros(8, 1)), batch_size=2))
+print("told", [r["origin"].get("module") for r in reporter.skips])
+"""
+
+
+def test_a_skip_on_a_graph_tens_of_thousands_of_nodes_deep_does_not_crash_the_process():
+    """Third break pass: reading a step's autograd graph tens of thousands of nodes deep (the loss's graph on a skip,
+    the underflow monitor's float32 walk) made torch crash (SIGSEGV) when the graph was freed, two steps later. Every
+    walk stops at `_limits.GRAPH_NODES`. Run apart: a crash would take the test session down."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DEEP_GRAPH], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "told ['head']" in done.stdout

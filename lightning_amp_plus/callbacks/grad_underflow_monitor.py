@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus._limits import scale_floor
+from lightning_amp_plus._limits import GRAPH_NODES, scale_floor
 from lightning_amp_plus._ranks import all_reduce_
 from lightning_amp_plus._repr import KnobsRepr, given_arguments
 from lightning_amp_plus._scope import FitScope
@@ -79,7 +79,7 @@ def float32_only(losses: list[Tensor]) -> set[int]:
     half: set[int] = set()
     full: set[int] = set()
     seen: set[tuple[Any, bool]] = set()
-    while stack:
+    while stack and len(seen) < GRAPH_NODES:  # deeper: torch crashes freeing the graph (a parameter unread is measured)
         node, came_half = stack.pop()
         if (node, came_half) in seen:
             continue

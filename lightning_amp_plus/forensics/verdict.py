@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_amp_plus._limits import GRAPH_NODES
 from lightning_amp_plus.forensics._tree import values
 from lightning_amp_plus.forensics.observe import SEQUENCED, _mask_like, nonfinite_kind, nonfinite_kinds
 from lightning_amp_plus.forensics.origin import IN_ISLAND, OWN_CODE, WATCHING, Origin, Phase, Verdict
@@ -221,7 +222,7 @@ class LossGraph:
     (a graph larger than that: every node counts as used).
     """
 
-    def __init__(self, losses: list[Tensor], limit: int = 200_000) -> None:
+    def __init__(self, losses: list[Tensor], limit: int = GRAPH_NODES) -> None:
         self._losses, self._limit = losses, limit
         self._nodes: Optional[dict[int, Any]] = None
         self._complete = True
@@ -254,7 +255,9 @@ class LossGraph:
         falls back to the call that took it: an island, never a wrong "the model's own").
         """
         step = self._read().get(node)
-        while step is not None:
+        for _ in range(_NODES):  # a chain of views that long: no maker told
+            if step is None:
+                break
             name = type(step).__name__
             operands = [f for f, _ in step.next_functions]
             inputs = [f for f in operands if f is not None]
@@ -270,13 +273,15 @@ class LossGraph:
         One walk of the graphs read (at most ``limit`` nodes: a long sequence's steps included).
         """
         nodes = self._read()
-        stack, seen = [nodes[top] for top in tops if top is not None and top in nodes], set[int]()
+        stack, seen = [top for top in tops if top is not None and top in nodes], set[int]()
         while stack:
-            step = stack.pop()
-            if step is None or step._sequence_nr() in seen:
+            number = stack.pop()
+            if number in seen:
                 continue
-            seen.add(step._sequence_nr())
-            stack.extend(f for f, _ in step.next_functions)
+            seen.add(number)
+            # within the nodes read: torch crashes freeing a graph read deeper (_limits.GRAPH_NODES)
+            following = (f._sequence_nr() for f, _ in nodes[number].next_functions if f is not None)
+            stack.extend(n for n in following if n in nodes)
         return seen
 
     def op_in(self, node: Optional[int], ops: frozenset[str], within: int = 32) -> Optional[str]:

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._limits import MAX_ISLANDS
+from lightning_amp_plus._limits import GRAPH_NODES, MAX_ISLANDS
 from lightning_amp_plus._log import say
 from lightning_amp_plus._ranks import all_reduce_, distributed
 from lightning_amp_plus.forensics._modules import walk
@@ -215,7 +215,7 @@ def _graph(starts: list[Any], stops: Any = ()) -> list[Any]:
     """Every autograd node from ``starts`` back, but the leaves' accumulators and what lies behind ``stops``."""
     seen: dict[Any, None] = {}
     stack = list(starts)
-    while stack:
+    while stack and len(seen) < GRAPH_NODES:  # deeper: torch crashes freeing the graph
         node = stack.pop()
         if node is None or node in seen or node in stops or hasattr(node, "variable"):
             continue
