@@ -21,7 +21,7 @@ from lightning_amp_plus.forensics.observe import BatchRecord
 from lightning_amp_plus.forensics.opt_in.sandbox import sandboxed
 from lightning_amp_plus.forensics.origin import IN_ISLAND, WATCHING, Origin, Phase, Verdict
 from tests.helpers.models import SentinelRouter, TinyModel
-from tests.helpers.trainer import make_trainer
+from tests.helpers.trainer import make_trainer, watched_fit
 
 
 class Tracker(nn.Module):
@@ -1179,12 +1179,7 @@ def test_a_modules_float32_log_of_zero_turned_into_nan_is_the_models_own_at_the_
     from tests.helpers.models import loud_batches
 
     loud = (2, 5, 8)
-    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, quiet=True)
-    advisor = AmpAdvisor(print_advice=False)
-    torch.manual_seed(0)
-    make_trainer(
-        plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**8)], callbacks=[reporter, advisor], max_steps=10
-    ).fit(_FeaturesHead(), loud_batches(10, loud, 0.0))
+    reporter, advisor = watched_fit(_FeaturesHead(), loud_batches(10, loud, 0.0), 10, init_scale=2.0**8)
     told = {r["step"]: r["origin"] for r in reporter.skips}
     assert sorted(told) == list(loud)
     for step in loud[1:]:  # the first is read before the watch
@@ -1223,11 +1218,7 @@ def test_a_float32_mask_a_module_made_does_not_make_an_overflow_the_models_own()
 
 def _fit_told(model, loader, steps=10, **plugin):
     """The origins a watched fit told, by step."""
-    reporter = NaNSkipReporter(find_origin="watch", max_consecutive_skips=None, quiet=True)
-    torch.manual_seed(0)
-    make_trainer(plugins=[AmpPlusPrecision("16-mixed", **plugin)], callbacks=[reporter], max_steps=steps).fit(
-        model, loader
-    )
+    reporter, _ = watched_fit(model, loader, steps, **plugin)
     return {r["step"]: r["origin"] for r in reporter.skips}
 
 

@@ -1474,15 +1474,10 @@ def test_a_forward_skip_inside_the_settling_row_leaves_init_scale_said_and_skip_
     """Third break pass: one forward-born skip at step 0 or 1 broke the scale's leading row, so `init_scale` went
     silent and the settling skips after it were called "10 more ... No rule here explains why". The row steps over a
     skip no loss scale causes: the same `init_scale` as the clean run, and `fp32_module` beside it."""
-    from lightning_amp_plus import NaNSkipReporter
     from tests.helpers.models import loud_batches
+    from tests.helpers.trainer import watched_fit
 
-    reporter = NaNSkipReporter(find_origin="watch", quiet=True, max_consecutive_skips=None)
-    advisor = AmpAdvisor(print_advice=False)
-    torch.manual_seed(0)
-    make_trainer(
-        plugins=[AmpPlusPrecision("16-mixed", init_scale=2.0**24)], callbacks=[reporter, advisor], max_steps=60
-    ).fit(_CubedModel(), loud_batches(60, loud, 300.0))
+    _, advisor = watched_fit(_CubedModel(), loud_batches(60, loud, 300.0), 60, init_scale=2.0**24)
     assert codes(advisor) == (["fp32_module", "init_scale"] if loud else ["init_scale"])
     (said,) = [a for a in advisor.advice if a.code == "init_scale"]
     assert said.evidence["settled_scale"] == 2.0**13  # the clean run's (loud=())

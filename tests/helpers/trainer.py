@@ -26,6 +26,21 @@ AT_DEFAULTS: dict[str, Any] = {
 }
 
 
+def watched_fit(
+    model: LightningModule, loader: Any, max_steps: int, **plugin: Any
+) -> tuple[NaNSkipReporter, AmpAdvisor]:
+    """A 16-mixed fit (seed 0) watched from its first step, with the advisor: what they told."""
+    from lightning_amp_plus import AmpPlusPrecision
+
+    reporter = NaNSkipReporter(find_origin="watch", quiet=True, max_consecutive_skips=None)
+    advisor = AmpAdvisor(print_advice=False)
+    torch.manual_seed(0)
+    make_trainer(
+        plugins=[AmpPlusPrecision("16-mixed", **plugin)], callbacks=[reporter, advisor], max_steps=max_steps
+    ).fit(model, loader)
+    return reporter, advisor
+
+
 def make_trainer(**kwargs: Any) -> Trainer:
     defaults: dict[str, Any] = dict(
         accelerator="cpu",
