@@ -100,11 +100,6 @@ def _leading_row(figures: RunFigures) -> tuple[int, int]:
     return count, step
 
 
-def _leading_skips(figures: RunFigures) -> int:
-    """Skipped updates a loss scale could have avoided, in a row from the run's first (:func:`_leading_row`)."""
-    return _leading_row(figures)[0]
-
-
 def fitting_scale(measurement: dict[str, Any]) -> Optional[tuple[float, float]]:
     """From a float32 reference: the largest scale that fits, and what float16 would still lose there.
 

@@ -100,10 +100,11 @@ def _spikes(figures: RunFigures, interval: int, cap: float) -> list[int]:
     skipped = set(figures.skipped or [])
     halved = {s for s, a, b in _changes(figures.curve) if b < a}
     scaling = set(_scaling_skips(figures))
+    settled = _leading_row(figures)[1]  # the leading skips are the calibration's, not spikes
     return [
         s
         for s in (figures.skipped or [])
-        if s >= _leading_row(figures)[1]
+        if s >= settled
         and s in scaling
         and s - 1 not in skipped
         and s + 1 not in skipped

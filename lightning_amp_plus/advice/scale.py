@@ -103,11 +103,11 @@ def _init_scale(figures: RunFigures) -> Optional[Advice]:
         if figures.origins is None and figures.loss_nonfinite is None
         else ""
     )
+    row = after - figures.curve[0][0]  # the leading skips, with any no loss scale causes among them
+    first = f"The first {leading}" if row == leading else f"{leading} of the first {row}"
     return Advice(
         "init_scale",
-        f"{'The first' if after - figures.curve[0][0] == leading else f'{leading} of the first'}"
-        f" {after - figures.curve[0][0] if after - figures.curve[0][0] != leading else leading} updates were skipped"
-        f" while the loss scale came down from {_scale(init)} to"
+        f"{first} updates were skipped while the loss scale came down from {_scale(init)} to"
         f" {_scale(down)}{later}: those batches trained nothing.{unknown}",
         plugin_fix(figures, init_scale=settled),
         {"leading_skips": leading, "init_scale": init, "settled_scale": settled},

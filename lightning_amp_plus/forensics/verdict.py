@@ -77,7 +77,7 @@ def first_born(
     makers32: list[tuple[int, int]] = []  # the modules that made one from inputs without: which, the event
     for position, (index, kind, *rest) in enumerate(events):
         minus32 = kind == "-inf"
-        if kind == "-inf":
+        if minus32:
             kind = "inf" if minus and index >= 0 and not calls else None
         if index >= 0:
             if kind is not None and kind != "-inf16":
@@ -250,7 +250,7 @@ class LossGraph:
         """The op among ``ops`` that made ``node``'s ``-inf``; None where another op made it (a ``masked_fill``).
 
         Read down from the node through casts and views (:data:`_PASSING`), and through arithmetic
-        (:data:`_WITH_CONSTANT`: ``(log(e) - 1) / 2``, ``log(e) * w``) by its first operand, which passes a ``-inf``
+        (:data:`_ARITHMETIC`: ``(log(e) - 1) / 2``, ``log(e) * w``) by its first operand, which passes a ``-inf``
         on; the first other op made it. A division whose numerator made none is read as that numerator's (``x / 0``
         falls back to the call that took it: an island, never a wrong "the model's own").
         """
@@ -261,7 +261,7 @@ class LossGraph:
             name = type(step).__name__
             operands = [f for f, _ in step.next_functions]
             inputs = [f for f in operands if f is not None]
-            if name in _PASSING and inputs or name.split("Backward")[0] in _WITH_CONSTANT and inputs:
+            if inputs and (name in _PASSING or name.split("Backward")[0] in _ARITHMETIC):
                 step = operands[0] if operands[0] is not None else inputs[0]
                 continue
             return name if name.split("Backward")[0] in ops else None
@@ -308,8 +308,8 @@ _PASSING = frozenset(
     | {"SliceBackward0", "SelectBackward0", "IndexBackward0", "SplitBackward0", "SplitWithSizesBackward0"}
     | {"UnbindBackward0", "NarrowBackward0", "AliasBackward0"}
 )
-#: arithmetic that passes a ``-inf`` on where its other operand is a constant (one graph input)
-_WITH_CONSTANT = frozenset({"Add", "Sub", "Mul", "Div", "Rsub", "Neg"})
+#: arithmetic :meth:`LossGraph.op_at` reads through by its first operand (it passes that operand's ``-inf`` on)
+_ARITHMETIC = frozenset({"Add", "Sub", "Mul", "Div", "Rsub", "Neg"})
 
 #: the ops that make inf/nan at a point, by their backward node's name (a forward origin's op: its guard)
 POINT_OPS = frozenset({"Sqrt", "Log", "Div", "Pow", "Rsqrt", "Acos", "Asin", "Atan2", "Log2", "Log10", "Reciprocal"})
@@ -404,8 +404,8 @@ def _minus32_maker(
     under = graph.under(events[position][4] if len(events[position]) > 4 else ())
     for made, at in reversed(makers):
         node = events[at][4][0] if len(events[at]) > 4 and events[at][4] else None
-        if node in under:
-            op = graph.op_at(node, POINT_OPS) if node is not None else None
+        if node is not None and node in under:
+            op = graph.op_at(node, POINT_OPS)
             return (made, op) if op is not None else None
     return None
 
