@@ -1179,7 +1179,7 @@ def test_a_modules_float32_log_of_zero_turned_into_nan_is_the_models_own_at_the_
     from tests.helpers.models import loud_batches
 
     loud = (2, 5, 8)
-    reporter, advisor = watched_fit(_FeaturesHead(), loud_batches(10, loud, 0.0), 10, init_scale=2.0**8)
+    reporter, advisor = watched_fit(_FeaturesHead, loud_batches(10, loud, 0.0), 10, init_scale=2.0**8)
     told = {r["step"]: r["origin"] for r in reporter.skips}
     assert sorted(told) == list(loud)
     for step in loud[1:]:  # the first is read before the watch
@@ -1216,9 +1216,9 @@ def test_a_float32_mask_a_module_made_does_not_make_an_overflow_the_models_own()
         assert "float32" not in told[step]
 
 
-def _fit_told(model, loader, steps=10, **plugin):
-    """The origins a watched fit told, by step."""
-    reporter, _ = watched_fit(model, loader, steps, **plugin)
+def _fit_told(make_model, loader, steps=10, **plugin):
+    """The origins a watched fit told, by step (``make_model`` called after the seed)."""
+    reporter, _ = watched_fit(make_model, loader, steps, **plugin)
     return {r["step"]: r["origin"] for r in reporter.skips}
 
 
@@ -1254,11 +1254,11 @@ def test_a_model_that_returns_its_loss_and_overflows_in_its_own_code_is_a_forwar
     from tests.helpers.models import loud_batches
 
     loud = (2, 5, 8)
-    told = _fit_told(_HoldsAModelThatReturnsItsLoss(), loud_batches(10, loud, 1000.0), init_scale=2.0**8)
+    told = _fit_told(_HoldsAModelThatReturnsItsLoss, loud_batches(10, loud, 1000.0), init_scale=2.0**8)
     assert sorted(told) == list(loud)
     assert [(told[s]["phase"], told[s].get("module")) for s in loud[1:]] == [("forward", "hf")] * 2
     fixed = _fit_told(
-        _HoldsAModelThatReturnsItsLoss(), loud_batches(10, loud, 1000.0), init_scale=2.0**8, fp32_modules=["hf"]
+        _HoldsAModelThatReturnsItsLoss, loud_batches(10, loud, 1000.0), init_scale=2.0**8, fp32_modules=["hf"]
     )
     assert fixed == {}
 
@@ -1307,7 +1307,7 @@ def test_the_float32_minus_inf_maker_is_the_one_whose_value_reached_the_nan_at_t
     from tests.helpers.models import loud_batches
 
     loud = (2, 5, 8)
-    told = _fit_told(_TwoMakers(post, second), loud_batches(10, loud, 0.0), init_scale=2.0**8)
+    told = _fit_told(lambda: _TwoMakers(post, second), loud_batches(10, loud, 0.0), init_scale=2.0**8)
     assert sorted(told) == list(loud)
     for step in loud[1:]:
         assert (told[step]["module"], told[step]["op"], told[step]["float32"]) == ("feats", "LogBackward0", "nonfinite")
@@ -1348,12 +1348,12 @@ def test_a_mask_divided_by_a_temperature_keeps_naming_the_module_that_overflowed
     from tests.helpers.models import loud_batches
 
     loud = (2, 5, 8)
-    told = _fit_told(_ScaledMaskAttends(learned), loud_batches(10, loud, 100.0), init_scale=2.0**8)
+    told = _fit_told(lambda: _ScaledMaskAttends(learned), loud_batches(10, loud, 100.0), init_scale=2.0**8)
     forward = {s: o for s, o in told.items() if o["phase"] != "backward"}
     assert sorted(forward) == list(loud)
     assert [(told[s].get("module"), told[s].get("float32")) for s in loud[1:]] == [("attend", None)] * 2
     island = _fit_told(
-        _ScaledMaskAttends(learned), loud_batches(10, loud, 100.0), init_scale=2.0**8, fp32_modules=["attend"]
+        lambda: _ScaledMaskAttends(learned), loud_batches(10, loud, 100.0), init_scale=2.0**8, fp32_modules=["attend"]
     )
     assert [o["phase"] for o in island.values()] == ["backward"] * len(island)  # no forward-born skip left
     assert island == {} or learned
@@ -1395,7 +1395,7 @@ def test_the_float32_minus_inf_maker_is_found_below_a_long_recurrence():
     x = torch.randn(12, 500, 8, generator=torch.Generator().manual_seed(0))
     x[4, 3] = x[8, 3] = 0  # a silent frame in the batches of steps 2 and 4
     told = _fit_told(
-        _LogIntoLongRecurrence(), DataLoader(TensorDataset(x, torch.zeros(12, 1)), batch_size=2), 6, init_scale=2.0**8
+        _LogIntoLongRecurrence, DataLoader(TensorDataset(x, torch.zeros(12, 1)), batch_size=2), 6, init_scale=2.0**8
     )
     assert sorted(told) == [2, 4]
     assert (told[4]["module"], told[4]["op"], told[4]["float32"]) == ("feats", "LogBackward0", "nonfinite")
@@ -1411,6 +1411,6 @@ def test_the_makers_are_matched_in_one_walk_of_the_graph_a_skip(monkeypatch):
     under = verdict.LossGraph.under
     monkeypatch.setattr(verdict.LossGraph, "under", lambda self, tops: walks.append(tops) or under(self, tops))
     loud = (2, 5, 8)
-    told = _fit_told(_TwoMakers("plain", second=True), loud_batches(10, loud, 0.0), init_scale=2.0**8)
+    told = _fit_told(lambda: _TwoMakers("plain", second=True), loud_batches(10, loud, 0.0), init_scale=2.0**8)
     assert told[5]["module"] == "feats"  # the earlier maker: the later one's output is not below the NaN
     assert len(walks) == len(told) == len(loud)  # one walk a skip, two makers each time

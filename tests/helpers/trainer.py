@@ -26,10 +26,9 @@ AT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def watched_fit(
-    model: LightningModule, loader: Any, max_steps: int, **plugin: Any
-) -> tuple[NaNSkipReporter, AmpAdvisor]:
-    """A 16-mixed fit (seed 0) watched from its first step, with the advisor: what they told."""
+def watched_fit(make_model: Any, loader: Any, max_steps: int, **plugin: Any) -> tuple[NaNSkipReporter, AmpAdvisor]:
+    """A 16-mixed fit watched from its first step, with the advisor: what they told. ``make_model`` is called after
+    the seed (0), so the model's weights do not depend on the tests before."""
     from lightning_amp_plus import AmpPlusPrecision
 
     reporter = NaNSkipReporter(find_origin="watch", quiet=True, max_consecutive_skips=None)
@@ -37,7 +36,7 @@ def watched_fit(
     torch.manual_seed(0)
     make_trainer(
         plugins=[AmpPlusPrecision("16-mixed", **plugin)], callbacks=[reporter, advisor], max_steps=max_steps
-    ).fit(model, loader)
+    ).fit(make_model(), loader)
     return reporter, advisor
 
 
