@@ -283,7 +283,7 @@ class AmpEngine:
             result = self.checker.step(optimizer, **kwargs)
         except BaseException:
             cycle.stepped.remove(optimizer)
-            for leftover in ("grad_scale", "found_inf"):  # torch's GradScaler.step removes them only on success
+            for leftover in ("grad_scale", "found_inf"):  # the scaler's step removes them only on success (as torch's)
                 if hasattr(optimizer, leftover) and steps_on_device(optimizer):
                     delattr(optimizer, leftover)
             if self.checker is not None and self.checker.is_unscaled(optimizer):

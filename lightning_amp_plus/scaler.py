@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -374,22 +375,34 @@ class DynamicLossScaler(torch.amp.GradScaler):
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
 
-    # ------------------------------------------------------------------ step bookkeeping
-    def _maybe_opt_step(
-        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        # the one host sync torch itself needs to decide the skip of a non-fused optimizer; we keep what it learns
-        skipped = False
-        for flag in optimizer_state["found_inf_per_device"].values():
-            skipped = skipped or bool(flag.item())
-        self._stepped(optimizer, SKIPPED if skipped else APPLIED)
-        return None if skipped else optimizer.step(*args, **kwargs)
+    # ------------------------------------------------------------------ the steps of an update
+    # Written out here, top to bottom: torch's `GradScaler.step`, `unscale_` and `update` are never entered, so no call
+    # goes into torch and back into an override of ours. torch serves its helpers only (`_unscale_grads_`: the fused
+    # check-and-unscale kernel by device and dtype; `_check_scale_growth_tracker`).
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``.
 
-    def _stepped(self, optimizer: torch.optim.Optimizer, outcome: StepOutcome) -> None:
-        """Keep ``optimizer``'s step outcome in the open update (a step after an update closed opens the next)."""
-        if self._update.closed:
-            self._update = UpdateRecord()
-        self._update.outcomes[id(optimizer)] = outcome
+        The plugins call it once per optimizer and update, before the hooks and clipping see the gradients.
+        """
+        if not self._enabled:
+            return
+        optimizer = resolve_optimizer(optimizer)
+        if self._scale is None and self._places_scale:
+            self._place_scale(optimizer)
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inverse = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+        state["found_inf_per_device"] = self._check(optimizer, inverse, allow_fp16=False)
+        state["stage"] = OptState.UNSCALED
+
+    def _check(self, optimizer: torch.optim.Optimizer, inverse: Tensor, allow_fp16: bool) -> dict[Any, Tensor]:
+        """Check ``optimizer``'s gradients for inf/nan, multiply them by ``inverse``: the overflow flag per device."""
+        found_inf = torch.zeros((), dtype=torch.float32, device=inverse.device)
+        return self._unscale_grads_(optimizer, inverse, found_inf, allow_fp16)
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
@@ -408,44 +421,84 @@ class DynamicLossScaler(torch.amp.GradScaler):
             per_device = {combined.device: combined}
         return per_device
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide ``optimizer``'s gradients by the scale (once per cycle), as ``torch.amp.GradScaler.unscale_``.
-
-        The plugins call it once per optimizer and update, before the hooks and clipping see the gradients.
-        """
-        if not self._enabled:
-            return
-        optimizer = resolve_optimizer(optimizer)
-        if self._scale is None and self._places_scale:
-            self._place_scale(optimizer)
-        super().unscale_(optimizer)
-
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done already), then step ``optimizer`` unless its gradients hold inf/nan.
 
-        The plugins call it once per optimizer step. A fused optimizer decides its skip on the device: its outcome is
+        The plugins call it once per optimizer step. The skip is decided here, once: a non-fused optimizer's flags are
+        read on the host (the one sync torch's own step makes); a fused optimizer decides on the device, its outcome
         read only when asked (:meth:`step_was_skipped`), and a skipped fused step creates no optimizer state.
         """
         if not self._enabled:
-            return super().step(optimizer, *args, **kwargs)
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if id(optimizer) not in self._per_optimizer_states:  # unscaled already: the optimizer itself, resolved then
             optimizer = resolve_optimizer(optimizer)
         if self._scale is None and self._places_scale:
             self._place_scale(optimizer)
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
         if steps_on_device(optimizer):
-            created_from = len(optimizer.state)
-            retval = super().step(optimizer, *args, **kwargs)
-            # the fused kernel decided on the device: its flags are read only if someone asks
-            outcome = StepOutcome(
-                flags=list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+            return self._fused_step(optimizer, state, args, kwargs)
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)  # the extension point: an override of it is called here, once
+        if not state["found_inf_per_device"]:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        skipped = False
+        for flag in state["found_inf_per_device"].values():
+            skipped = skipped or bool(flag.item())
+        self._stepped(optimizer, SKIPPED if skipped else APPLIED)
+        retval = None if skipped else optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED  # after the step: one that raised leaves its gradients unscaled, once
+        return retval
+
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A fused optimizer's step: it takes the scale and the flag, and skips on the device (torch's protocol)."""
+        scale = self._scale
+        assert scale is not None
+        created_from = len(optimizer.state)
+        handed = "grad_scaler" in inspect.signature(optimizer.step).parameters  # torch's older protocol
+        if handed:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the near"
+                " future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed optimizer and"
+                " let the optimizer use them directly.",
+                FutureWarning,
+                stacklevel=3,
             )
-            if len(optimizer.state) > created_from and outcome.read():
-                # a skipped fused step still creates state (fused SGD's momentum uninitialised): take it back out
-                for param in list(optimizer.state)[created_from:]:
-                    del optimizer.state[param]
-            self._stepped(optimizer, outcome)
-            return retval
-        return super().step(optimizer, *args, **kwargs)
+            kwargs["grad_scaler"] = self
+        else:
+            if state["stage"] is OptState.READY:  # checked, not unscaled: the kernel divides by the scale itself
+                state["found_inf_per_device"] = self._check(optimizer, torch.ones_like(scale), allow_fp16=True)
+            flags = [flag.to(scale.device, non_blocking=True) for flag in state["found_inf_per_device"].values()]
+            unscaled = state["stage"] is OptState.UNSCALED
+            optimizer.grad_scale = (  # type: ignore[attr-defined]
+                getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(optimizer, "grad_scale", 1)
+            )
+            optimizer.found_inf = sum(flags)  # type: ignore[attr-defined]
+        retval = optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        if not handed:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        # the fused kernel decided on the device: its flags are read only if someone asks
+        outcome = StepOutcome(flags=list(state["found_inf_per_device"].values()))
+        if len(optimizer.state) > created_from and outcome.read():
+            # a skipped fused step still creates state (fused SGD's momentum uninitialised): take it back out
+            for param in list(optimizer.state)[created_from:]:
+                del optimizer.state[param]
+        self._stepped(optimizer, outcome)
+        return retval
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, outcome: StepOutcome) -> None:
+        """Keep ``optimizer``'s step outcome in the open update (a step after an update closed opens the next)."""
+        if self._update.closed:
+            self._update = UpdateRecord()
+        self._update.outcomes[id(optimizer)] = outcome
 
     #: a scaler whose scale is placed at the first check, when no :meth:`scale` came first (the checker's)
     _places_scale = False
@@ -575,7 +628,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._apply(flag if isinstance(flag, Tensor) else None, overflowed)
         else:  # the caller's scale, inside the bounds at once (the growth tracker as it was, as in torch)
             host.kept = False
-            super().update(new_scale)
+            if isinstance(new_scale, Tensor):
+                live.copy_(new_scale.detach().reshape(()))
+            else:
+                live.fill_(float(new_scale))
             live.clamp_(min=self._floor, max=self._max_scale)
             self.reset_cycle()
         record.close(skipped, flag, scale, kept, before, unstepped)

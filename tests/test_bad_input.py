@@ -479,6 +479,25 @@ def test_update_refuses_a_new_scale_that_is_no_scale(new_scale):
     assert scaler.get_scale() == 4.0
 
 
+@pytest.mark.parametrize("new_scale", [torch.ones(2), torch.ones(0)])
+def test_update_refuses_a_new_scale_tensor_of_other_than_one_element(new_scale):
+    scaler = DynamicLossScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(1, requires_grad=True))
+    with pytest.raises(ValueError, match=r"`DynamicLossScaler.update\(new_scale=tensor.*a one-element tensor"):
+        scaler.update(new_scale)
+    assert scaler.get_scale() == 4.0
+
+
+@pytest.mark.parametrize("new_scale", [2048, 2048.0, torch.tensor(2048.0), torch.tensor([2048.0], requires_grad=True)])
+def test_update_takes_a_new_scale_as_a_number_or_a_one_element_tensor(new_scale):
+    """An int is a number (torch's update took it for a tensor: AttributeError); a tensor's value is copied."""
+    scaler = DynamicLossScaler("cpu", init_scale=4.0, max_scale=2.0**20)
+    scaler.scale(torch.ones(1, requires_grad=True))
+    scaler.update(new_scale)
+    assert scaler.get_scale() == 2048.0
+    assert scaler.last_update().skipped is False  # a scale set between cycles: recorded, not a skip
+
+
 @pytest.mark.parametrize(
     ("cls", "name"),
     [

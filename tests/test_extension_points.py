@@ -86,6 +86,27 @@ def test_a_subclass_sees_each_public_call_once_per_step_with_clipping(optimizer)
     assert all(o is real for o in scaler.given)  # the plugin hands the optimizer itself
 
 
+@pytest.mark.parametrize(
+    ("precision", "optimizer"), [("16-mixed", "sgd"), ("16-mixed", "fused_adamw"), ("bf16-mixed", "sgd")]
+)
+def test_an_update_never_enters_torchs_grad_scaler_step_unscale_or_update(precision, optimizer):
+    """Issue 53.3: the update path reads top to bottom in this package; torch's GradScaler serves helpers only, never
+    a call that comes back into an override (its step called our unscale_ and _maybe_opt_step)."""
+
+    def entered(name):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"torch.amp.GradScaler.{name} entered")
+
+        return refuse
+
+    model = TinyModel(poison={2: "inf"}, grad_poison={4: "net.2.weight"}, optimizer=optimizer)
+    plugin = AmpPlusPrecision(precision, **({"init_scale": 2.0**10} if precision == "16-mixed" else {}))
+    names = ("step", "unscale_", "update", "_maybe_opt_step", "_check_inf_per_device")
+    with mock.patch.multiple(torch.amp.GradScaler, **{name: entered(name) for name in names}):
+        make_trainer(plugins=[plugin], max_steps=6, gradient_clip_val=1.0).fit(model)
+    assert plugin.history.skipped_steps == [2, 4]
+
+
 def test_a_subclass_runs_like_the_plugins_own_scaler_bit_for_bit():
     def fit(plugin):
         torch.manual_seed(0)
