@@ -36,7 +36,6 @@ from lightning_amp_plus.scaler import (
     NonFiniteChecker,
     ShardedDynamicLossScaler,
     any_skipped,
-    steps_on_device,
 )
 
 
@@ -283,9 +282,6 @@ class AmpEngine:
             result = self.checker.step(optimizer, **kwargs)
         except BaseException:
             cycle.stepped.remove(optimizer)
-            for leftover in ("grad_scale", "found_inf"):  # the scaler's step removes them only on success (as torch's)
-                if hasattr(optimizer, leftover) and steps_on_device(optimizer):
-                    delattr(optimizer, leftover)
             if self.checker is not None and self.checker.is_unscaled(optimizer):
                 # divided before the failure: a retry must not divide them again
                 if optimizer not in cycle.unscaled:

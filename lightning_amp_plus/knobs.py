@@ -196,7 +196,10 @@ def check_knobs(owner: str, values: dict[str, Any], label: Optional[dict[str, st
 
 def check_new_scale(owner: str, value: Any) -> None:
     """A scale set by hand (``update(new_scale=...)``): a one-element tensor (not read here) or a finite number > 0."""
-    if (hasattr(value, "device") and value.numel() == 1) or (is_real(value) and 0 < value < math.inf):
+    if callable(getattr(value, "numel", None)) and hasattr(value, "device"):  # a tensor (a numpy scalar is a number)
+        if value.numel() == 1:
+            return
+    elif is_real(value) and 0 < value < math.inf:
         return
     raise ValueError(
         f"`{owner}(new_scale={value!r})` is invalid: expected a finite scale > 0 or a one-element tensor (it is"

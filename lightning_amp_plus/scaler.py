@@ -480,11 +480,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(optimizer, "grad_scale", 1)
             )
             optimizer.found_inf = sum(flags)  # type: ignore[attr-defined]
-        retval = optimizer.step(*args, **kwargs)
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:  # a step that raised too (torch's leaves them: a retry would divide by the scale twice)
+            if not handed:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
         state["stage"] = OptState.STEPPED
-        if not handed:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
         # the fused kernel decided on the device: its flags are read only if someone asks
         outcome = StepOutcome(flags=list(state["found_inf_per_device"].values()))
         if len(optimizer.state) > created_from and outcome.read():

@@ -488,9 +488,16 @@ def test_update_refuses_a_new_scale_tensor_of_other_than_one_element(new_scale):
     assert scaler.get_scale() == 4.0
 
 
-@pytest.mark.parametrize("new_scale", [2048, 2048.0, torch.tensor(2048.0), torch.tensor([2048.0], requires_grad=True)])
+@pytest.mark.parametrize(
+    "new_scale",
+    [2048, 2048.0, "np.float64", "np.float32", torch.tensor(2048.0), torch.tensor([2048.0], requires_grad=True)],
+)
 def test_update_takes_a_new_scale_as_a_number_or_a_one_element_tensor(new_scale):
-    """An int is a number (torch's update took it for a tensor: AttributeError); a tensor's value is copied."""
+    """An int is a number (torch's update took it for a tensor: AttributeError); a numpy scalar too (numpy 2's have a
+    ``device`` and no ``numel``: break pass); a tensor's value is copied."""
+    if isinstance(new_scale, str):
+        np = pytest.importorskip("numpy")
+        new_scale = getattr(np, new_scale.split(".")[1])(2048.0)
     scaler = DynamicLossScaler("cpu", init_scale=4.0, max_scale=2.0**20)
     scaler.scale(torch.ones(1, requires_grad=True))
     scaler.update(new_scale)

@@ -445,3 +445,38 @@ def test_a_step_retried_through_fabric_after_it_raised_applies_the_true_gradient
         plugin.update()
     assert torch.equal(model.weight.detach(), before - 0.5 * torch.ones(1, 2))
     assert plugin.history.num_steps == 1
+
+
+@pytest.mark.parametrize("fused", ["sgd", "adam"])
+def test_a_fused_step_retried_after_it_raised_in_a_plain_loop_applies_the_true_gradient_once(fused):
+    """Break pass: the fused protocol's ``grad_scale`` was left on the optimizer by a step that raised (torch's
+    GradScaler leaves it too); the retry took it for a scale of yours and divided the gradients by the scale twice."""
+    from lightning_amp_plus import DynamicLossScaler
+
+    def run(raise_once):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        base = torch.optim.SGD if fused == "sgd" else torch.optim.Adam
+
+        class Flaky(base):
+            calls = 0
+
+            def step(self, *args, **kwargs):
+                Flaky.calls += 1
+                if raise_once and Flaky.calls == 1:
+                    raise ValueError("boom")
+                return super().step(*args, **kwargs)
+
+        opt = Flaky(model.parameters(), lr=0.1, fused=True)
+        scaler = DynamicLossScaler("cpu", init_scale=1024.0)
+        scaler.scale(model(torch.ones(2, 4)).mean()).backward()
+        try:
+            scaler.step(opt)
+        except ValueError:
+            assert not hasattr(opt, "grad_scale")
+            assert not hasattr(opt, "found_inf")
+            scaler.step(opt)  # the retry, no new backward
+        scaler.update()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
