@@ -205,3 +205,5 @@ def test_the_watch_cost_example_prints_its_figures(capsys):
     assert "us a call ours" in out
     assert "us the bare reads" in out  # the least this design can cost, timed beside it
     assert figures["tied block"]["floor"] > 0
+    assert "us the essential watch" in out  # the least a watch that names the right module does
+    assert figures["tied block"]["essential"] > 0
