@@ -181,8 +181,12 @@ def _extremes(
         kind = type(item)
         if kind is Tensor:
             leaves: Any = (item,)
-        elif kind in _FLAT and all(type(x) is Tensor for x in item):  # (h, c): no walk
+        elif kind in _FLAT:  # (h, c): no walk where it holds tensors only (a loop: no generator a call)
             leaves = item
+            for x in item:
+                if type(x) is not Tensor:
+                    leaves = tensors(item)
+                    break
         elif isinstance(item, _PLAIN):
             continue
         else:
