@@ -448,6 +448,13 @@ class AmpEngine:
         )
 
     # ------------------------------------------------------------------ public state
+    def overflowed(self, optimizer: Optimizer) -> Optional[bool]:
+        """Whether ``optimizer``'s step in the open update will be skipped; None where the host cannot know it free.
+
+        See :meth:`DynamicLossScaler.overflowed`.
+        """
+        return None if self.checker is None else self.checker.overflowed(optimizer)
+
     def step_was_skipped(self, optimizer: Optimizer, *, sync: bool = True) -> Optional[bool]:
         """Whether ``optimizer``'s last step was skipped (``None`` if it has not stepped).
 

@@ -438,6 +438,8 @@ class AmpPlusPrecision(KnobsRepr, EngineView, Precision):
             if (cycle is None or real not in cycle.unscaled) and engine.has_new_gradients(real):
                 engine.begin(real, logger_step(self._module))
                 engine.unscale(real)
+        if clip_val > 0 and engine.overflowed(optimizer) is True:
+            return  # its step is skipped: clipping by an infinite norm would only turn the true inf into nan (inf * 0)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ schedulers

@@ -397,6 +397,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         inverse = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
         state["found_inf_per_device"] = self._check(optimizer, inverse, allow_fp16=False)
+        state.pop("overflowed", None)  # read from these flags when asked (see `overflowed`)
         state["stage"] = OptState.UNSCALED
 
     def _check(self, optimizer: torch.optim.Optimizer, inverse: Tensor, allow_fp16: bool) -> dict[Any, Tensor]:
@@ -446,9 +447,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self.unscale_(optimizer)  # the extension point: an override of it is called here, once
         if not state["found_inf_per_device"]:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        skipped = False
-        for flag in state["found_inf_per_device"].values():
-            skipped = skipped or bool(flag.item())
+        skipped = self._overflowed(state)  # the one host read torch's own step makes (made earlier by a clip: kept)
         self._stepped(optimizer, SKIPPED if skipped else APPLIED)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED  # after the step: one that raised leaves its gradients unscaled, once
@@ -495,6 +494,35 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 del optimizer.state[param]
         self._stepped(optimizer, outcome)
         return retval
+
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        """Whether ``optimizer``'s gradients, unscaled in this update, hold inf/nan: its step will be skipped.
+
+        Known where it costs no host sync of its own: a plain optimizer's flag is the one its :meth:`step` reads (read
+        here once, kept for the step). None for a fused optimizer (it decides on the device: no host read a step), and
+        for an optimizer not unscaled in this update.
+        """
+        if not self._enabled:
+            return None
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is None:
+            state = self._per_optimizer_states.get(id(resolve_optimizer(optimizer)))
+        if state is None or state["stage"] is not OptState.UNSCALED or not state["found_inf_per_device"]:
+            return None
+        if steps_on_device(resolve_optimizer(optimizer)):
+            return None
+        return self._overflowed(state)
+
+    @staticmethod
+    def _overflowed(state: dict[str, Any]) -> bool:
+        """The overflow flags of one optimizer's check, read on the host once (the read kept in its state)."""
+        known = state.get("overflowed")
+        if known is None:
+            known = False
+            for flag in state["found_inf_per_device"].values():
+                known = known or bool(flag.item())
+            state["overflowed"] = known
+        return known
 
     def _stepped(self, optimizer: torch.optim.Optimizer, outcome: StepOutcome) -> None:
         """Keep ``optimizer``'s step outcome in the open update (a step after an update closed opens the next)."""

@@ -1132,3 +1132,46 @@ def test_a_collapse_is_raised_at_the_same_step_with_checkpoints_and_the_checkpoi
     if checkpoint:  # every checkpoint before the collapse, none from the collapsed state
         saved = [f"epoch=0-step={s}.ckpt" for s in range(3, raised_at, 3)]
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(saved)
+
+
+class _OneInfGradient(TinyModel):
+    """One element of ``net.0.weight``'s gradient overflows to inf at step 2, under gradient clipping."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer=optimizer)
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+
+            def one_inf(grad):
+                grad = grad.clone()
+                grad[0, 0] = float("inf")
+                return grad
+
+            self._handles.append(self.net[0].weight.register_hook(one_inf))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_an_overflow_is_told_inf_under_gradient_clipping_not_the_nan_clipping_would_make(
+    precision, optimizer, algorithm
+):
+    """Break pass: clipping by an infinite norm multiplies the gradients by 0 (inf * 0 = nan), so the skip line said
+    `(1 nan)` for an element that overflowed to inf; clipping by value made it finite, and no parameter was named. A
+    step the host knows is skipped (a plain optimizer's flag, read by its step anyway) is not clipped: the reporter
+    reads the true gradients. A fused optimizer decides on the device: clipped as before (the limits page)."""
+    model = _OneInfGradient(optimizer)
+    reporter = NaNSkipReporter(max_warnings=0)
+    knobs = {"init_scale": 1024.0} if precision == "16-mixed" else {}
+    trainer = make_trainer(
+        plugins=[AmpPlusPrecision(precision, **knobs)],
+        callbacks=[reporter],
+        max_steps=4,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm=algorithm,
+    )
+    trainer.fit(model)
+    assert [r["step"] for r in reporter.skips] == [2]
+    assert reporter.skips[0]["offenders"] == [{"name": "net.0.weight", "inf": 1, "nan": 0}]
