@@ -400,6 +400,27 @@ def test_advise_on_a_bf16_runs_log_reads_its_skips_without_a_scale(tmp_path, cap
     assert "fix: NaNSkipReporter(" not in captured.out
 
 
+def test_advise_on_a_log_whose_run_had_an_advisor_points_at_its_findings_not_at_adding_one(tmp_path, capsys):
+    """Break pass: offline advise told a run that had an AmpAdvisor to add one; the live one had printed the fix."""
+    logger = CSVLogger(tmp_path, name="bf16")
+    make_trainer(
+        plugins=[AmpPlusPrecision("bf16-mixed")],
+        callbacks=[
+            LossScaleMonitor(logging_interval=2),
+            NaNSkipReporter(max_warnings=0, max_consecutive_skips=None),
+            AmpAdvisor(print_advice=False),
+        ],
+        logger=logger,
+        max_steps=20,
+        log_every_n_steps=2,
+    ).fit(TinyModel(poison={s: "inf" for s in range(2, 20)}))
+    assert main(["advise", logger.log_dir]) == 0
+    out = capsys.readouterr().out
+    assert "[skip_rate] 18 of 20 updates were skipped (90.0%)" in out
+    assert "fix: read the findings this run's AmpAdvisor printed at the end of fit" in out
+    assert "fix: AmpAdvisor()" not in out
+
+
 def test_advise_on_a_tensorboard_folder_without_scalars_is_one_error_line(tmp_path, capsys):
     from torch.utils.tensorboard import SummaryWriter
 

@@ -179,7 +179,8 @@ def _regrowth(figures: RunFigures, step: int) -> Optional[int]:
     "ended, a skip born before backward (no loss scale causes it), or the scale held at its floor by skips; counted "
     "over the skips no code above explains (an origin code explains the skips it counts, a scale code all).",
     fix="`NaNSkipReporter(report_path=...)` to see each skip (where it was born, its offenders). Offline, where"
-    " the run had one: `AmpAdvisor()`, which reads its origins live. Skips born in an earlier micro-batch where no "
+    " the run had one: `AmpAdvisor()`, which reads its origins live; where it had an advisor too, that advisor's"
+    " findings. Skips born in an earlier micro-batch where no "
     "module was named: a short run with `Trainer(accumulate_grad_batches=1)` tells where.",
     look_alike="A healthy saw-tooth: leading skips while the scale settles, then one skip per growth attempt.",
     unless_explained=True,
@@ -275,6 +276,9 @@ def _skip_rate(figures: RunFigures) -> Optional[Advice]:
         "Trainer(accumulate_grad_batches=1)  # your other Trainer arguments and plugin kept, a short run: each"
         " micro-batch is an update of its own, so where they were born is told"
         if early and any(o.reason == EARLIER_MICRO_BATCH for o in early)
+        else "read the findings this run's AmpAdvisor printed at the end of fit (TensorBoard: the amp/advice text):"
+        " it read where each skip was born from the run's NaNSkipReporter; this log does not hold it"
+        if figures.reporter_logged and figures.advisor_logged
         else "AmpAdvisor()  # live: it reads where each skip was born from the NaNSkipReporter this run already had"
         if figures.reporter_logged
         else 'NaNSkipReporter(report_path="skips.json")  # each skip with its offenders and where inf/nan was born',

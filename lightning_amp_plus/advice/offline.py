@@ -57,6 +57,7 @@ def figures_from_series(
             figures.knobs = {**knobs.DEFAULTS, **given, "init_scale": figures.curve[0][1]}
     figures.skipped = skipped_steps(series, prefix)
     figures.reporter_logged = bool(series.get(prefix + "step_skipped"))
+    figures.advisor_logged = bool(series.get("amp/advice"))  # the advisor logs under amp/, whatever the monitor's
     told = series.get(prefix + "skip_loss_nonfinite")
     if told:
         figures.loss_nonfinite = sorted(step for step, value in told if value > 0)

@@ -68,6 +68,8 @@ class RunFigures:
             end (or unknown, offline).
         reporter_logged: offline, whether a ``NaNSkipReporter`` logged the skips (``step_skipped``): the run had one,
             and only a live advisor reads its origins; None: live, or not known.
+        advisor_logged: offline, whether a live ``AmpAdvisor`` logged its findings (``amp/advice``): it read the
+            origins at the end of that fit, and printed them; None: live, or not known.
         loss_nonfinite: offline, the skipped steps whose loss was already inf/nan (the reporter's
             ``skip_loss_nonfinite`` series): born in the batch, a forward or the loss, never the scale's. None: not
             logged (live, the origins tell it).
@@ -93,6 +95,7 @@ class RunFigures:
     plugin_args: dict[str, Any] = field(default_factory=dict)
     ended: Optional[str] = None
     reporter_logged: Optional[bool] = None
+    advisor_logged: Optional[bool] = None
     loss_nonfinite: Optional[list[int]] = None
     auto_islands: tuple[str, ...] = ()
     auto_fix: Optional[str] = None
