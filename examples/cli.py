@@ -1,5 +1,7 @@
 """LightningCLI entry point for ``examples/config.yaml``.
 
+Needs the ``[cli]`` extra (jsonargparse): ``pip install -e ".[cli]"``.
+
 python examples/cli.py fit --config examples/config.yaml
 """
 
