@@ -250,3 +250,39 @@ def test_a_peek_is_no_sync_and_the_counter_counts_again_after_it(fake_event):
             assert peek._copy.device.type == "cpu"  # the copy it made is on the host (its arguments reached it)
             flag.to("cpu")
             assert counter.count == 1  # a plain copy after it still does
+
+
+class _ClippedManually(QuietModel):
+    """Manual optimization: two optimizers, each clipped right before its step (``clip``: 0 clips nothing)."""
+
+    def __init__(self, clip):
+        super().__init__(lr=1e-3)
+        self.automatic_optimization = False
+        self.head = torch.nn.Linear(1, 1)
+        self.clip = clip
+
+    def training_step(self, batch, batch_idx):
+        a, b = self.optimizers()
+        x, y = batch
+        a.zero_grad()
+        b.zero_grad()
+        self.manual_backward(torch.nn.functional.mse_loss(self.head(self(x)).float(), y))
+        for opt in (a, b):
+            self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=1e-3), torch.optim.SGD(self.head.parameters(), lr=1e-3)
+
+
+def test_manual_clipping_reads_the_skip_its_step_reads_once():
+    """A clip reads whether its step is skipped (a skipped step is not clipped: its inf is told as inf), the read the
+    step makes, kept for it: clipping adds no sync. (A clip of an optimizer that does not step is warned of; it
+    costs that one read: the performance page.)"""
+
+    def count(clip):
+        with tempfile.TemporaryDirectory() as log_dir:
+            plugin = AmpPlusPrecision("16-mixed", init_scale=2.0, growth_interval=10**6)  # no skip either way
+            return _count_fit(_ClippedManually(clip), plugin, (), STEPS, log_dir, {})
+
+    assert count(1.0) == count(0.0)
