@@ -504,12 +504,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return None
-        state = self._per_optimizer_states.get(id(optimizer))
-        if state is None:
-            state = self._per_optimizer_states.get(id(resolve_optimizer(optimizer)))
+        states = self._per_optimizer_states
+        if id(optimizer) not in states:  # a wrapper (manual optimization's LightningOptimizer): the optimizer inside
+            optimizer = resolve_optimizer(optimizer)
+        state = states.get(id(optimizer))
         if state is None or state["stage"] is not OptState.UNSCALED or not state["found_inf_per_device"]:
             return None
-        if steps_on_device(resolve_optimizer(optimizer)):
+        if steps_on_device(optimizer):  # fused: it decides on the device, no host read a step
             return None
         return self._overflowed(state)
 
