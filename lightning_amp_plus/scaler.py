@@ -397,7 +397,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         inverse = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
         state["found_inf_per_device"] = self._check(optimizer, inverse, allow_fp16=False)
-        state.pop("overflowed", None)  # read from these flags when asked (see `overflowed`)
         state["stage"] = OptState.UNSCALED
 
     def _check(self, optimizer: torch.optim.Optimizer, inverse: Tensor, allow_fp16: bool) -> dict[Any, Tensor]:
